@@ -1,0 +1,20 @@
+"""hf-wide: run N fine-tuned checkpoints of one architecture as one wide model."""
+
+from . import primitives  # noqa: F401  (fills the registry)
+from .compat import IncompatibleMembersError
+from .fold import PerMember
+from .model import WideModel, WideValidationError
+from .plan import Kind, WidePlan
+from .registry import register_wide
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "IncompatibleMembersError",
+    "Kind",
+    "PerMember",
+    "WideModel",
+    "WidePlan",
+    "WideValidationError",
+    "register_wide",
+]

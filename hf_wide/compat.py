@@ -1,0 +1,89 @@
+"""Checks that N members really share one architecture, with errors that name what differs."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from torch import nn
+
+# Config fields that describe where a checkpoint came from, not the graph it builds.
+METADATA_FIELDS = frozenset(
+    {
+        "_name_or_path",
+        "name_or_path",
+        "transformers_version",
+        "_commit_hash",
+        "dtype",
+        "torch_dtype",
+        "finetuning_task",
+        "id2label",
+        "label2id",
+        "_attn_implementation_autoset",
+    }
+)
+
+
+class IncompatibleMembersError(ValueError):
+    """The members do not share one architecture; the message names the member, the field and both values."""
+
+
+def member_names(models: Sequence[nn.Module], ids: Sequence[str] | None = None) -> list[str]:
+    if ids is not None:
+        return [f"member {i} ({name})" for i, name in enumerate(ids)]
+    names = []
+    for i, model in enumerate(models):
+        path = getattr(getattr(model, "config", None), "_name_or_path", "")
+        names.append(f"member {i} ({path})" if path else f"member {i}")
+    return names
+
+
+def check_compatible(
+    models: Sequence[nn.Module], ids: Sequence[str] | None = None, allow_label_mismatch: bool = False
+) -> None:
+    """Raise :class:`IncompatibleMembersError` unless every member matches member 0 in class, config
+    fields that shape the graph, labels (unless allowed to differ) and state-dict names and shapes."""
+    if not models:
+        raise ValueError("WideModel needs at least one member; got an empty list.")
+    names = member_names(models, ids)
+    first = models[0]
+    for name, model in zip(names[1:], models[1:]):
+        if type(model) is not type(first):
+            raise IncompatibleMembersError(
+                f"{name} is a {type(model).__name__}, but {names[0]} is a {type(first).__name__}: "
+                "all members must be the same model class."
+            )
+        if hasattr(first, "config"):
+            _check_configs(first.config, model.config, names[0], name, allow_label_mismatch)
+        _check_state_dicts(first, model, names[0], name)
+
+
+def _check_configs(a, b, name_a: str, name_b: str, allow_label_mismatch: bool) -> None:
+    da, db = a.to_dict(), b.to_dict()
+    for key in sorted(set(da) | set(db)):
+        if key in METADATA_FIELDS:
+            continue
+        if da.get(key) != db.get(key):
+            raise IncompatibleMembersError(
+                f"{name_b} has config.{key} = {db.get(key)!r}, but {name_a} has {da.get(key)!r}: "
+                "members must share the config fields that shape the model."
+            )
+    labels_a, labels_b = getattr(a, "id2label", None), getattr(b, "id2label", None)
+    if labels_a != labels_b and not allow_label_mismatch:
+        raise IncompatibleMembersError(
+            f"{name_b} has id2label = {labels_b!r}, but {name_a} has {labels_a!r}. Pass "
+            "allow_label_mismatch=True to fuse members whose labels differ."
+        )
+
+
+def _check_state_dicts(a: nn.Module, b: nn.Module, name_a: str, name_b: str) -> None:
+    sa, sb = a.state_dict(), b.state_dict()
+    for key in sa:
+        if key not in sb:
+            raise IncompatibleMembersError(f"{name_b} has no tensor {key!r}, which {name_a} has.")
+        if sa[key].shape != sb[key].shape:
+            raise IncompatibleMembersError(
+                f"{name_b} has {key!r} of shape {tuple(sb[key].shape)}, but {name_a} has {tuple(sa[key].shape)}."
+            )
+    for key in sb:
+        if key not in sa:
+            raise IncompatibleMembersError(f"{name_b} has a tensor {key!r} that {name_a} does not have.")

@@ -1,0 +1,134 @@
+"""Folding N members into the batch.
+
+The wide model runs the template's own forward on a batch that holds every member, member-major:
+rows ``[m0b0 .. m0b(B-1), m1b0, ...]``, i.e. the ``(N, B, ...)`` layout flattened to ``(N*B, ...)``.
+This module holds the bookkeeping for that layout:
+
+- :class:`Fold` is shared by every wide module of one model. It knows N and, during a forward, the
+  number of rows, so a wide module fed a tensor with a leading dim of 1 (a broadcast input such as
+  BERT's ``position_ids`` of shape ``(1, T)``) can still produce all ``N*B`` rows.
+- :class:`PerMember` marks an input that already has a leading member dim ``(N, B, ...)``.
+- :func:`fold_inputs` / :func:`unfold_outputs` move between the user's ``(B, ...)`` / ``(N, B, ...)``
+  tensors and the folded ``(N*B, ...)`` rows.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+from torch.utils import _pytree as pytree
+
+
+@dataclasses.dataclass
+class Fold:
+    """N, and the rows of the forward in flight. Also the forward pre-hook that records them."""
+
+    num_members: int
+    rows: int | None = None  # N*B of the current forward; None outside a forward
+
+    @property
+    def batch(self) -> int | None:
+        return None if self.rows is None else self.rows // self.num_members
+
+    def split(self, x: torch.Tensor) -> torch.Tensor:
+        """(N*B, *rest) -> (N, B, *rest); a broadcast (1, *rest) -> (N, 1, *rest) without a copy."""
+        n = self.num_members
+        if x.shape[0] == 1 and self.rows not in (None, 1) and n > 1:
+            return x.unsqueeze(0).expand(n, *x.shape)
+        if x.shape[0] % n:
+            raise RuntimeError(
+                f"A wide module got {x.shape[0]} rows, which do not split into {n} members: only inputs "
+                f"with all N*B rows (member-major) or a broadcast leading dim of 1 can be folded."
+            )
+        return x.view(n, x.shape[0] // n, *x.shape[1:])  # splitting one dim is always a view
+
+    def merge(self, y: torch.Tensor) -> torch.Tensor:
+        """(N, b, *rest) -> (N*B, *rest), expanding a broadcast b == 1 to the B rows of the forward."""
+        n, b = y.shape[:2]
+        batch = self.batch
+        if b == 1 and batch is not None and batch != 1:
+            y = y.expand(n, batch, *y.shape[2:])
+        return y.reshape(-1, *y.shape[2:])
+
+    def __call__(self, module, args, kwargs):
+        """Forward pre-hook on the folded model: record the rows of this forward (also inside generate)."""
+        for value in (*args, *kwargs.values()):
+            if isinstance(value, torch.Tensor) and value.dim() > 0:
+                self.rows = value.shape[0]
+                break
+        return None
+
+
+class PerMember:
+    """An input that gives every member its own rows: a tensor of shape ``(N, B, ...)``.
+
+    Plain tensors passed to a wide model are shared: every member sees the same ``(B, ...)`` batch.
+    Wrap a tensor in ``PerMember`` to say that its leading dim indexes the members instead::
+
+        wide(input_ids=PerMember(ids))    # ids: (N, B, T), member i reads ids[i]
+    """
+
+    def __init__(self, tensor: torch.Tensor):
+        if not isinstance(tensor, torch.Tensor) or tensor.dim() < 2:
+            raise TypeError("PerMember takes a tensor of shape (N, B, ...) with a member dim and a batch dim.")
+        self.tensor = tensor
+
+    def __repr__(self) -> str:
+        return f"PerMember(shape={tuple(self.tensor.shape)})"
+
+
+def _batch_of(value: Any, n: int) -> int | None:
+    if isinstance(value, PerMember):
+        if value.tensor.shape[0] != n:
+            raise ValueError(
+                f"A PerMember input has {value.tensor.shape[0]} members in its leading dim, but the wide model "
+                f"has {n}: per-member inputs have shape (N={n}, B, ...)."
+            )
+        return value.tensor.shape[1]
+    if isinstance(value, torch.Tensor) and value.dim() > 0:
+        return value.shape[0]
+    return None
+
+
+def fold_inputs(n: int, args: tuple, kwargs: dict) -> tuple[tuple, dict, int]:
+    """Fold the user's inputs into ``(N*B, ...)`` rows. Returns ``(args, kwargs, B)``.
+
+    B is read from the first tensor input. Shared tensors with leading dim B are repeated member-major;
+    ``PerMember`` tensors are flattened; other tensors (leading dim 1 broadcasts, 0-dim) pass unchanged.
+    """
+    leaves = [v for v in (*args, *kwargs.values()) if isinstance(v, (torch.Tensor, PerMember))]
+    batches = [_batch_of(v, n) for v in leaves]
+    batches = [b for b in batches if b is not None]
+    if not batches:
+        raise ValueError("The wide model needs at least one batched tensor input (e.g. input_ids or pixel_values).")
+    batch = batches[0]
+    for value in leaves:
+        if isinstance(value, PerMember) and value.tensor.shape[1] != batch:
+            raise ValueError(
+                f"Per-member inputs must share one batch size: got B={value.tensor.shape[1]} and B={batch}."
+            )
+
+    def fold(value):
+        if isinstance(value, PerMember):
+            return value.tensor.reshape(-1, *value.tensor.shape[2:])
+        if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape[0] == batch:
+            return value.unsqueeze(0).expand(n, *value.shape).reshape(-1, *value.shape[1:])
+        return value
+
+    return tuple(fold(a) for a in args), {k: fold(v) for k, v in kwargs.items()}, batch
+
+
+def unfold_outputs(outputs: Any, n: int, batch: int) -> Any:
+    """Give every output tensor with ``N*B`` rows a leading member dim: ``(N*B, ...) -> (N, B, ...)``.
+
+    Works through tuples, lists, dicts and transformers ``ModelOutput``s; caches and scalars pass unchanged.
+    """
+
+    def unfold(value):
+        if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape[0] == n * batch:
+            return value.view(n, batch, *value.shape[1:])
+        return value
+
+    return pytree.tree_map(unfold, outputs)

@@ -1,0 +1,149 @@
+"""Hub I/O: resolve N member ids (Hub repos or local folders) and load them as transformers models.
+
+Everything that talks to the Hub lives here, through the real ``huggingface_hub`` client: downloads run
+in parallel across members under one progress bar, weights are safetensors unless pickle is explicitly
+allowed, and remote code never runs unless asked for.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+import transformers
+from huggingface_hub import snapshot_download
+from huggingface_hub.utils import tqdm as hf_tqdm
+
+from .compat import IncompatibleMembersError
+
+SAFETENSORS_PATTERNS = ["*.safetensors", "*.safetensors.index.json"]
+PICKLE_PATTERNS = ["*.bin", "*.bin.index.json"]
+# Config, tokenizer and processor files: small, and what a pipeline needs besides the weights.
+META_PATTERNS = ["*.json", "*.txt", "*.model", "*.tiktoken", "*.py"]
+
+DTYPES = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float64": torch.float64,
+}
+
+
+def resolve_dtype(dtype: str | torch.dtype | None) -> torch.dtype | str | None:
+    """``None`` or "auto" (as saved), or one of :data:`DTYPES` given as a name or a ``torch.dtype``."""
+    if dtype is None or dtype == "auto":
+        return dtype
+    if isinstance(dtype, str):
+        name = dtype.removeprefix("torch.")
+        if name in DTYPES:
+            return DTYPES[name]
+    elif dtype in DTYPES.values():
+        return dtype
+    raise ValueError(f"Unsupported dtype {dtype!r}: use one of {', '.join(DTYPES)}, 'auto' or None.")
+
+
+def _revisions(revision: str | Sequence[str | None] | None, n: int) -> list[str | None]:
+    if revision is None or isinstance(revision, str):
+        return [revision] * n
+    revisions = list(revision)
+    if len(revisions) != n:
+        raise ValueError(f"Got {len(revisions)} revisions for {n} members: give one revision, or one per member.")
+    return revisions
+
+
+def download_members(
+    model_ids: Sequence[str],
+    revision: str | Sequence[str | None] | None = None,
+    *,
+    allow_pickle: bool = False,
+    max_workers: int = 8,
+    **hub_kwargs,
+) -> list[Path]:
+    """Local folders for every member: existing directories as they are, Hub repos via ``snapshot_download``
+    (in parallel, one progress bar). ``hub_kwargs``: ``token``, ``cache_dir``, ``local_files_only``,
+    ``force_download``."""
+    revisions = _revisions(revision, len(model_ids))
+    patterns = META_PATTERNS + SAFETENSORS_PATTERNS + (PICKLE_PATTERNS if allow_pickle else [])
+
+    def fetch(item: tuple[str, str | None]) -> Path:
+        model_id, rev = item
+        if os.path.isdir(model_id):
+            return Path(model_id)
+        folder = snapshot_download(model_id, revision=rev, allow_patterns=patterns, **hub_kwargs)
+        return Path(folder)
+
+    items = list(zip(model_ids, revisions))
+    with ThreadPoolExecutor(max_workers=max(1, min(max_workers, len(items)))) as pool:
+        bar = hf_tqdm(total=len(items), desc="Fetching members", unit="member", disable=len(items) < 2)
+        with bar:
+            paths = []
+            for path in pool.map(fetch, items):
+                paths.append(path)
+                bar.update(1)
+    return paths
+
+
+def _weights_format(folder: Path, name: str, allow_pickle: bool) -> bool:
+    """True for safetensors; False for pickle (when allowed); raise when there are no usable weights."""
+    if any(folder.glob("*.safetensors")):
+        return True
+    if any(folder.glob("*.bin")):
+        if allow_pickle:
+            return False
+        raise ValueError(
+            f"{name} has only pickle weights (*.bin), which can run arbitrary code when loaded. "
+            "Pass allow_pickle=True if you trust it."
+        )
+    raise FileNotFoundError(f"{name} has no model weights (*.safetensors) in {folder}.")
+
+
+def load_members(
+    model_ids: Sequence[str],
+    revision: str | Sequence[str | None] | None = None,
+    *,
+    dtype: str | torch.dtype | None = None,
+    device: str | torch.device | None = None,
+    allow_pickle: bool = False,
+    trust_remote_code: bool = False,
+    **hub_kwargs,
+) -> tuple[list[torch.nn.Module], list[str]]:
+    """Load every member with its own transformers class. Returns the models and their ids."""
+    model_ids = list(model_ids)
+    if not model_ids:
+        raise ValueError("WideModel.from_pretrained needs at least one model id; got an empty list.")
+    torch_dtype = resolve_dtype(dtype)
+    folders = download_members(model_ids, revision, allow_pickle=allow_pickle, **hub_kwargs)
+    models = []
+    for i, (model_id, folder) in enumerate(zip(model_ids, folders)):
+        name = f"member {i} ({model_id})"
+        use_safetensors = _weights_format(folder, name, allow_pickle)
+        config = transformers.AutoConfig.from_pretrained(folder, trust_remote_code=trust_remote_code)
+        model_class = _model_class(config, name)
+        model, info = model_class.from_pretrained(
+            folder,
+            dtype=torch_dtype,
+            use_safetensors=use_safetensors,
+            trust_remote_code=trust_remote_code,
+            output_loading_info=True,
+        )
+        if info.get("missing_keys"):
+            missing = ", ".join(sorted(info["missing_keys"])[:5])
+            raise IncompatibleMembersError(f"{name}: the checkpoint is missing tensor(s) {missing}.")
+        if device is not None:
+            model.to(device)
+        models.append(model.eval())
+    return models, model_ids
+
+
+def _model_class(config, name: str) -> type:
+    architectures = getattr(config, "architectures", None) or []
+    for arch in architectures:
+        if hasattr(transformers, arch):
+            return getattr(transformers, arch)
+    raise ValueError(
+        f"{name}: config.architectures is {architectures!r}, which names no transformers class; "
+        "load the models yourself and use WideModel.from_models."
+    )

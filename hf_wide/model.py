@@ -1,0 +1,201 @@
+"""``WideModel``: N checkpoints of one architecture as one module and one forward pass.
+
+    wide = WideModel.from_pretrained(["org/a", "org/b", "./local_dir"])
+    out = wide(**inputs)           # every member sees the same B rows
+    out.logits.shape               # (N, B, ...)
+    wide.member(1)                 # checkpoint 1 again, as an ordinary transformers model
+    print(wide.plan)               # what became of every module
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from .compat import check_compatible, member_names
+from .fold import Fold, PerMember, fold_inputs, unfold_outputs
+from .plan import WidePlan
+from .planner import plan_members, tensor_aliases
+from .tracer import sample_inputs as build_sample_inputs
+from .swap import build_wide, member_copy
+
+
+class WideValidationError(RuntimeError):
+    """The fused model's output for a member differs from that member run alone."""
+
+
+class WideModel(nn.Module):
+    """N members folded into the batch of one model (see DESIGN.md, "Execution").
+
+    Attributes: ``model`` (the folded template: the members' class with wide modules swapped in),
+    ``plan`` (:class:`WidePlan`), ``num_members``, ``member_ids`` and ``member_configs``.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        plan: WidePlan,
+        fold: Fold,
+        aliases: dict[str, list[str]],
+        member_ids: Sequence[str],
+        member_configs: Sequence[Any] | None = None,
+        member_generation_configs: Sequence[Any] | None = None,
+    ):
+        super().__init__()
+        self.model = model
+        self.plan = plan
+        self.fold = fold
+        self.member_ids = list(member_ids)
+        self.member_configs = list(member_configs) if member_configs is not None else None
+        self.member_generation_configs = member_generation_configs
+        self._aliases = aliases
+
+    # ---------------------------------------------------------------- construction
+    @classmethod
+    def from_models(
+        cls,
+        models: Sequence[nn.Module],
+        sample_inputs: dict | tuple | None = None,
+        *,
+        validate: bool = False,
+        allow_label_mismatch: bool = False,
+        member_ids: Sequence[str] | None = None,
+        atol: float = 1e-4,
+    ) -> "WideModel":
+        """Fuse ``models`` (same class and architecture). The models are left untouched.
+
+        ``sample_inputs`` (a dict of kwargs or a tuple of args, batch first) drives the trace; transformers
+        models get one built from their config when it is omitted. ``validate=True`` runs every member
+        alone on it and refuses a fused model whose outputs differ by more than ``atol``.
+        """
+        models = list(models)
+        check_compatible(models, member_ids, allow_label_mismatch)
+        template = models[0]
+        args, kwargs = _as_args_kwargs(sample_inputs if sample_inputs is not None else build_sample_inputs(template))
+        was_training = [m.training for m in models]
+        for m in models:
+            m.eval()
+        try:
+            plan = plan_members(models, args, kwargs)
+            fold = Fold(len(models))
+            wide_model = build_wide(models, plan, fold)
+        finally:
+            for m, training in zip(models, was_training):
+                m.train(training)
+        ids = member_ids or [getattr(getattr(m, "config", None), "_name_or_path", "") or f"member-{i}"
+                             for i, m in enumerate(models)]
+        wide = cls(
+            wide_model,
+            plan,
+            fold,
+            tensor_aliases(template),
+            ids,
+            [copy.deepcopy(m.config) for m in models] if hasattr(template, "config") else None,
+            [copy.deepcopy(getattr(m, "generation_config", None)) for m in models],
+        )
+        wide.train(was_training[0])
+        if validate:
+            wide.validate(models, args, kwargs, atol=atol)
+        return wide
+
+    @classmethod
+    def from_pretrained(cls, model_ids: Sequence[str] | str, **kwargs) -> "WideModel":
+        """Download (or read) N checkpoints and fuse them. See :func:`hf_wide.hub.load_members`."""
+        from .hub import load_members
+
+        if isinstance(model_ids, str):
+            model_ids = [model_ids]
+        allow_label_mismatch = kwargs.pop("allow_label_mismatch", False)
+        validate = kwargs.pop("validate", False)
+        models, resolved = load_members(model_ids, **kwargs)
+        return cls.from_models(
+            models, validate=validate, allow_label_mismatch=allow_label_mismatch, member_ids=resolved
+        )
+
+    # ---------------------------------------------------------------- running
+    @property
+    def num_members(self) -> int:
+        return self.fold.num_members
+
+    @property
+    def config(self):
+        return getattr(self.model, "config", None)
+
+    def forward(self, *args, **kwargs):
+        """Run all members. Plain tensors ``(B, ...)`` are shared by every member; :class:`PerMember`
+        tensors ``(N, B, ...)`` give each its own. Every output tensor gains a leading member dim."""
+        n = self.num_members
+        args, kwargs, batch = fold_inputs(n, args, kwargs)
+        try:
+            outputs = self.model(*args, **kwargs)
+        finally:
+            self.fold.rows = None
+        return unfold_outputs(outputs, n, batch)
+
+    @torch.no_grad()
+    def generate(self, *args, **kwargs) -> torch.Tensor:
+        """Each member's own continuation: ``(N, B, T')`` tokens. Rows are folded into one ``generate`` on
+        the wide model (KV cache of N*B rows), so each step is one wide forward. Rows that finish early are
+        padded with ``pad_token_id``, as in transformers. Uses member 0's generation config."""
+        if not hasattr(self.model, "generate"):
+            raise TypeError(f"{type(self.model).__name__} cannot generate.")
+        n = self.num_members
+        args, kwargs, batch = fold_inputs(n, args, kwargs)
+        try:
+            out = self.model.generate(*args, **kwargs)
+        finally:
+            self.fold.rows = None
+        sequences = out if isinstance(out, torch.Tensor) else out.sequences
+        return sequences.view(n, -1, sequences.shape[-1])
+
+    # ---------------------------------------------------------------- members
+    def member(self, i: int) -> nn.Module:
+        """Member i as an ordinary model (its own class, config and weights): the inverse of fusion."""
+        if not -self.num_members <= i < self.num_members:
+            raise IndexError(f"member {i} out of range for {self.num_members} members")
+        i %= self.num_members
+        memo = {}
+        if self.member_configs is not None and hasattr(self.model, "config"):
+            memo[id(self.model.config)] = copy.deepcopy(self.member_configs[i])
+        gen = getattr(self.model, "generation_config", None)
+        if gen is not None and self.member_generation_configs and self.member_generation_configs[i] is not None:
+            memo[id(gen)] = copy.deepcopy(self.member_generation_configs[i])
+        return member_copy(self.model, i, self._aliases, memo)
+
+    def validate(self, models: Sequence[nn.Module], args: tuple = (), kwargs: dict | None = None, *, atol=1e-4):
+        """Check member i of the fused model against ``models[i]`` run alone on the given inputs."""
+        kwargs = kwargs or {}
+        names = member_names(models, self.member_ids)
+        with torch.no_grad():
+            wide_out = _first_tensor(self(*args, **kwargs))
+            for i, model in enumerate(models):
+                alone = _first_tensor(model(*args, **kwargs))
+                diff = (wide_out[i] - alone).abs().max().item()
+                if not diff <= atol:
+                    raise WideValidationError(
+                        f"{names[i]}: the fused model's output differs from the member run alone by {diff:.3g} "
+                        f"(tolerance {atol}). Plan:\n{self.plan}"
+                    )
+
+    def extra_repr(self) -> str:
+        return f"num_members={self.num_members}, plan: {self.plan.summary()}"
+
+
+def _as_args_kwargs(sample: dict | tuple | torch.Tensor) -> tuple[tuple, dict]:
+    if isinstance(sample, dict):
+        return (), dict(sample)
+    if isinstance(sample, torch.Tensor):
+        return (sample,), {}
+    return tuple(sample), {}
+
+
+def _first_tensor(output) -> torch.Tensor:
+    if isinstance(output, torch.Tensor):
+        return output
+    if isinstance(output, dict):  # ModelOutput is a dict
+        return next(v for v in output.values() if isinstance(v, torch.Tensor))
+    return next(v for v in output if isinstance(v, torch.Tensor))

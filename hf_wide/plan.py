@@ -1,0 +1,72 @@
+"""The WidePlan: what becomes of every module of the template that owns tensors.
+
+The tracer produces it, the swap walk applies it, ``print(wide.plan)`` and ``hf-wide trace`` show it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from collections import Counter
+
+
+class Kind(str, enum.Enum):
+    BLOCK = "block"  # a fused block replaces a whole known sub-structure (attention, MLP)
+    PRIMITIVE = "primitive"  # a wide leaf layer: stacked weights, batched kernel
+    SHARED = "shared"  # identical in every member: one module, one copy in memory
+    FALLBACK = "fallback"  # each member's own module runs on its rows, outputs concatenated
+
+
+@dataclasses.dataclass
+class ModulePlan:
+    fqn: str  # "" is the model itself
+    module_class: str
+    kind: Kind
+    wide_class: str | None = None
+    params: int = 0  # parameters of one member (whole subtree for a fallback)
+    flops: int = 0  # FLOPs of one member's forward on the trace's sample input (subtree)
+    reason: str = ""
+
+    @property
+    def name(self) -> str:
+        return self.fqn or "(model)"
+
+
+@dataclasses.dataclass
+class WidePlan:
+    num_members: int
+    model_class: str
+    entries: dict[str, ModulePlan]
+    trace_method: str  # "export (dynamic batch)", "export (static batch)" or "module tree"
+    sample_shape: str = ""
+    total_flops: int = 0
+    warnings: list[str] = dataclasses.field(default_factory=list)
+
+    def by_kind(self, kind: Kind) -> list[ModulePlan]:
+        return [e for e in self.entries.values() if e.kind == kind]
+
+    @property
+    def fallbacks(self) -> list[ModulePlan]:
+        return self.by_kind(Kind.FALLBACK)
+
+    def counts(self) -> Counter:
+        return Counter(e.kind.value for e in self.entries.values())
+
+    def summary(self) -> str:
+        counts = self.counts()
+        parts = ", ".join(f"{counts[k.value]} {k.value}" for k in Kind if counts[k.value])
+        return f"{self.model_class} x {self.num_members} members: {parts} (traced by {self.trace_method})"
+
+    def __str__(self) -> str:
+        rows = [("module", "class", "becomes", "params", "MFLOPs", "note")]
+        for e in self.entries.values():
+            becomes = e.kind.value if e.wide_class is None else f"{e.kind.value}: {e.wide_class}"
+            rows.append((e.name, e.module_class, becomes, f"{e.params:,}", f"{e.flops / 1e6:.3f}", e.reason))
+        widths = [max(len(r[i]) for r in rows) for i in range(5)]
+        lines = [self.summary()]
+        if self.sample_shape:
+            lines.append(f"FLOPs per member forward on {self.sample_shape}: {self.total_flops / 1e6:.3f} MFLOPs")
+        for r in rows:
+            lines.append("  ".join(c.ljust(w) for c, w in zip(r[:5], widths)) + ("  " + r[5] if r[5] else ""))
+        lines += [f"warning: {w}" for w in self.warnings]
+        return "\n".join(lines)

@@ -1,0 +1,168 @@
+"""Planning: decide, for every module of the template that owns tensors, what it becomes.
+
+Rules, in order, for a module M with parameters or buffers of its own:
+
+1. **shared** if its tensors are identical in every member: one copy serves all;
+2. **fallback** at the lowest common ancestor of M and the modules that read M's tensors, if some
+   module other than M reads them (DeBERTa's relative embeddings are read by the encoder);
+3. **primitive** if a wide builder is registered for M's class;
+4. **fallback** at M otherwise (raw parameters such as ViT's ``cls_token``, unknown layers).
+
+A module whose own ops mix batch rows becomes a fallback too. The outermost fallback wins: its subtree
+runs per member as a whole.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections import defaultdict
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from .plan import Kind, ModulePlan, WidePlan
+from .registry import find_wide
+from .tracer import Trace, module_flops, sample_inputs, trace
+
+
+def direct_tensors(module: nn.Module) -> dict[str, torch.Tensor]:
+    """A module's own parameters and buffers (not its children's)."""
+    tensors = {k: v for k, v in module._parameters.items() if v is not None}
+    tensors.update({k: v for k, v in module._buffers.items() if v is not None})
+    return tensors
+
+
+def _same(tensors: Sequence[torch.Tensor]) -> bool:
+    first = tensors[0]
+    return all(t.shape == first.shape and t.dtype == first.dtype and torch.equal(t, first) for t in tensors[1:])
+
+
+def _is_under(path: str, root: str) -> bool:
+    return root == "" or path == root or path.startswith(root + ".")
+
+
+def _common_ancestor(paths: Sequence[str]) -> str:
+    parts = [p.split(".") if p else [] for p in paths]
+    common = []
+    for level in zip(*parts):
+        if any(x != level[0] for x in level):
+            break
+        common.append(level[0])
+    return ".".join(common)
+
+
+def tensor_aliases(model: nn.Module) -> dict[str, list[str]]:
+    """Every tensor name -> all names of that tensor (tied weights have several)."""
+    groups: dict[int, list[str]] = defaultdict(list)
+    for name, t in model.named_parameters(remove_duplicate=False):
+        groups[id(t)].append(name)
+    for name, t in model.named_buffers(remove_duplicate=False):
+        groups[id(t)].append(name)
+    return {name: names for names in groups.values() for name in names}
+
+
+def make_plan(
+    members: Sequence[nn.Module],
+    trace: Trace,
+    flops: dict[str, int] | None = None,
+    sample_shape: str = "",
+    share_identical: bool = True,
+) -> WidePlan:
+    """The WidePlan for fusing ``members`` (same architecture, already checked). With
+    ``share_identical=False`` no module is shared: the plan of the architecture, whatever the weights."""
+    template = members[0]
+    flops = flops or {}
+    member_modules = [dict(m.named_modules()) for m in members]
+    aliases = tensor_aliases(template)
+    entries: dict[str, ModulePlan] = {}
+    fallback_roots: dict[str, str] = {}
+
+    for fqn, module in template.named_modules():
+        tensors = direct_tensors(module)
+        if not tensors:
+            continue
+        kind_args = dict(fqn=fqn, module_class=type(module).__name__, flops=flops.get(fqn, 0))
+        kind_args["params"] = sum(p.numel() for p in module.parameters(recurse=False))
+        differing = [
+            name for name in tensors
+            if not share_identical or not _same([direct_tensors(mods[fqn])[name] for mods in member_modules])
+        ]
+        if not differing:
+            entries[fqn] = ModulePlan(kind=Kind.SHARED, reason="identical in every member", **kind_args)
+            continue
+        outside = _outside_readers(fqn, differing, aliases, trace)
+        wide_cls = find_wide(type(module))
+        if outside:
+            name, reader = outside[0]
+            root = _common_ancestor([fqn] + [r for _, r in outside])
+            fallback_roots.setdefault(root, f"{fqn}.{name} is read in {reader or '(model)'}")
+        elif wide_cls is None:
+            raw = ", ".join(differing)
+            fallback_roots.setdefault(fqn, f"no wide builder for {type(module).__name__} (tensors: {raw})")
+        else:
+            entries[fqn] = ModulePlan(kind=Kind.PRIMITIVE, wide_class=wide_cls.__name__, **kind_args)
+
+    for path, op in trace.mixing.items():
+        fallback_roots.setdefault(path, f"{op} mixes batch rows")
+    outermost = []
+    for root in sorted(fallback_roots, key=lambda p: (p.count(".") + bool(p), p)):
+        if not any(_is_under(root, kept) for kept in outermost):
+            outermost.append(root)
+    entries = {f: e for f, e in entries.items() if not any(_is_under(f, root) for root in outermost)}
+    modules = dict(template.named_modules())
+    for root in outermost:
+        module = modules[root]
+        entries[root] = ModulePlan(
+            fqn=root,
+            module_class=type(module).__name__,
+            kind=Kind.FALLBACK,
+            wide_class="PerMemberFallback",
+            params=sum(p.numel() for p in module.parameters()),
+            flops=flops.get(root, 0),
+            reason=fallback_roots[root],
+        )
+    order = {name: i for i, name in enumerate(modules)}
+    entries = dict(sorted(entries.items(), key=lambda item: order[item[0]]))
+
+    notes = list(trace.warnings)
+    if trace.method == "module tree":
+        notes.append("export failed: this plan comes from the module tree alone; check it with validate=True")
+        warnings.warn(f"hf-wide could not export {type(template).__name__}; planning from the module tree.")
+    return WidePlan(
+        num_members=len(members),
+        model_class=type(template).__name__,
+        entries=entries,
+        trace_method=trace.method,
+        sample_shape=sample_shape,
+        total_flops=flops.get("", 0),
+        warnings=notes,
+    )
+
+
+def _outside_readers(fqn: str, names: list[str], aliases: dict[str, list[str]], trace: Trace) -> list[tuple[str, str]]:
+    """(tensor name, reader path) for each read of the module's tensors by a module that does not own them."""
+    found = []
+    for name in names:
+        full = f"{fqn}.{name}" if fqn else name
+        names_of_tensor = aliases.get(full, [full])
+        owners = [n.rsplit(".", 1)[0] if "." in n else "" for n in names_of_tensor]
+        readers = set().union(*(trace.users.get(n, set()) for n in names_of_tensor))
+        for reader in sorted(readers):
+            if not any(_is_under(reader, owner) for owner in owners):
+                found.append((name, reader))
+    return found
+
+
+def plan_members(
+    members: Sequence[nn.Module], args: tuple = (), kwargs: dict | None = None, share_identical: bool = True
+) -> WidePlan:
+    """Trace member 0 on the sample inputs (built from its config when none are given), count its FLOPs,
+    and plan the fusion of ``members``."""
+    template = members[0]
+    if not args and not kwargs:
+        kwargs = sample_inputs(template)
+    flops = module_flops(template, args, kwargs)
+    shapes = [f"{k}{tuple(v.shape)}" for k, v in (kwargs or {}).items() if isinstance(v, torch.Tensor)]
+    shapes += [f"arg{i}{tuple(a.shape)}" for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
+    return make_plan(members, trace(template, args, kwargs), flops, ", ".join(shapes), share_identical)

@@ -1,0 +1,22 @@
+"""Wide primitives, one file per family. Importing this package fills the registry."""
+
+from .base import WideModule
+from .conv import WideConv
+from .embedding import WideEmbedding
+from .fallback import PerMemberFallback
+from .linear import WideConv1D, WideLinear
+from .norm import WideBatchNorm, WideGroupNorm, WideLayerNorm, WideLlamaRMSNorm, WideRMSNorm
+
+__all__ = [
+    "WideModule",
+    "WideConv",
+    "WideEmbedding",
+    "PerMemberFallback",
+    "WideConv1D",
+    "WideLinear",
+    "WideBatchNorm",
+    "WideGroupNorm",
+    "WideLayerNorm",
+    "WideLlamaRMSNorm",
+    "WideRMSNorm",
+]

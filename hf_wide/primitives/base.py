@@ -1,0 +1,93 @@
+"""The base class of every wide primitive.
+
+A wide primitive keeps its source module's tensor names (``weight``, ``bias``, ``running_mean``, ...)
+with a leading member dim: member i's ``weight`` is ``wide.weight[i]``. That convention makes
+``from_modules`` and ``to_modules`` generic, so a subclass only reads its hyper-parameters in
+``setup`` and writes ``forward``.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from ..fold import Fold
+
+
+def meta_copy(module: nn.Module) -> nn.Module:
+    """A copy of ``module`` (not its children) on the meta device: its hyper-parameters, no data."""
+    memo = {}
+    for name, t in (*module._parameters.items(), *module._buffers.items()):
+        if t is not None:
+            memo[id(t)] = nn.Parameter(t.to("meta"), t.requires_grad) if isinstance(t, nn.Parameter) else t.to("meta")
+    return copy.deepcopy(module, memo)
+
+
+class WideModule(nn.Module):
+    """N members of one module class, their tensors stacked on a leading member dim."""
+
+    source_classes: tuple[type[nn.Module], ...] = ()
+
+    def __init__(self, fold: Fold, proto: nn.Module):
+        super().__init__()
+        self.fold = fold
+        # The source module on the meta device: hyper-parameters for setup() and a mould for to_module().
+        # Kept out of _modules so it is neither a child nor in the state dict.
+        object.__setattr__(self, "proto", proto)
+
+    @property
+    def num_members(self) -> int:
+        return self.fold.num_members
+
+    def setup(self, proto: nn.Module) -> None:
+        """Read the hyper-parameters the forward needs from the (meta) source module."""
+
+    @classmethod
+    def from_modules(cls, mods: Sequence[nn.Module], fold: Fold) -> "WideModule":
+        """Stack N modules of one class: ``(*shape)`` tensors become ``(N, *shape)``."""
+        if len(mods) != fold.num_members:
+            raise ValueError(f"{cls.__name__} needs {fold.num_members} modules, got {len(mods)}.")
+        first = mods[0]
+        wide = cls(fold, meta_copy(first))
+        for i, mod in enumerate(mods):
+            if type(mod) is not type(first):
+                raise TypeError(f"Member {i} is a {type(mod).__name__}, member 0 a {type(first).__name__}.")
+            if mod.extra_repr() != first.extra_repr():
+                raise ValueError(f"Member {i}'s {type(mod).__name__}({mod.extra_repr()}) differs from member 0's "
+                                 f"({first.extra_repr()}).")
+        for name, p in first._parameters.items():
+            stacked = None if p is None else torch.stack([m._parameters[name].detach() for m in mods])
+            wide.register_parameter(name, None if p is None else nn.Parameter(stacked, p.requires_grad))
+        for name, b in first._buffers.items():
+            stacked = None if b is None else torch.stack([m._buffers[name] for m in mods])
+            wide.register_buffer(name, stacked, persistent=name not in first._non_persistent_buffers_set)
+        wide.setup(wide.proto)
+        return wide
+
+    def to_module(self, i: int) -> nn.Module:
+        """Member i as an ordinary module with storage of its own."""
+        mod = copy.deepcopy(self.proto)
+        for name, p in self._parameters.items():
+            mod._parameters[name] = None if p is None else nn.Parameter(p[i].detach().clone(), p.requires_grad)
+        for name, b in self._buffers.items():
+            mod._buffers[name] = None if b is None else b[i].clone()
+        return mod
+
+    def to_modules(self) -> list[nn.Module]:
+        """The inverse of :meth:`from_modules`: every member as an ordinary module."""
+        return [self.to_module(i) for i in range(self.num_members)]
+
+    def extra_repr(self) -> str:
+        return f"num_members={self.num_members}, source={type(self.proto).__name__}"
+
+
+def affine(weight: torch.Tensor, ndim: int, feature_dim: int = -1) -> torch.Tensor:
+    """View a stacked ``(N, C)`` parameter so it broadcasts against an ``(N, b, ...)`` activation of
+    ``ndim`` dims whose features sit at ``feature_dim``."""
+    shape = [1] * ndim
+    shape[0] = weight.shape[0]
+    shape[feature_dim] = weight.shape[1]
+    return weight.view(shape)

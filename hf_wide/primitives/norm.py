@@ -1,0 +1,137 @@
+"""Wide normalisation layers: normalise all N*B rows at once, then apply each member's affine.
+
+Layer, RMS and group norms use per-row statistics, so one un-affine call covers every member; BatchNorm
+in eval mode uses each member's running statistics, and in training mode each member's own rows.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..registry import register_wide
+from .base import WideModule, affine
+
+
+@register_wide(nn.LayerNorm)
+class WideLayerNorm(WideModule):
+    """N ``nn.LayerNorm``s: ``weight``/``bias``: (N, *normalized_shape)."""
+
+    def setup(self, proto: nn.LayerNorm) -> None:
+        self.normalized_shape = proto.normalized_shape
+        self.eps = proto.eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: (N*B, ..., *normalized_shape)
+        y = self.fold.split(F.layer_norm(x, self.normalized_shape, None, None, self.eps))  # (N, b, ..., D)
+        k = len(self.normalized_shape)
+        lead = [y.shape[0]] + [1] * (y.dim() - 1 - k)
+        y = y * self.weight.view(*lead, *self.normalized_shape)
+        if self.bias is not None:
+            y = y + self.bias.view(*lead, *self.normalized_shape)
+        return self.fold.merge(y)
+
+
+def _llama_style_rms_norms() -> list[type[nn.Module]]:
+    """The RMSNorm classes of transformers families that share LlamaRMSNorm's forward
+    (float32 statistics, ``weight * normed.to(input_dtype)``, eps in ``variance_epsilon``)."""
+    found = []
+    for module_name, class_name in [
+        ("llama", "LlamaRMSNorm"),
+        ("mistral", "MistralRMSNorm"),
+        ("qwen2", "Qwen2RMSNorm"),
+        ("phi3", "Phi3RMSNorm"),
+    ]:
+        module = importlib.import_module(f"transformers.models.{module_name}.modeling_{module_name}")
+        found.append(getattr(module, class_name))
+    return found
+
+
+@register_wide(*_llama_style_rms_norms())
+class WideLlamaRMSNorm(WideModule):
+    """N Llama-style RMSNorms: ``weight``: (N, D)."""
+
+    def setup(self, proto: nn.Module) -> None:
+        self.variance_epsilon = proto.variance_epsilon
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: (N*B, ..., D)
+        input_dtype = x.dtype
+        h = x.to(torch.float32)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+        hm = self.fold.split(h.to(input_dtype))  # (N, b, ..., D)
+        return self.fold.merge(affine(self.weight, hm.dim()) * hm)
+
+
+@register_wide(nn.RMSNorm)
+class WideRMSNorm(WideModule):
+    """N ``torch.nn.RMSNorm``s: ``weight``: (N, *normalized_shape)."""
+
+    def setup(self, proto: nn.RMSNorm) -> None:
+        self.normalized_shape = proto.normalized_shape
+        self.eps = proto.eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.fold.split(F.rms_norm(x, self.normalized_shape, None, self.eps))
+        if self.weight is None:
+            return self.fold.merge(y)
+        k = len(self.normalized_shape)
+        return self.fold.merge(y * self.weight.view(y.shape[0], *([1] * (y.dim() - 1 - k)), *self.normalized_shape))
+
+
+@register_wide(nn.GroupNorm)
+class WideGroupNorm(WideModule):
+    """N ``nn.GroupNorm``s over channels-first activations: ``weight``/``bias``: (N, C)."""
+
+    def setup(self, proto: nn.GroupNorm) -> None:
+        self.num_groups = proto.num_groups
+        self.eps = proto.eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: (N*B, C, *spatial)
+        y = self.fold.split(F.group_norm(x, self.num_groups, None, None, self.eps))  # (N, b, C, *spatial)
+        if self.weight is not None:
+            y = y * affine(self.weight, y.dim(), 2) + affine(self.bias, y.dim(), 2)
+        return self.fold.merge(y)
+
+
+@register_wide(nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
+class WideBatchNorm(WideModule):
+    """N BatchNorms: ``weight``/``bias``/``running_mean``/``running_var``: (N, C).
+
+    Eval mode normalises with each member's running statistics. Training mode computes each member's
+    batch statistics over its own B rows only (members never see each other's rows) and updates its
+    running statistics as ``nn.BatchNorm`` would.
+    """
+
+    def setup(self, proto: nn.modules.batchnorm._BatchNorm) -> None:
+        self.eps = proto.eps
+        self.momentum = proto.momentum
+        self.track_running_stats = proto.track_running_stats
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: (N*B, C, *spatial)
+        xm = self.fold.split(x)  # (N, b, C, *spatial)
+        use_batch_stats = self.training or self.running_mean is None
+        if use_batch_stats:
+            dims = [1] + list(range(3, xm.dim()))
+            mean = xm.mean(dim=dims)  # (N, C)
+            var = xm.var(dim=dims, unbiased=False)
+            if self.training and self.running_mean is not None:
+                self._update_running_stats(mean, var, xm.numel() // (xm.shape[0] * xm.shape[2]))
+        else:
+            mean, var = self.running_mean, self.running_var
+        scale = torch.rsqrt(var + self.eps)  # (N, C)
+        if self.weight is not None:
+            scale = scale * self.weight
+        shift = -mean * scale
+        if self.bias is not None:
+            shift = shift + self.bias
+        return self.fold.merge(xm * affine(scale, xm.dim(), 2) + affine(shift, xm.dim(), 2))
+
+    @torch.no_grad()
+    def _update_running_stats(self, mean: torch.Tensor, var: torch.Tensor, count: int) -> None:
+        self.num_batches_tracked.add_(1)
+        momentum = self.momentum if self.momentum is not None else 1.0 / self.num_batches_tracked[0].item()
+        unbiased = var * count / max(count - 1, 1)
+        self.running_mean.lerp_(mean, momentum)
+        self.running_var.lerp_(unbiased, momentum)

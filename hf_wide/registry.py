@@ -1,0 +1,53 @@
+"""The registry of wide builders, keyed by the class of the module they replace.
+
+A wide builder is a class with ``from_modules(mods, fold)`` (N ordinary modules -> one wide module) and
+``to_modules()`` (the inverse). Builders register themselves with a decorator::
+
+    @register_wide(nn.Linear)
+    class WideLinear(WideModule):
+        @classmethod
+        def from_modules(cls, mods, fold): ...
+        def to_modules(self): ...
+
+Lookup walks the module's MRO, so a subclass of ``nn.Linear`` finds ``WideLinear`` unless a more
+specific builder is registered for it.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+_REGISTRY: dict[type[nn.Module], type] = {}
+
+
+def register_wide(*module_classes: type[nn.Module]):
+    """Class decorator: register the decorated wide class as the builder for ``module_classes``."""
+
+    def decorator(wide_cls: type) -> type:
+        for module_class in module_classes:
+            _REGISTRY[module_class] = wide_cls
+        wide_cls.source_classes = tuple(getattr(wide_cls, "source_classes", ())) + module_classes
+        return wide_cls
+
+    return decorator
+
+
+def find_wide(module_class: type[nn.Module]) -> type | None:
+    """The wide builder for ``module_class`` (first match along its MRO), or None."""
+    for klass in module_class.__mro__:
+        if klass in _REGISTRY:
+            return _REGISTRY[klass]
+    return None
+
+
+def get_wide(module_class: type[nn.Module]) -> type:
+    """Like :func:`find_wide`, but raise with the supported list when nothing matches."""
+    wide_cls = find_wide(module_class)
+    if wide_cls is None:
+        supported = ", ".join(sorted(k.__name__ for k in _REGISTRY))
+        raise KeyError(f"No wide builder for {module_class.__name__}. Supported: {supported}.")
+    return wide_cls
+
+
+def supported_classes() -> list[type[nn.Module]]:
+    return list(_REGISTRY)

@@ -1,0 +1,78 @@
+"""The swap walk: apply a WidePlan to N members and get one folded model.
+
+The wide model is a copy of the template in which every planned module is replaced: primitives by
+their wide class, fallbacks by a :class:`PerMemberFallback`, shared modules kept as they are. The copy
+is a ``deepcopy`` whose memo already holds the replacements, so the members' swapped tensors are never
+copied twice.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Sequence
+
+from torch import nn
+
+from .fold import Fold
+from .plan import Kind, WidePlan
+from .planner import tensor_aliases
+from .primitives import PerMemberFallback, WideModule
+from .registry import get_wide
+
+
+def build_wide(members: Sequence[nn.Module], plan: WidePlan, fold: Fold) -> nn.Module:
+    """The folded model: the template with the plan's primitives and fallbacks swapped in."""
+    template = members[0]
+    per_member = [dict(m.named_modules()) for m in members]
+    memo = {}
+    for fqn, entry in plan.entries.items():
+        mods = [modules[fqn] for modules in per_member]
+        if entry.kind == Kind.PRIMITIVE:
+            memo[id(mods[0])] = get_wide(type(mods[0])).from_modules(mods, fold)
+        elif entry.kind == Kind.FALLBACK:
+            memo[id(mods[0])] = PerMemberFallback.from_modules([copy.deepcopy(m) for m in mods], fold)
+    # If the whole model is one fallback, it is its own replacement.
+    wide = memo[id(template)] if id(template) in memo else copy.deepcopy(template, memo)
+    retie(wide, tensor_aliases(template))
+    wide.register_forward_pre_hook(fold, with_kwargs=True)
+    return wide
+
+
+def member_copy(wide: nn.Module, i: int, aliases: dict[str, list[str]], memo: dict | None = None) -> nn.Module:
+    """Member i of a folded model as an ordinary module: every swapped module replaced by its i-th member."""
+    memo = dict(memo or {})
+    for module in wide.modules():
+        if isinstance(module, WideModule):
+            memo[id(module)] = module.to_module(i)
+        elif isinstance(module, PerMemberFallback):
+            memo[id(module)] = copy.deepcopy(module.to_module(i))
+    member = memo[id(wide)] if id(wide) in memo else copy.deepcopy(wide, memo)
+    for module in member.modules():  # the fold hook belongs to the wide model only
+        for key, hook in list(module._forward_pre_hooks.items()):
+            if isinstance(hook, Fold):
+                del module._forward_pre_hooks[key]
+                module._forward_pre_hooks_with_kwargs.pop(key, None)
+    retie(member, aliases)
+    return member
+
+
+def retie(model: nn.Module, aliases: dict[str, list[str]]) -> None:
+    """Make tied tensors (several names, one tensor in the template) one tensor again in ``model``.
+
+    Wide primitives are built per module, so ``lm_head`` and ``embed_tokens`` first get two stacked copies
+    of the same weight; here the first name's tensor replaces the others. Names inside a fallback, or whose
+    shapes differ after swapping, cannot be tied and are left as they are.
+    """
+    params = dict(model.named_parameters(remove_duplicate=False))
+    done = set()
+    for name, names in aliases.items():
+        if len(names) < 2 or names[0] in done:
+            continue
+        done.add(names[0])
+        first = params.get(names[0])
+        for other in names[1:]:
+            current = params.get(other)
+            if first is None or current is None or current is first or current.shape != first.shape:
+                continue
+            owner_name, _, attr = other.rpartition(".")
+            setattr(model.get_submodule(owner_name), attr, first)

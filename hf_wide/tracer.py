@@ -1,0 +1,163 @@
+"""The HF-aware tracer: capture the template with ``torch.export`` and plan the wide model.
+
+transformers 5 removed its FX tracer (``transformers.utils.fx``) and ``torch.fx.symbolic_trace`` fails on
+its models, so we export instead (non-strict, batch dim dynamic). The exported graph tells us, for every
+op, which module called it (``nn_module_stack``); from that we learn
+
+- which module uses each parameter (a weight read outside its own module cannot become a primitive),
+- which ops mix rows of the batch (a reduction that drops the batch dim, BatchNorm in training),
+
+and with ``torch.utils.flop_counter`` the FLOPs of every module. :func:`make_plan` turns this into a
+:class:`~hf_wide.plan.WidePlan`. If export fails we plan from the module tree alone, loudly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import warnings
+from collections import defaultdict
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+from torch.utils.flop_counter import FlopCounterMode
+
+from .plan import Kind, ModulePlan, WidePlan
+from .registry import find_wide
+
+logger = logging.getLogger(__name__)
+
+SAMPLE_BATCH, SAMPLE_SEQ = 2, 8
+
+
+def sample_inputs(model: nn.Module, batch: int = SAMPLE_BATCH, seq_len: int = SAMPLE_SEQ) -> dict:
+    """Tiny inputs for a transformers model, built from its config and main input."""
+    config = getattr(model, "config", None)
+    main = getattr(model, "main_input_name", None)
+    if config is None or main is None:
+        raise ValueError(f"{type(model).__name__} is not a transformers model: pass sample inputs for the trace.")
+    device = next(model.parameters()).device
+    if main == "pixel_values":
+        size = getattr(config, "image_size", 32)
+        size = size if isinstance(size, int) else size[0]
+        channels = getattr(config, "num_channels", 3)
+        dtype = next(model.parameters()).dtype
+        return {"pixel_values": torch.randn(batch, channels, size, size, device=device, dtype=dtype)}
+    if main == "input_ids":
+        vocab = config.get_text_config().vocab_size
+        ids = torch.randint(0, vocab, (batch, seq_len), device=device)
+        return {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+    raise ValueError(f"Cannot build sample inputs for main input {main!r}: pass sample inputs for the trace.")
+
+
+@dataclasses.dataclass
+class Trace:
+    """What the exported graph says about the template."""
+
+    method: str
+    users: dict[str, set[str]]  # tensor fqn -> paths of the modules whose ops read it
+    mixing: dict[str, str]  # module path -> the first op in it that mixes batch rows
+    warnings: list[str]
+
+
+def _module_path(node: torch.fx.Node) -> str:
+    stack = node.meta.get("nn_module_stack") or {}
+    return list(stack.values())[-1][0] if stack else ""
+
+
+def _batch_symbols(shape) -> set:
+    return {s for d in shape if isinstance(d, torch.SymInt) for s in d.node.expr.free_symbols}
+
+
+def _mixes_rows(node: torch.fx.Node, batch_symbol) -> bool:
+    """An op whose tensor input carries the batch dim but whose float output has lost it."""
+    if "batch_norm" in str(node.target):  # args: input, weight, bias, mean, var, training, ...
+        return "no_training" not in str(node.target) and len(node.args) > 5 and node.args[5] is True
+    out = node.meta.get("val")
+    if not isinstance(out, torch.Tensor) or not out.dtype.is_floating_point:
+        return False
+    if batch_symbol in _batch_symbols(out.shape):
+        return False
+    inputs = [a.meta.get("val") for a in node.all_input_nodes]
+    return any(isinstance(t, torch.Tensor) and batch_symbol in _batch_symbols(t.shape) for t in inputs)
+
+
+def trace(model: nn.Module, args: tuple = (), kwargs: dict | None = None) -> Trace:
+    """Export ``model`` (batch dim dynamic if it can be) and read parameter users and row mixing."""
+    kwargs = dict(kwargs or {})
+    if getattr(getattr(model, "config", None), "use_cache", None) is not None:
+        kwargs.setdefault("use_cache", False)  # a DynamicCache in the output is not a pytree: export fails
+    batch_dim = torch.export.Dim("batch")
+
+    def dynamic(value):
+        return {0: batch_dim} if isinstance(value, torch.Tensor) and value.dim() > 0 else None
+
+    notes: list[str] = []
+    dynamic_shapes = (tuple(dynamic(a) for a in args), {k: dynamic(v) for k, v in kwargs.items()})
+    attempts = [("export (dynamic batch)", dynamic_shapes), ("export (static batch)", None)]
+    program = None
+    for method, shapes in attempts:
+        try:
+            wrapper = _KwargsWrapper(model)
+            program = torch.export.export(wrapper, (args, kwargs), dynamic_shapes=shapes, strict=False)
+            break
+        except Exception as exc:  # export raises many types; we report and try the next way
+            notes.append(f"{method} failed: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}")
+    if program is None:
+        return Trace("module tree", {}, {}, notes)
+
+    signature = program.graph_signature
+    placeholders = {**signature.inputs_to_parameters, **signature.inputs_to_buffers}
+    users: dict[str, set[str]] = defaultdict(set)
+    mixing: dict[str, str] = {}
+    batch_symbol = None
+    if method == "export (dynamic batch)":
+        first_input = next(n for n in program.graph.nodes if n.op == "placeholder" and n.name not in placeholders)
+        batch_symbol = next(iter(_batch_symbols(first_input.meta["val"].shape)), None)
+    for node in program.graph.nodes:
+        if node.op == "placeholder" and node.name in placeholders:
+            fqn = placeholders[node.name].removeprefix("model.")
+            for user in node.users:
+                users[fqn].add(_module_path(user).removeprefix("model").removeprefix("."))
+        elif node.op == "call_function" and batch_symbol is not None and _mixes_rows(node, batch_symbol):
+            path = _module_path(node).removeprefix("model").removeprefix(".")
+            mixing.setdefault(path, str(node.target))
+    if batch_symbol is None:
+        method = "export (static batch)"
+        notes.append("the batch dim was specialised by export, so ops that mix batch rows were not checked")
+    return Trace(method, dict(users), mixing, notes)
+
+
+class _KwargsWrapper(nn.Module):
+    """Export takes positional args; this passes (args, kwargs) through, under the name ``model``."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, args, kwargs):
+        return self.model(*args, **kwargs)
+
+
+def module_flops(model: nn.Module, args: tuple = (), kwargs: dict | None = None) -> dict[str, int]:
+    """FLOPs of every module (subtree) for one forward of ``model`` on the given inputs; "" is the total."""
+    # The counter's module tracker hooks the backward of outputs that require grad, and fails on modules
+    # that return a parameter itself (DeBERTa's relative embeddings): count with grads switched off.
+    requires_grad = {p: p.requires_grad for p in model.parameters()}
+    try:
+        for p in requires_grad:
+            p.requires_grad_(False)
+        with torch.no_grad(), FlopCounterMode(display=False) as counter:
+            model(*args, **(kwargs or {}))
+    finally:
+        for p, flag in requires_grad.items():
+            p.requires_grad_(flag)
+    flops = {}
+    for key, per_op in counter.get_flop_counts().items():
+        if key == "Global":
+            continue
+        fqn = key.split(".", 1)[1] if "." in key else ""
+        flops[fqn] = sum(per_op.values())
+    flops.setdefault("", counter.get_total_flops())
+    return flops

@@ -1,0 +1,192 @@
+"""Tiny transformers model families for hf-wide tests.
+
+Each `FamilyCase` names one (architecture, head) pair with a tiny config, builds
+members whose every parameter (and BatchNorm running statistic) is randomised
+from a seed, and makes matching dummy inputs. `FAMILIES` is the table tests
+parametrise over.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import torch
+import transformers as tf
+from torch import nn
+from transformers import PretrainedConfig, PreTrainedModel
+
+SEQ_LEN = 7
+VOCAB = 100
+PAD_ID = 0
+FIRST_TOKEN = 2  # real tokens avoid 0/1, so they never collide with any family's pad id
+NUM_LABELS = 3
+IMAGE_SIZE = 32
+
+# Decoder-only families pad on the left, so the last position is always a real token.
+DECODER_FAMILIES = frozenset({"gpt2", "llama", "mistral", "qwen2", "phi3"})
+
+_TEXT = dict(vocab_size=VOCAB, max_position_embeddings=64, num_hidden_layers=2, num_labels=NUM_LABELS)
+_BERT_LIKE = dict(_TEXT, hidden_size=32, num_attention_heads=4, intermediate_size=64)
+_DECODER = dict(_BERT_LIKE, pad_token_id=PAD_ID, bos_token_id=1, eos_token_id=1)
+
+
+def bert() -> PretrainedConfig:
+    return tf.BertConfig(**_BERT_LIKE)
+
+
+def roberta() -> PretrainedConfig:
+    # RoBERTa offsets positions by pad_token_id (1), so 64 positions cover seq 7 easily.
+    return tf.RobertaConfig(**_BERT_LIKE)
+
+
+def distilbert() -> PretrainedConfig:
+    return tf.DistilBertConfig(vocab_size=VOCAB, max_position_embeddings=64, n_layers=2, n_heads=4,
+                               dim=32, hidden_dim=64, num_labels=NUM_LABELS)
+
+
+def albert() -> PretrainedConfig:
+    return tf.AlbertConfig(**_BERT_LIKE, embedding_size=16)
+
+
+def electra() -> PretrainedConfig:
+    # embedding_size != hidden_size exercises the embeddings_project layer.
+    return tf.ElectraConfig(**_BERT_LIKE, embedding_size=16)
+
+
+def deberta_v2() -> PretrainedConfig:
+    return tf.DebertaV2Config(**_BERT_LIKE, relative_attention=True, pos_att_type=["p2c", "c2p"],
+                              position_buckets=8, max_relative_positions=16)
+
+
+def gpt2() -> PretrainedConfig:
+    return tf.GPT2Config(vocab_size=VOCAB, n_positions=64, n_embd=32, n_layer=2, n_head=4, n_inner=64,
+                         num_labels=NUM_LABELS, pad_token_id=PAD_ID, bos_token_id=1, eos_token_id=1)
+
+
+def llama() -> PretrainedConfig:
+    return tf.LlamaConfig(**_DECODER, num_key_value_heads=2, tie_word_embeddings=True)
+
+
+def mistral() -> PretrainedConfig:
+    return tf.MistralConfig(**_DECODER, num_key_value_heads=2)
+
+
+def qwen2() -> PretrainedConfig:
+    return tf.Qwen2Config(**_DECODER, num_key_value_heads=4)
+
+
+def phi3() -> PretrainedConfig:
+    # Phi-3 defaults pad/eos to 32000, which would be out of range for a 100-token vocab.
+    return tf.Phi3Config(**_DECODER, num_key_value_heads=4, original_max_position_embeddings=64)
+
+
+def vit() -> PretrainedConfig:
+    return tf.ViTConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+                        image_size=IMAGE_SIZE, patch_size=8, num_channels=3, num_labels=NUM_LABELS)
+
+
+def resnet() -> PretrainedConfig:
+    return tf.ResNetConfig(num_channels=3, embedding_size=16, hidden_sizes=[16, 32], depths=[1, 1],
+                           layer_type="basic", num_labels=NUM_LABELS)
+
+
+@torch.no_grad()
+def randomise_(model: nn.Module, seed: int) -> None:
+    """Overwrite every parameter and BatchNorm running stat in place from `seed`.
+
+    Iterating modules and de-duplicating by identity visits each tied tensor once,
+    and writing in place keeps the tie intact.
+    """
+    gen = torch.Generator().manual_seed(seed)
+
+    def randn(t: torch.Tensor) -> torch.Tensor:
+        return torch.randn(t.shape, generator=gen, dtype=t.dtype)
+
+    seen: set[int] = set()
+    for module in model.modules():
+        is_norm = "norm" in type(module).__name__.lower()  # LayerNorm, *RMSNorm, BatchNorm2d
+        for name, param in module.named_parameters(recurse=False):
+            if id(param) in seen:
+                continue
+            seen.add(id(param))
+            if is_norm and name == "weight":
+                param.copy_(1 + 0.1 * randn(param))
+            elif name == "bias":
+                param.copy_(0.05 * randn(param))
+            else:
+                param.copy_(0.1 * randn(param))
+        if isinstance(module, nn.modules.batchnorm._BatchNorm):
+            module.running_mean.copy_(0.1 * randn(module.running_mean))
+            rand = torch.rand(module.running_var.shape, generator=gen, dtype=module.running_var.dtype)
+            module.running_var.copy_(0.5 + rand)  # strictly positive
+
+
+@dataclasses.dataclass(frozen=True)
+class FamilyCase:
+    id: str
+    family: str
+    model_class: type
+    make_config: Callable[[], PretrainedConfig]
+    input_kind: str  # "text" or "image"
+    causal_lm: bool = False
+
+    @property
+    def padding_side(self) -> str:
+        return "left" if self.family in DECODER_FAMILIES else "right"
+
+    def build(self, seed: int) -> PreTrainedModel:
+        model = self.model_class(self.make_config()).float()
+        randomise_(model, seed)
+        return model.eval()
+
+    def inputs(self, batch: int, padded: bool, seed: int = 0) -> dict[str, torch.Tensor]:
+        # Rows are drawn one at a time so row 0 is identical whatever the batch size.
+        gen = torch.Generator().manual_seed(seed)
+        if self.input_kind == "image":
+            config = self.make_config()
+            size = getattr(config, "image_size", IMAGE_SIZE)
+            shape = (1, config.num_channels, size, size)
+            rows = [torch.randn(shape, generator=gen) for _ in range(batch)]
+            return {"pixel_values": torch.cat(rows)}
+
+        pad_id = self.make_config().pad_token_id
+        pad_id = PAD_ID if pad_id is None else pad_id
+        ids = torch.cat([torch.randint(FIRST_TOKEN, VOCAB, (1, SEQ_LEN), generator=gen) for _ in range(batch)])
+        mask = torch.ones_like(ids)
+        if padded:
+            for row in range(1, batch):
+                n_pad = min(row + 1, SEQ_LEN - 1)  # always keep at least one real token
+                cols = slice(0, n_pad) if self.padding_side == "left" else slice(SEQ_LEN - n_pad, SEQ_LEN)
+                mask[row, cols] = 0
+                ids[row, cols] = pad_id  # seq-cls heads of decoders find the last token via pad_token_id
+        return {"input_ids": ids, "attention_mask": mask}
+
+
+def _case(id: str, family: str, cls: type, make_config, input_kind: str = "text", causal_lm: bool = False):
+    return FamilyCase(id, family, cls, make_config, input_kind, causal_lm)
+
+
+FAMILIES: list[FamilyCase] = [
+    _case("bert-base", "bert", tf.BertModel, bert),
+    _case("bert-seqcls", "bert", tf.BertForSequenceClassification, bert),
+    _case("bert-tokcls", "bert", tf.BertForTokenClassification, bert),
+    _case("roberta-seqcls", "roberta", tf.RobertaForSequenceClassification, roberta),
+    _case("roberta-tokcls", "roberta", tf.RobertaForTokenClassification, roberta),
+    _case("distilbert-base", "distilbert", tf.DistilBertModel, distilbert),
+    _case("distilbert-seqcls", "distilbert", tf.DistilBertForSequenceClassification, distilbert),
+    _case("albert-seqcls", "albert", tf.AlbertForSequenceClassification, albert),
+    _case("electra-seqcls", "electra", tf.ElectraForSequenceClassification, electra),
+    _case("electra-tokcls", "electra", tf.ElectraForTokenClassification, electra),
+    _case("deberta-v2-seqcls", "deberta-v2", tf.DebertaV2ForSequenceClassification, deberta_v2),
+    _case("deberta-v2-tokcls", "deberta-v2", tf.DebertaV2ForTokenClassification, deberta_v2),
+    _case("gpt2-causallm", "gpt2", tf.GPT2LMHeadModel, gpt2, causal_lm=True),
+    _case("gpt2-seqcls", "gpt2", tf.GPT2ForSequenceClassification, gpt2),
+    _case("llama-causallm", "llama", tf.LlamaForCausalLM, llama, causal_lm=True),
+    _case("llama-seqcls", "llama", tf.LlamaForSequenceClassification, llama),
+    _case("mistral-causallm", "mistral", tf.MistralForCausalLM, mistral, causal_lm=True),
+    _case("qwen2-causallm", "qwen2", tf.Qwen2ForCausalLM, qwen2, causal_lm=True),
+    _case("phi3-causallm", "phi3", tf.Phi3ForCausalLM, phi3, causal_lm=True),
+    _case("vit-imgcls", "vit", tf.ViTForImageClassification, vit, input_kind="image"),
+    _case("resnet-imgcls", "resnet", tf.ResNetForImageClassification, resnet, input_kind="image"),
+]

@@ -1,0 +1,125 @@
+"""WideModel end to end: exactness for every family, member round trip, generation, ties, errors."""
+
+import pytest
+import torch
+from conftest import CASES, NUM_MEMBERS
+from oracle import TOLERANCE, main_output, max_member_error
+
+from hf_wide import Kind, PerMember, WideModel
+
+
+@pytest.mark.parametrize("padded", [False, True], ids=["unpadded", "padded"])
+@pytest.mark.parametrize("batch", [1, 3])
+@pytest.mark.parametrize("case_id", list(CASES))
+def test_member_i_equals_checkpoint_i(fused, case_id, batch, padded):
+    members, wide = fused(case_id)
+    inputs = CASES[case_id].inputs(batch, padded)
+    assert max_member_error(wide, members, inputs) <= TOLERANCE
+
+
+@pytest.mark.parametrize("case_id", list(CASES))
+def test_member_round_trip_state_dict(fused, case_id):
+    members, wide = fused(case_id)
+    for i, original in enumerate(members):
+        back = wide.member(i)
+        assert type(back) is type(original)
+        expected, got = original.state_dict(), back.state_dict()
+        assert got.keys() == expected.keys()
+        for key in expected:
+            assert torch.equal(got[key], expected[key]), key
+
+
+@pytest.mark.parametrize("case_id", ["bert-seqcls", "llama-causallm", "resnet-imgcls", "vit-imgcls"])
+def test_member_runs_alone_and_shares_no_storage(fused, case_id):
+    members, wide = fused(case_id)
+    back = wide.member(1)
+    inputs = CASES[case_id].inputs(2, padded=True)
+    with torch.no_grad():
+        assert torch.equal(main_output(back(**inputs)), main_output(members[1](**inputs)))
+    wide_ptrs = {t.untyped_storage().data_ptr() for t in wide.state_dict().values()}
+    assert not wide_ptrs & {t.untyped_storage().data_ptr() for t in back.parameters()}
+    assert back.config._name_or_path == members[1].config._name_or_path
+
+
+@pytest.mark.parametrize("case_id", ["gpt2-causallm", "llama-causallm", "mistral-causallm", "qwen2-causallm"])
+def test_generate_gives_each_members_own_greedy_continuation(fused, case_id):
+    members, wide = fused(case_id)
+    inputs = CASES[case_id].inputs(2, padded=True)
+    settings = dict(max_new_tokens=6, do_sample=False, eos_token_id=None, pad_token_id=0)
+    out = wide.generate(**inputs, **settings)
+    assert out.shape[:2] == (NUM_MEMBERS, 2)
+    for i, member in enumerate(members):
+        assert torch.equal(out[i], member.generate(**inputs, **settings))
+
+
+@pytest.mark.parametrize("case_id", ["gpt2-causallm", "llama-causallm"])
+def test_tied_embeddings_stay_one_tensor(fused, case_id):
+    members, wide = fused(case_id)
+    assert members[0].lm_head.weight is members[0].get_input_embeddings().weight
+    assert wide.model.lm_head.weight is wide.model.get_input_embeddings().weight
+    assert wide.model.lm_head.weight.shape[0] == NUM_MEMBERS
+    back = wide.member(0)
+    assert back.lm_head.weight is back.get_input_embeddings().weight
+
+
+def test_wide_model_holds_about_one_members_parameter_tensors(fused):
+    members, wide = fused("llama-causallm")
+    assert len(list(wide.parameters())) == len(list(members[0].parameters()))
+    assert sum(p.numel() for p in wide.parameters()) == NUM_MEMBERS * sum(p.numel() for p in members[0].parameters())
+
+
+@pytest.mark.parametrize("case_id", ["bert-base", "llama-causallm"])
+def test_plan_has_no_fallback_for_known_layers(fused, case_id):
+    _, wide = fused(case_id)
+    assert wide.plan.fallbacks == []
+    kinds = {e.module_class: e.kind for e in wide.plan.entries.values()}
+    for cls in ("Linear", "Embedding"):
+        assert kinds[cls] == Kind.PRIMITIVE
+    assert any(k == Kind.PRIMITIVE and "Norm" in c for c, k in kinds.items())
+    assert "q_proj" in str(wide.plan) or "query" in str(wide.plan)
+
+
+def test_per_member_inputs(fused):
+    members, wide = fused("bert-seqcls")
+    case = CASES["bert-seqcls"]
+    per_member = [case.inputs(2, padded=True, seed=s) for s in range(NUM_MEMBERS)]
+    ids = PerMember(torch.stack([p["input_ids"] for p in per_member]))
+    mask = PerMember(torch.stack([p["attention_mask"] for p in per_member]))
+    with torch.no_grad():
+        logits = wide(input_ids=ids, attention_mask=mask).logits
+        for i, member in enumerate(members):
+            assert (logits[i] - member(**per_member[i]).logits).abs().max() <= TOLERANCE
+
+
+def test_per_member_inputs_of_the_wrong_shape_are_refused(fused):
+    _, wide = fused("bert-seqcls")
+    with pytest.raises(ValueError, match="leading dim"):
+        wide(input_ids=PerMember(torch.zeros(NUM_MEMBERS + 1, 2, 7, dtype=torch.long)))
+    with pytest.raises(ValueError, match="one batch size"):
+        wide(input_ids=PerMember(torch.zeros(NUM_MEMBERS, 2, 7, dtype=torch.long)),
+             attention_mask=PerMember(torch.ones(NUM_MEMBERS, 3, 7, dtype=torch.long)))
+
+
+def test_wide_model_is_an_nn_module(fused):
+    members, wide = fused("bert-seqcls")
+    assert isinstance(wide, torch.nn.Module)
+    assert wide.num_members == NUM_MEMBERS
+    keys = wide.state_dict().keys()
+    assert any(k.endswith("word_embeddings.weight") for k in keys)
+    double = WideModel.from_models(members).to(torch.float64)
+    inputs = CASES["bert-seqcls"].inputs(2, padded=True)
+    with torch.no_grad():
+        assert double(**inputs).logits.dtype == torch.float64
+
+
+def test_n_equals_one_is_allowed():
+    case = CASES["bert-seqcls"]
+    member = case.build(0)
+    wide = WideModel.from_models([member])
+    assert max_member_error(wide, [member], case.inputs(3, padded=True)) <= TOLERANCE
+
+
+def test_validate_accepts_an_exact_fusion():
+    case = CASES["llama-seqcls"]
+    members = [case.build(s) for s in range(2)]
+    WideModel.from_models(members, validate=True)
