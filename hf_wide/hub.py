@@ -117,25 +117,37 @@ def load_members(
     torch_dtype = resolve_dtype(dtype)
     folders = download_members(model_ids, revision, allow_pickle=allow_pickle, **hub_kwargs)
     models = []
-    for i, (model_id, folder) in enumerate(zip(model_ids, folders)):
-        name = f"member {i} ({model_id})"
-        use_safetensors = _weights_format(folder, name, allow_pickle)
-        config = transformers.AutoConfig.from_pretrained(folder, trust_remote_code=trust_remote_code)
-        model_class = _model_class(config, name)
-        model, info = model_class.from_pretrained(
-            folder,
-            dtype=torch_dtype,
-            use_safetensors=use_safetensors,
-            trust_remote_code=trust_remote_code,
-            output_loading_info=True,
-        )
-        if info.get("missing_keys"):
-            missing = ", ".join(sorted(info["missing_keys"])[:5])
-            raise IncompatibleMembersError(f"{name}: the checkpoint is missing tensor(s) {missing}.")
-        if device is not None:
-            model.to(device)
-        models.append(model.eval())
+    # One bar for all members instead of transformers' bar per checkpoint.
+    bars_were_on = transformers.utils.logging.is_progress_bar_enabled()
+    transformers.utils.logging.disable_progress_bar()
+    try:
+        for i, (model_id, folder) in enumerate(hf_tqdm(list(zip(model_ids, folders)), desc="Loading members",
+                                                     unit="member", disable=len(model_ids) < 2 or not bars_were_on)):
+            models.append(_load_member(model_id, folder, f"member {i} ({model_id})", torch_dtype, device,
+                                       allow_pickle, trust_remote_code))
+    finally:
+        if bars_were_on:
+            transformers.utils.logging.enable_progress_bar()
     return models, model_ids
+
+
+def _load_member(model_id, folder, name, torch_dtype, device, allow_pickle, trust_remote_code):
+    """One member with its own transformers class, refusing a checkpoint that lacks tensors."""
+    use_safetensors = _weights_format(folder, name, allow_pickle)
+    config = transformers.AutoConfig.from_pretrained(folder, trust_remote_code=trust_remote_code)
+    model, info = _model_class(config, name).from_pretrained(
+        folder,
+        dtype=torch_dtype,
+        use_safetensors=use_safetensors,
+        trust_remote_code=trust_remote_code,
+        output_loading_info=True,
+    )
+    if info.get("missing_keys"):
+        missing = ", ".join(sorted(info["missing_keys"])[:5])
+        raise IncompatibleMembersError(f"{name}: the checkpoint is missing tensor(s) {missing}.")
+    if device is not None:
+        model.to(device)
+    return model.eval()
 
 
 def _model_class(config, name: str) -> type:

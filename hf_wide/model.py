@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import copy
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -18,7 +19,7 @@ from torch import nn
 
 from .compat import check_compatible, member_names
 from .fold import Fold, PerMember, fold_inputs, unfold_outputs
-from .plan import WidePlan
+from .plan import Kind, WidePlan
 from .planner import plan_members, tensor_aliases
 from .tracer import sample_inputs as build_sample_inputs
 from .swap import build_wide, member_copy
@@ -64,6 +65,7 @@ class WideModel(nn.Module):
         validate: bool = False,
         allow_label_mismatch: bool = False,
         member_ids: Sequence[str] | None = None,
+        share_identical: bool = True,
         atol: float = 1e-4,
     ) -> "WideModel":
         """Fuse ``models`` (same class and architecture). The models are left untouched.
@@ -71,6 +73,8 @@ class WideModel(nn.Module):
         ``sample_inputs`` (a dict of kwargs or a tuple of args, batch first) drives the trace; transformers
         models get one built from their config when it is omitted. ``validate=True`` runs every member
         alone on it and refuses a fused model whose outputs differ by more than ``atol``.
+        Modules identical in every member are kept once (``share_identical``); pass False to train the
+        members independently, since a shared module's parameters would stay one tensor.
         """
         models = list(models)
         check_compatible(models, member_ids, allow_label_mismatch)
@@ -80,7 +84,7 @@ class WideModel(nn.Module):
         for m in models:
             m.eval()
         try:
-            plan = plan_members(models, args, kwargs)
+            plan = plan_members(models, args, kwargs, share_identical=share_identical)
             fold = Fold(len(models))
             wide_model = build_wide(models, plan, fold)
         finally:
@@ -151,6 +155,16 @@ class WideModel(nn.Module):
             self.fold.rows = None
         sequences = out if isinstance(out, torch.Tensor) else out.sequences
         return sequences.view(n, -1, sequences.shape[-1])
+
+    def train(self, mode: bool = True) -> "WideModel":
+        shared = [e.name for e in self.plan.by_kind(Kind.SHARED) if e.params]
+        if mode and shared and not getattr(self, "_warned_shared", False):
+            warnings.warn(
+                f"Training a wide model whose modules {shared[:3]}... are shared by all members: they stay one "
+                "tensor. Fuse with share_identical=False to train every member's copy independently."
+            )
+            self._warned_shared = True
+        return super().train(mode)
 
     # ---------------------------------------------------------------- members
     def member(self, i: int) -> nn.Module:

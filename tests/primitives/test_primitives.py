@@ -1,0 +1,119 @@
+"""Every wide primitive: member i of the wide module equals module i, from_modules/to_modules round
+trip, and broadcast inputs with a leading dim of 1 yield all N*B rows."""
+
+import pytest
+import torch
+from torch import nn
+from transformers.models.llama.modeling_llama import LlamaRMSNorm
+from transformers.pytorch_utils import Conv1D
+
+from hf_wide.fold import Fold
+from hf_wide.registry import get_wide
+
+N, B = 3, 2
+
+# (factory, input shape per member batch, dtype)
+PRIMITIVES = {
+    "linear": (lambda: nn.Linear(6, 5), (B, 4, 6)),
+    "linear-nobias": (lambda: nn.Linear(6, 5, bias=False), (B, 6)),
+    "conv1d-gpt2": (lambda: Conv1D(5, 6), (B, 4, 6)),
+    "embedding": (lambda: nn.Embedding(11, 4, padding_idx=0), (B, 5)),
+    "layernorm": (lambda: nn.LayerNorm(6), (B, 4, 6)),
+    "layernorm-nobias": (lambda: nn.LayerNorm(6, bias=False), (B, 6)),
+    "rmsnorm-llama": (lambda: LlamaRMSNorm(6, eps=1e-5), (B, 4, 6)),
+    "rmsnorm-torch": (lambda: nn.RMSNorm(6), (B, 4, 6)),
+    "groupnorm": (lambda: nn.GroupNorm(2, 4), (B, 4, 5, 5)),
+    "batchnorm2d": (lambda: nn.BatchNorm2d(4), (B, 4, 5, 5)),
+    "batchnorm1d": (lambda: nn.BatchNorm1d(4), (B, 4)),
+    "conv1d": (lambda: nn.Conv1d(4, 6, 3, padding=1), (B, 4, 9)),
+    "conv2d": (lambda: nn.Conv2d(4, 6, 3, stride=2), (B, 4, 9, 9)),
+    "conv2d-groups-reflect": (lambda: nn.Conv2d(4, 6, 3, groups=2, padding=1, padding_mode="reflect"), (B, 4, 7, 7)),
+}
+
+
+def randomised(factory, seed):
+    torch.manual_seed(seed)
+    module = factory()
+    with torch.no_grad():
+        for p in module.parameters():
+            p.normal_()
+        for name, buf in module.named_buffers():
+            if name == "running_mean":
+                buf.normal_()
+            elif name == "running_var":
+                buf.uniform_(0.5, 1.5)
+    return module.eval()
+
+
+def sample(name, shape, seed=0):
+    torch.manual_seed(100 + seed)
+    if name == "embedding":
+        return torch.randint(0, 11, shape)
+    return torch.randn(shape)
+
+
+@pytest.fixture(params=list(PRIMITIVES))
+def case(request):
+    factory, shape = PRIMITIVES[request.param]
+    mods = [randomised(factory, s) for s in range(N)]
+    fold = Fold(N)
+    wide = get_wide(type(mods[0])).from_modules(mods, fold).eval()
+    return request.param, mods, wide, fold, shape
+
+
+def test_member_i_equals_module_i(case):
+    name, mods, wide, fold, shape = case
+    x = sample(name, shape)
+    folded = x.unsqueeze(0).expand(N, *x.shape).reshape(N * x.shape[0], *x.shape[1:])
+    fold.rows = folded.shape[0]
+    with torch.no_grad():
+        out = wide(folded).view(N, *mods[0](x).shape)
+        for i, mod in enumerate(mods):
+            assert (out[i] - mod(x)).abs().max() <= 1e-5
+
+
+def test_round_trip(case):
+    _, mods, wide, _, _ = case
+    for i, back in enumerate(wide.to_modules()):
+        assert type(back) is type(mods[i])
+        assert back.state_dict().keys() == mods[i].state_dict().keys()
+        for key, value in mods[i].state_dict().items():
+            assert torch.equal(back.state_dict()[key], value)
+            assert back.state_dict()[key].device == value.device
+
+
+def test_broadcast_leading_one_gives_all_rows(case):
+    name, mods, wide, fold, shape = case
+    if name.startswith("batchnorm"):
+        pytest.skip("BatchNorm is never fed broadcast inputs")
+    x = sample(name, (1, *shape[1:]))
+    fold.rows = N * B
+    with torch.no_grad():
+        out = wide(x)
+        assert out.shape[0] == N * B
+        out = out.view(N, B, *out.shape[1:])
+        for i, mod in enumerate(mods):
+            assert (out[i] - mod(x)).abs().max() <= 1e-5
+
+
+def test_batchnorm_training_uses_each_members_own_rows():
+    mods = [randomised(lambda: nn.BatchNorm2d(4), s).train() for s in range(N)]
+    fold = Fold(N)
+    wide = get_wide(nn.BatchNorm2d).from_modules(mods, fold).train()
+    xs = [sample("bn", (B, 4, 3, 3), seed=s) for s in range(N)]
+    fold.rows = N * B
+    out = wide(torch.cat(xs)).view(N, B, 4, 3, 3)
+    for i, mod in enumerate(mods):
+        assert (out[i] - mod(xs[i])).abs().max() <= 1e-5
+        assert torch.allclose(wide.running_mean[i], mod.running_mean, atol=1e-6)
+        assert torch.allclose(wide.running_var[i], mod.running_var, atol=1e-6)
+
+
+def test_members_with_different_hyper_parameters_are_refused():
+    with pytest.raises(ValueError, match="differs from member 0"):
+        get_wide(nn.LayerNorm).from_modules([nn.LayerNorm(4, eps=1e-5), nn.LayerNorm(4, eps=1e-6)], Fold(2))
+
+
+def test_registry_raises_with_the_supported_list():
+    with pytest.raises(KeyError, match="Supported: .*Linear"):
+        get_wide(nn.LSTM)

@@ -1,0 +1,35 @@
+"""The hf-wide command line."""
+
+import subprocess
+import sys
+
+from conftest import CASES
+
+from hf_wide.cli import main
+
+
+def test_trace_prints_the_plan_of_saved_members(tmp_path, capsys):
+    paths = []
+    for seed in range(2):
+        path = tmp_path / f"m{seed}"
+        CASES["llama-causallm"].build(seed).save_pretrained(path)
+        paths.append(str(path))
+    assert main(["trace", *paths]) == 0
+    out = capsys.readouterr().out
+    assert "LlamaForCausalLM x 2 members" in out
+    assert "model.layers.0.self_attn.q_proj" in out and "WideLinear" in out
+    assert "WideLlamaRMSNorm" in out and "MFLOPs" in out
+
+
+def test_trace_of_one_checkpoint_shows_the_architectures_plan(tmp_path, capsys):
+    CASES["vit-imgcls"].build(0).save_pretrained(tmp_path)
+    assert main(["trace", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "shared" not in out.split("\n")[0]
+    assert "vit.embeddings" in out and "fallback" in out
+
+
+def test_console_script_help():
+    result = subprocess.run([sys.executable, "-m", "hf_wide.cli", "--help"], capture_output=True, text=True)
+    assert result.returncode == 0
+    assert "trace" in result.stdout and "demo" in result.stdout

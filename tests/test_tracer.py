@@ -1,0 +1,127 @@
+"""The tracer and planner on plain torch modules: raw parameters, row mixing, export failures."""
+
+import pytest
+import torch
+from torch import nn
+
+from hf_wide import Kind, WideModel
+
+
+class RawScale(nn.Module):
+    """A raw nn.Parameter read in forward: no builder can know what it means."""
+
+    def __init__(self, dim):
+        super().__init__()
+        self.scale = nn.Parameter(torch.randn(dim))
+        self.proj = nn.Linear(dim, dim)
+
+    def forward(self, x):
+        return self.proj(x) * self.scale
+
+
+class CentreOverBatch(nn.Module):
+    """Subtracts the batch mean: mixes rows, so it must run per member."""
+
+    def __init__(self, dim):
+        super().__init__()
+        self.proj = nn.Linear(dim, dim)
+
+    def forward(self, x):
+        h = self.proj(x)
+        return h - h.mean(0)
+
+
+class DataDependent(nn.Module):
+    """Python control flow on tensor values: torch.export cannot capture it."""
+
+    def __init__(self, dim):
+        super().__init__()
+        self.a, self.b = nn.Linear(dim, dim), nn.Linear(dim, dim)
+
+    def forward(self, x):
+        return self.a(x) if x.sum() > 0 else self.b(x)
+
+
+def residual_conv():
+    return nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.Conv2d(8, 4, 1),
+                         nn.GroupNorm(2, 4), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4, 5))
+
+
+def members_of(factory, n=3):
+    members = []
+    for seed in range(n):
+        torch.manual_seed(seed)
+        m = factory()
+        for mod in m.modules():
+            if isinstance(mod, nn.BatchNorm2d):
+                mod.running_mean.normal_()
+                mod.running_var.uniform_(0.5, 1.5)
+        members.append(m.eval())
+    return members
+
+
+def exact(wide, members, x):
+    with torch.no_grad():
+        out = wide(x)
+        return max((out[i] - m(x)).abs().max().item() for i, m in enumerate(members))
+
+
+@pytest.mark.parametrize(
+    "factory, sample",
+    [
+        (lambda: nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 4)), torch.randn(2, 6)),
+        (residual_conv, torch.randn(2, 3, 8, 8)),
+    ],
+    ids=["mlp", "conv-bn"],
+)
+def test_plain_modules_fuse_into_primitives(factory, sample):
+    members = members_of(factory)
+    wide = WideModel.from_models(members, sample, validate=True)
+    assert wide.plan.fallbacks == []
+    assert exact(wide, members, torch.randn(5, *sample.shape[1:])) <= 1e-5
+
+
+def test_raw_parameter_falls_back_per_member():
+    members = members_of(lambda: RawScale(4))
+    wide = WideModel.from_models(members, torch.randn(2, 4))
+    (entry,) = wide.plan.fallbacks
+    assert entry.fqn == "" and "scale" in entry.reason
+    assert exact(wide, members, torch.randn(3, 4)) <= 1e-6
+
+
+def test_row_mixing_op_is_caught_and_runs_per_member():
+    members = members_of(lambda: nn.Sequential(nn.Linear(4, 4), CentreOverBatch(4), nn.Linear(4, 2)))
+    wide = WideModel.from_models(members, torch.randn(2, 4))
+    (entry,) = wide.plan.fallbacks
+    assert entry.fqn == "1" and "mixes batch rows" in entry.reason
+    assert wide.plan.entries["0"].kind == Kind.PRIMITIVE
+    assert exact(wide, members, torch.randn(3, 4)) <= 1e-6
+
+
+def test_export_failure_plans_from_the_module_tree_loudly():
+    members = members_of(lambda: DataDependent(4))
+    with pytest.warns(UserWarning, match="module tree"):
+        wide = WideModel.from_models(members, torch.randn(2, 4))
+    assert wide.plan.trace_method == "module tree"
+    assert any("export" in w for w in wide.plan.warnings)
+
+
+def test_validate_refuses_an_inexact_fusion():
+    # Without a trace the planner cannot see the row mixing; validate catches the wrong result.
+    class Hidden(DataDependent):
+        def forward(self, x):
+            h = super().forward(x)
+            return h - h.mean(0)
+
+    members = members_of(lambda: Hidden(4))
+    with pytest.warns(UserWarning):
+        with pytest.raises(RuntimeError, match="differs from the member run alone"):
+            WideModel.from_models(members, torch.randn(2, 4), validate=True)
+
+
+def test_plan_prints_flops_and_every_module(fused):
+    _, wide = fused("bert-seqcls")
+    text = str(wide.plan)
+    assert "WideLinear" in text and "WideEmbedding" in text and "WideLayerNorm" in text
+    assert wide.plan.total_flops > 0
+    assert wide.plan.entries["classifier"].flops > 0
