@@ -10,7 +10,7 @@ def _trace(args: argparse.Namespace) -> int:
     from .hub import load_members
     from .planner import plan_members
 
-    models, _ = load_members(args.models, revision=args.revision, local_files_only=args.offline)
+    models, _, _ = load_members(args.models, revision=args.revision, local_files_only=args.offline)
     plan = plan_members(models, share_identical=len(models) > 1)
     print(plan)
     return 0

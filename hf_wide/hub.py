@@ -8,16 +8,22 @@ allowed, and remote code never runs unless asked for.
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
 import transformers
-from huggingface_hub import snapshot_download
+from huggingface_hub import list_repo_files, snapshot_download
 from huggingface_hub.utils import tqdm as hf_tqdm
 
 from .compat import IncompatibleMembersError
+
+
+class MemberLoadError(OSError):
+    """A member could not be fetched or read; the message names the member, and ``__cause__`` holds the
+    ``huggingface_hub`` error (``RepositoryNotFoundError``, ``RevisionNotFoundError``, ...)."""
 
 SAFETENSORS_PATTERNS = ["*.safetensors", "*.safetensors.index.json"]
 PICKLE_PATTERNS = ["*.bin", "*.bin.index.json"]
@@ -68,14 +74,20 @@ def download_members(
     revisions = _revisions(revision, len(model_ids))
     patterns = META_PATTERNS + SAFETENSORS_PATTERNS + (PICKLE_PATTERNS if allow_pickle else [])
 
-    def fetch(item: tuple[str, str | None]) -> Path:
-        model_id, rev = item
+    def fetch(item: tuple[int, str, str | None]) -> Path:
+        i, model_id, rev = item
         if os.path.isdir(model_id):
             return Path(model_id)
-        folder = snapshot_download(model_id, revision=rev, allow_patterns=patterns, **hub_kwargs)
-        return Path(folder)
+        name = f"member {i} ({model_id})" + (f" at revision {rev!r}" if rev else "")
+        try:
+            folder = Path(snapshot_download(model_id, revision=rev, allow_patterns=patterns, **hub_kwargs))
+        except Exception as exc:  # the hub client's errors, offline misses, network failures
+            raise MemberLoadError(f"{name}: {type(exc).__name__}: {exc}") from exc
+        if not allow_pickle and not any(folder.glob("*.safetensors")):
+            _refuse_if_pickle_only(model_id, folder.name, name, hub_kwargs)
+        return folder
 
-    items = list(zip(model_ids, revisions))
+    items = [(i, model_id, rev) for i, (model_id, rev) in enumerate(zip(model_ids, revisions))]
     with ThreadPoolExecutor(max_workers=max(1, min(max_workers, len(items)))) as pool:
         bar = hf_tqdm(total=len(items), desc="Fetching members", unit="member", disable=len(items) < 2)
         with bar:
@@ -84,6 +96,23 @@ def download_members(
                 paths.append(path)
                 bar.update(1)
     return paths
+
+
+def _refuse_if_pickle_only(model_id: str, sha: str, name: str, hub_kwargs: dict) -> None:
+    """The download skipped pickle files; ask the repo's file list whether that is all it has."""
+    if hub_kwargs.get("local_files_only"):
+        return
+    files = list_repo_files(model_id, revision=sha, token=hub_kwargs.get("token"))
+    if any(f.endswith(".bin") for f in files):
+        raise ValueError(
+            f"{name} has only pickle weights (*.bin), which can run arbitrary code when loaded. "
+            "Pass allow_pickle=True if you trust it."
+        )
+
+
+def commit_sha(folder: Path) -> str | None:
+    """The commit a snapshot folder of the Hub cache holds (its name), or None for a plain folder."""
+    return folder.name if re.fullmatch(r"[0-9a-f]{40}", folder.name) and folder.parent.name == "snapshots" else None
 
 
 def _weights_format(folder: Path, name: str, allow_pickle: bool) -> bool:
@@ -109,8 +138,9 @@ def load_members(
     allow_pickle: bool = False,
     trust_remote_code: bool = False,
     **hub_kwargs,
-) -> tuple[list[torch.nn.Module], list[str]]:
-    """Load every member with its own transformers class. Returns the models and their ids."""
+) -> tuple[list[torch.nn.Module], list[str], list[str | None]]:
+    """Load every member with its own transformers class. Returns the models, their ids, and the commit
+    sha each was loaded at (None for local folders)."""
     model_ids = list(model_ids)
     if not model_ids:
         raise ValueError("WideModel.from_pretrained needs at least one model id; got an empty list.")
@@ -128,7 +158,7 @@ def load_members(
     finally:
         if bars_were_on:
             transformers.utils.logging.enable_progress_bar()
-    return models, model_ids
+    return models, model_ids, [commit_sha(folder) for folder in folders]
 
 
 def _load_member(model_id, folder, name, torch_dtype, device, allow_pickle, trust_remote_code):

@@ -51,6 +51,7 @@ class WideModel(nn.Module):
         self.plan = plan
         self.fold = fold
         self.member_ids = list(member_ids)
+        self.member_revisions: list[str | None] = [None] * len(self.member_ids)  # commit shas, from the Hub
         self.member_configs = list(member_configs) if member_configs is not None else None
         self.member_generation_configs = member_generation_configs
         self._aliases = aliases
@@ -115,10 +116,10 @@ class WideModel(nn.Module):
             model_ids = [model_ids]
         allow_label_mismatch = kwargs.pop("allow_label_mismatch", False)
         validate = kwargs.pop("validate", False)
-        models, resolved = load_members(model_ids, **kwargs)
-        return cls.from_models(
-            models, validate=validate, allow_label_mismatch=allow_label_mismatch, member_ids=resolved
-        )
+        models, ids, revisions = load_members(model_ids, **kwargs)
+        wide = cls.from_models(models, validate=validate, allow_label_mismatch=allow_label_mismatch, member_ids=ids)
+        wide.member_revisions = revisions
+        return wide
 
     # ---------------------------------------------------------------- running
     @property

@@ -11,9 +11,10 @@ of the Hub API that ``huggingface_hub`` 2.4 and ``transformers`` 5 use to create
     POST /api/models/{id}/branch/{name}          POST /api/models/{id}/tag/{rev}
     HEAD|GET /{id}/resolve/{rev}/{path}          (Range requests answer 206)
 
-Storage is in memory; model repos only, with namespaced ids ("alice/tiny"). Each commit holds a full snapshot (path -> bytes; unchanged contents are
-shared objects). Every file is a regular git blob, never LFS or Xet, so its ETag is its git blob sha1, as the Hub
-does for small files. As on the Hub, a new repo starts with one commit that adds ``.gitattributes``.
+Storage is in memory; model repos only, with namespaced ids ("alice/tiny"). Each commit holds a full snapshot
+(path -> bytes; unchanged contents are shared objects). Every file is a regular git blob, never LFS or Xet, so its
+ETag is its git blob sha1, as the Hub does for small files. As on the Hub, a new repo starts with one commit that
+adds ``.gitattributes``; a private repo is readable by its namespace's owner only.
 
     with running_hub(tmp_path) as hub:          # or the ``hub`` pytest fixture below
         sha = hub.publish("alice/tiny", {"config.json": "{}"}, tag="v1")
@@ -257,8 +258,9 @@ class HubServer:
             if parts[1:] == ["whoami-v2"]:
                 if user is None:
                     raise HubError(401, "Invalid username or password.")
+                token = {"displayName": "test", "role": "write"}
                 return _json({"type": "user", "name": user, "fullname": user, "orgs": [],
-                              "auth": {"type": "access_token", "accessToken": {"displayName": "test", "role": "write"}}})
+                              "auth": {"type": "access_token", "accessToken": token}})
             if parts[1:] == ["validate-yaml"]:
                 return _json({"errors": [], "warnings": []})
             if parts[1:] == ["repos", "create"] and method == "POST":
@@ -466,13 +468,11 @@ class _Handler(BaseHTTPRequestHandler):
     do_GET = do_HEAD = do_POST = do_PUT = do_DELETE = _dispatch
 
 
-
-def _forget_transformers_api(endpoint: str | None = None) -> None:
-    """transformers.utils.hub caches one HfApi, whose endpoint was fixed when it was built: drop it (only if it
-    points at ``endpoint``, when given) so the next call builds one from the current constants."""
+def _forget_transformers_api(endpoint: str) -> None:
+    """transformers.utils.hub caches one HfApi, whose endpoint was fixed when it was built: drop it if it points at
+    ``endpoint`` (a server about to stop), so the next call builds one from the current constants."""
     module = sys.modules.get("transformers.utils.hub")
-    api = getattr(module, "_hf_api", None)
-    if api is not None and (endpoint is None or api.endpoint == endpoint):
+    if getattr(getattr(module, "_hf_api", None), "endpoint", None) == endpoint:
         module._hf_api = None
 
 
@@ -529,6 +529,6 @@ def running_hub(tmp_path: str | Path | None = None):
 @pytest.fixture
 def hub(tmp_path):
     """A running :class:`HubServer` the real client points at. Use it from another test module with
-    ``from hub_server import hub  # noqa: F401``."""
+    ``from hub_server import hub  # noqa: F401, F811``."""
     with running_hub(tmp_path) as server:
         yield server

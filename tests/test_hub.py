@@ -78,3 +78,57 @@ def test_a_folder_without_weights_is_refused(saved_members, tmp_path):
     (tmp_path / "config.json").write_text(open(f"{paths[0]}/config.json").read())
     with pytest.raises(FileNotFoundError, match="no model weights"):
         WideModel.from_pretrained([paths[0], str(tmp_path)])
+
+
+# ---------------------------------------------------------------- through the test Hub, over HTTP
+
+from hub_server import TOKEN, hub  # noqa: E402, F401  (the fixture)
+
+from hf_wide.hub import MemberLoadError  # noqa: E402
+
+
+@pytest.fixture
+def published(hub, saved_members):
+    """Three member repos on the test Hub; member 1's weights live on branch "seed-1" only."""
+    members, paths = saved_members
+    hub.publish("alice/seed-0", paths[0])
+    hub.publish("alice/seed-1", {"README.md": "placeholder on main"})
+    sha1 = hub.publish("alice/seed-1", paths[1], revision="seed-1")
+    hub.publish("alice/seed-2", paths[2], private=True)
+    return members, sha1
+
+
+def test_from_pretrained_over_http_is_exact_and_records_commits(hub, published):
+    members, sha1 = published
+    ids = ["alice/seed-0", "alice/seed-1", "alice/seed-2"]
+    wide = WideModel.from_pretrained(ids, revision=["main", "seed-1", None], token=TOKEN)
+    assert wide.member_ids == ids
+    assert wide.member_revisions[1] == sha1
+    assert all(len(sha) == 40 for sha in wide.member_revisions)
+    assert max_member_error(wide, members, CASES["bert-seqcls"].inputs(3, padded=True)) <= TOLERANCE
+    downloads = [r.path for r in hub.requests if "/resolve/" in r.path]
+    assert not any(p.endswith(".bin") for p in downloads)
+
+
+def test_private_member_without_token_names_the_member(hub, published):
+    with pytest.raises(MemberLoadError, match=r"member 1 \(alice/seed-2\).*RepositoryNotFoundError"):
+        WideModel.from_pretrained(["alice/seed-0", "alice/seed-2"])
+
+
+def test_missing_repo_and_revision_name_the_member(hub, published):
+    with pytest.raises(MemberLoadError, match=r"member 1 \(alice/nope\)"):
+        WideModel.from_pretrained(["alice/seed-0", "alice/nope"])
+    with pytest.raises(MemberLoadError, match=r"member 0 \(alice/seed-0\) at revision 'v9'.*Revision"):
+        WideModel.from_pretrained(["alice/seed-0"], revision="v9")
+
+
+def test_pickle_only_repo_is_refused(hub, saved_members, tmp_path):
+    members, _ = saved_members
+    folder = tmp_path / "pickled"
+    members[0].config.save_pretrained(folder)
+    torch.save(members[0].state_dict(), folder / "pytorch_model.bin")
+    hub.publish("alice/pickled", folder)
+    with pytest.raises(ValueError, match=r"alice/pickled.*only pickle weights"):
+        WideModel.from_pretrained(["alice/pickled"])
+    wide = WideModel.from_pretrained(["alice/pickled"], allow_pickle=True)
+    assert wide.num_members == 1

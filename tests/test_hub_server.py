@@ -22,7 +22,7 @@ from huggingface_hub.errors import (
     RepositoryNotFoundError,
     RevisionNotFoundError,
 )
-from hub_server import GITATTRIBUTES, TOKEN, USER, git_blob_sha, hub, running_hub  # noqa: F401 (hub: fixture)
+from hub_server import GITATTRIBUTES, TOKEN, USER, git_blob_sha, hub, running_hub  # noqa: F401, F811 (fixture)
 
 
 @pytest.fixture
@@ -31,11 +31,13 @@ def api(hub):
 
 
 def read_tree(folder):
-    return {
-        os.path.relpath(os.path.join(root, name), folder).replace(os.sep, "/"): open(os.path.join(root, name), "rb").read()
-        for root, _, names in os.walk(folder)
-        for name in names
-    }
+    """{posix path: bytes} of every file under ``folder`` (following the cache's symlinks)."""
+    files = {}
+    for root, _, names in os.walk(folder):
+        for name in names:
+            with open(os.path.join(root, name), "rb") as f:
+                files[os.path.relpath(f.name, folder).replace(os.sep, "/")] = f.read()
+    return files
 
 
 def test_upload_folder_then_download_same_bytes(hub, api, tmp_path):
@@ -119,7 +121,7 @@ def test_revisions_by_branch_tag_and_sha(hub, api):
         api.create_commit("alice/revs", [CommitOperationAdd("x", b"x")], commit_message="x", parent_commit=v1)
 
 
-def test_private_repo_needs_the_owners_token(hub, tmp_path):
+def test_private_repo_needs_the_owners_token(hub):
     hub.publish("alice/secret", {"config.json": "{}"}, private=True)
     anonymous, owner = HfApi(endpoint=hub.url), HfApi(endpoint=hub.url, token=TOKEN)
 
@@ -212,11 +214,26 @@ def test_transformers_from_pretrained(hub, api, tmp_path):
     assert all(torch.equal(expected[key], actual[key]) for key in expected)
 
 
+def test_publish_a_folder_on_a_new_branch(hub, api, tmp_path):
+    (tmp_path / ".git").mkdir()
+    (tmp_path / ".git" / "HEAD").write_text("ref: refs/heads/main")
+    (tmp_path / "config.json").write_text('{"v": 2}')
+    main = hub.publish("alice/branchy", {"config.json": '{"v": 1}'})
+    dev = hub.publish("alice/branchy", tmp_path, revision="dev", message="v2")
+
+    assert api.model_info("alice/branchy").sha == main
+    assert api.list_repo_files("alice/branchy", revision="dev") == [".gitattributes", "config.json"]  # no .git/
+    assert [c.title for c in api.list_repo_commits("alice/branchy", revision=dev)] == ["v2", "Upload folder",
+                                                                                         "initial commit"]
+
+
 def test_running_hub_restores_the_client(tmp_path):
-    before = (constants.ENDPOINT, constants.HUGGINGFACE_CO_URL_TEMPLATE, constants.HF_HUB_CACHE, os.environ.get("HF_ENDPOINT"))
+    def state():
+        return constants.ENDPOINT, constants.HUGGINGFACE_CO_URL_TEMPLATE, constants.HF_HUB_CACHE, os.getenv("HF_HOME")
+
+    before = state()
     with running_hub(tmp_path) as server:
         assert constants.ENDPOINT == server.url and constants.HF_HUB_CACHE.startswith(str(tmp_path))
         server.publish("alice/x", {"f": "1"})
         assert open(hf_hub_download("alice/x", "f")).read() == "1"
-    after = (constants.ENDPOINT, constants.HUGGINGFACE_CO_URL_TEMPLATE, constants.HF_HUB_CACHE, os.environ.get("HF_ENDPOINT"))
-    assert after == before
+    assert state() == before
