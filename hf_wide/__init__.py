@@ -1,6 +1,6 @@
 """hf-wide: run N fine-tuned checkpoints of one architecture as one wide model."""
 
-from . import primitives  # noqa: F401  (fills the registry)
+from . import blocks, primitives  # noqa: F401  (fill the registries)
 from .compat import IncompatibleMembersError
 from .fold import PerMember
 from .model import WideModel, WideValidationError

@@ -2,6 +2,8 @@
 
 Rules, in order, for a module M with parameters or buffers of its own:
 
+0. **block** if M's exact class has a fused block (attention, MLP) that accepts it, M's subtree differs
+   between members, and nothing outside the subtree reads its tensors: the whole subtree is fused;
 1. **shared** if its tensors are identical in every member: one copy serves all;
 2. **fallback** at the lowest common ancestor of M and the modules that read M's tensors, if some
    module other than M reads them (DeBERTa's relative embeddings are read by the encoder);
@@ -22,7 +24,7 @@ import torch
 from torch import nn
 
 from .plan import Kind, ModulePlan, WidePlan
-from .registry import find_wide
+from .registry import find_block, find_wide
 from .tracer import Trace, module_flops, sample_inputs, trace
 
 
@@ -78,7 +80,18 @@ def make_plan(
     entries: dict[str, ModulePlan] = {}
     fallback_roots: dict[str, str] = {}
 
+    blocks: list[str] = []
     for fqn, module in template.named_modules():
+        if any(_is_under(fqn, root) for root in blocks):
+            continue
+        block_cls = find_block(module)
+        if block_cls is not None and _fusable(fqn, member_modules, aliases, trace, share_identical):
+            blocks.append(fqn)
+            entries[fqn] = ModulePlan(
+                fqn=fqn, module_class=type(module).__name__, kind=Kind.BLOCK, wide_class=block_cls.__name__,
+                params=sum(p.numel() for p in module.parameters()), flops=flops.get(fqn, 0),
+            )
+            continue
         tensors = direct_tensors(module)
         if not tensors:
             continue
@@ -140,13 +153,31 @@ def make_plan(
     )
 
 
-def _outside_readers(fqn: str, names: list[str], aliases: dict[str, list[str]], trace: Trace) -> list[tuple[str, str]]:
-    """(tensor name, reader path) for each read of the module's tensors by a module that does not own them."""
+def _fusable(fqn: str, member_modules, aliases, trace: Trace, share_identical: bool) -> bool:
+    """A block candidate fuses if its subtree differs between members (else it is shared), no module
+    outside it reads its tensors, and none of its ops mixes batch rows."""
+    subtrees = [dict(modules[fqn].named_modules(prefix=fqn)) for modules in member_modules]
+    differs = not share_identical
+    for path, module in subtrees[0].items():
+        names = list(direct_tensors(module))
+        if _outside_readers(path, names, aliases, trace, within=fqn):
+            return False
+        differs = differs or any(
+            not _same([direct_tensors(subtree[path])[name] for subtree in subtrees]) for name in names
+        )
+    return differs and not any(_is_under(path, fqn) for path in trace.mixing)
+
+
+def _outside_readers(
+    fqn: str, names: list[str], aliases: dict[str, list[str]], trace: Trace, within: str | None = None
+) -> list[tuple[str, str]]:
+    """(tensor name, reader path) for each read of the module's tensors by a module that does not own them
+    (or, with ``within``, by a module outside that subtree)."""
     found = []
     for name in names:
         full = f"{fqn}.{name}" if fqn else name
         names_of_tensor = aliases.get(full, [full])
-        owners = [n.rsplit(".", 1)[0] if "." in n else "" for n in names_of_tensor]
+        owners = [within] if within is not None else [n.rsplit(".", 1)[0] if "." in n else "" for n in names_of_tensor]
         readers = set().union(*(trace.users.get(n, set()) for n in names_of_tensor))
         for reader in sorted(readers):
             if not any(_is_under(reader, owner) for owner in owners):

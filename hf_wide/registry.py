@@ -18,6 +18,7 @@ from __future__ import annotations
 from torch import nn
 
 _REGISTRY: dict[type[nn.Module], type] = {}
+_BLOCKS: dict[type[nn.Module], type] = {}
 
 
 def register_wide(*module_classes: type[nn.Module]):
@@ -30,6 +31,27 @@ def register_wide(*module_classes: type[nn.Module]):
         return wide_cls
 
     return decorator
+
+
+def register_block(*module_classes: type[nn.Module]):
+    """Class decorator: register a fused block, which replaces a whole module *with its children*
+    (an attention or MLP block) instead of one leaf layer. Same contract as :func:`register_wide`, plus
+    ``accepts(module) -> bool`` to decline instances it cannot fuse."""
+
+    def decorator(block_cls: type) -> type:
+        for module_class in module_classes:
+            _BLOCKS[module_class] = block_cls
+        block_cls.source_classes = tuple(getattr(block_cls, "source_classes", ())) + module_classes
+        return block_cls
+
+    return decorator
+
+
+def find_block(module: nn.Module) -> type | None:
+    """The fused block for this exact module class, if one is registered and accepts the instance.
+    Exact class, not MRO: a subclass may change the forward the block reimplements."""
+    block_cls = _BLOCKS.get(type(module))
+    return block_cls if block_cls is not None and block_cls.accepts(module) else None
 
 
 def find_wide(module_class: type[nn.Module]) -> type | None:

@@ -17,7 +17,8 @@ from .fold import Fold
 from .plan import Kind, WidePlan
 from .planner import tensor_aliases
 from .primitives import PerMemberFallback, WideModule
-from .registry import get_wide
+from .blocks import WideBlock
+from .registry import find_block, get_wide
 
 
 def build_wide(members: Sequence[nn.Module], plan: WidePlan, fold: Fold) -> nn.Module:
@@ -27,7 +28,9 @@ def build_wide(members: Sequence[nn.Module], plan: WidePlan, fold: Fold) -> nn.M
     memo = {}
     for fqn, entry in plan.entries.items():
         mods = [modules[fqn] for modules in per_member]
-        if entry.kind == Kind.PRIMITIVE:
+        if entry.kind == Kind.BLOCK:
+            memo[id(mods[0])] = find_block(mods[0]).from_modules(mods, fold)
+        elif entry.kind == Kind.PRIMITIVE:
             memo[id(mods[0])] = get_wide(type(mods[0])).from_modules(mods, fold)
         elif entry.kind == Kind.FALLBACK:
             memo[id(mods[0])] = PerMemberFallback.from_modules([copy.deepcopy(m) for m in mods], fold)
@@ -42,7 +45,7 @@ def member_copy(wide: nn.Module, i: int, aliases: dict[str, list[str]], memo: di
     """Member i of a folded model as an ordinary module: every swapped module replaced by its i-th member."""
     memo = dict(memo or {})
     for module in wide.modules():
-        if isinstance(module, WideModule):
+        if isinstance(module, (WideModule, WideBlock)):
             memo[id(module)] = module.to_module(i)
         elif isinstance(module, PerMemberFallback):
             memo[id(module)] = copy.deepcopy(module.to_module(i))

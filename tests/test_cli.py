@@ -17,8 +17,8 @@ def test_trace_prints_the_plan_of_saved_members(tmp_path, capsys):
     assert main(["trace", *paths]) == 0
     out = capsys.readouterr().out
     assert "LlamaForCausalLM x 2 members" in out
-    assert "model.layers.0.self_attn.q_proj" in out and "WideLinear" in out
-    assert "WideLlamaRMSNorm" in out and "MFLOPs" in out
+    assert "model.layers.0.self_attn" in out and "WideAttention" in out and "WideGatedMLP" in out
+    assert "WideLlamaRMSNorm" in out and "WideLinear" in out and "MFLOPs" in out
 
 
 def test_trace_of_one_checkpoint_shows_the_architectures_plan(tmp_path, capsys):

@@ -18,11 +18,13 @@ from ..fold import Fold
 
 
 def meta_copy(module: nn.Module) -> nn.Module:
-    """A copy of ``module`` (not its children) on the meta device: its hyper-parameters, no data."""
+    """A copy of ``module`` and its children on the meta device: hyper-parameters and structure, no data."""
     memo = {}
-    for name, t in (*module._parameters.items(), *module._buffers.items()):
-        if t is not None:
-            memo[id(t)] = nn.Parameter(t.to("meta"), t.requires_grad) if isinstance(t, nn.Parameter) else t.to("meta")
+    for sub in module.modules():
+        for t in (*sub._parameters.values(), *sub._buffers.values()):
+            if t is not None and id(t) not in memo:
+                meta = t.to("meta")
+                memo[id(t)] = nn.Parameter(meta, t.requires_grad) if isinstance(t, nn.Parameter) else meta
     return copy.deepcopy(module, memo)
 
 

@@ -6,8 +6,24 @@ import torch
 from torch import nn
 from transformers.pytorch_utils import Conv1D
 
+from ..fold import Fold
 from ..registry import register_wide
 from .base import WideModule
+
+
+def wide_linear(fold: Fold, x: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """Every member's ``x @ W + b`` in one batched matmul.
+
+    x: (N*B, ..., D_in) member-major, or a broadcast (1, ..., D_in); weight_t: (N, D_in, D_out);
+    bias: (N, D_out) or None. Returns (N*B, ..., D_out).
+    """
+    xm = fold.split(x)  # (N, b, ..., D_in)
+    flat = xm.reshape(xm.shape[0], -1, xm.shape[-1])  # (N, b*..., D_in)
+    if bias is None:
+        y = torch.bmm(flat, weight_t)
+    else:
+        y = torch.baddbmm(bias.unsqueeze(1), flat, weight_t)  # (N, b*..., D_out)
+    return fold.merge(y.view(*xm.shape[:-1], y.shape[-1]))
 
 
 @register_wide(nn.Linear)
@@ -16,14 +32,7 @@ class WideLinear(WideModule):
     ``WideEmbedding`` table (N, V, D) stays one tensor. ``bias``: (N, D_out)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: (N*B, ..., D_in)
-        xm = self.fold.split(x)  # (N, b, ..., D_in)
-        flat = xm.reshape(xm.shape[0], -1, xm.shape[-1])  # (N, b*..., D_in)
-        weight_t = self.weight.transpose(1, 2)  # (N, D_in, D_out), a view
-        if self.bias is None:
-            y = torch.bmm(flat, weight_t)
-        else:
-            y = torch.baddbmm(self.bias.unsqueeze(1), flat, weight_t)  # (N, b*..., D_out)
-        return self.fold.merge(y.view(*xm.shape[:-1], y.shape[-1]))
+        return wide_linear(self.fold, x, self.weight.transpose(1, 2), self.bias)  # weight.T: a view
 
 
 @register_wide(Conv1D)
@@ -31,11 +40,5 @@ class WideConv1D(WideModule):
     """N transformers ``Conv1D`` layers (GPT-2). Conv1D stores its weight transposed, ``(D_in, D_out)``, so
     the stacked weight (N, D_in, D_out) feeds ``baddbmm`` as it is."""
 
-    def setup(self, proto: Conv1D) -> None:
-        self.nf = proto.nf
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: (N*B, ..., D_in)
-        xm = self.fold.split(x)
-        flat = xm.reshape(xm.shape[0], -1, xm.shape[-1])  # (N, b*..., D_in)
-        y = torch.baddbmm(self.bias.unsqueeze(1), flat, self.weight)  # (N, b*..., D_out)
-        return self.fold.merge(y.view(*xm.shape[:-1], self.nf))
+        return wide_linear(self.fold, x, self.weight, self.bias)

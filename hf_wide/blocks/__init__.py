@@ -1,0 +1,7 @@
+"""Fused (Flux-style) blocks. Importing this package fills the block registry."""
+
+from .attention import WideAttention
+from .base import WideBlock
+from .mlp import WideGatedMLP, WidePlainMLP
+
+__all__ = ["WideAttention", "WideBlock", "WideGatedMLP", "WidePlainMLP"]

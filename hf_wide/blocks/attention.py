@@ -1,0 +1,130 @@
+"""WideAttention: Q, K and V of every member in one matmul, then one attention call over all N*B rows.
+
+Covers the attention modules whose forward is "project q/k/v, (rotary), (cache), attention interface,
+(output projection)": BERT, RoBERTa, ELECTRA (``query/key/value``, output projection in the next module),
+Llama, Mistral, Qwen2 (``q_proj/k_proj/v_proj/o_proj``, rotary, grouped KV heads) and ViT. The attention
+itself goes through transformers' attention interface (sdpa, eager, ...) exactly as the source does.
+GPT-2 (``c_attn``) and Phi-3 (``qkv_proj``) already fuse their projections, so their primitives suffice.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+from transformers.cache_utils import EncoderDecoderCache
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+from transformers.models.bert.modeling_bert import BertSelfAttention
+from transformers.models.electra.modeling_electra import ElectraSelfAttention
+from transformers.models.llama.modeling_llama import LlamaAttention
+from transformers.models.mistral.modeling_mistral import MistralAttention
+from transformers.models.qwen2.modeling_qwen2 import Qwen2Attention
+from transformers.models.roberta.modeling_roberta import RobertaSelfAttention
+from transformers.models.vit.modeling_vit import ViTAttention
+
+from ..primitives.linear import WideLinear, wide_linear
+from ..registry import register_block
+from .base import WideBlock, stack_cat
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionLayout:
+    """Where a family keeps its projections and how its forward is called."""
+
+    qkv: tuple[str, str, str]
+    out: str | None  # output projection inside the module (None: BERT keeps it in BertSelfOutput)
+    head_dim: str  # attribute holding the head size
+    dropout: str  # attribute holding the attention dropout probability ("dropout.p" for BERT)
+    arg_names: tuple[str, ...]  # positional order of the source forward's arguments
+    rotary: bool = False
+
+
+BERT = AttentionLayout(("query", "key", "value"), None, "attention_head_size", "dropout.p",
+                       ("hidden_states", "attention_mask", "past_key_values"))
+LLAMA = AttentionLayout(("q_proj", "k_proj", "v_proj"), "o_proj", "head_dim", "attention_dropout",
+                        ("hidden_states", "position_embeddings", "attention_mask", "past_key_values"), rotary=True)
+VIT = AttentionLayout(("q_proj", "k_proj", "v_proj"), "o_proj", "head_dim", "attention_dropout",
+                      ("hidden_states", "attention_mask"))
+LAYOUTS = {
+    BertSelfAttention: BERT, RobertaSelfAttention: BERT, ElectraSelfAttention: BERT,
+    LlamaAttention: LLAMA, MistralAttention: LLAMA, Qwen2Attention: LLAMA,
+    ViTAttention: VIT,
+}
+
+
+@register_block(*LAYOUTS)
+class WideAttention(WideBlock):
+    """``qkv_weight``: (N, D_q + 2*D_kv, D) — each member's q, k and v weights stacked along the outputs;
+    ``qkv_bias``: (N, D_q + 2*D_kv) or None; ``o_proj``: a WideLinear (or absent)."""
+
+    @classmethod
+    def accepts(cls, module: nn.Module) -> bool:
+        layout = LAYOUTS[type(module)]
+        with_bias = [module.get_submodule(n).bias is not None for n in layout.qkv]
+        return all(with_bias) or not any(with_bias)  # one fused bias, or none
+
+    def build(self, mods: Sequence[nn.Module]) -> None:
+        layout = self.layout = LAYOUTS[type(mods[0])]
+        source = sys.modules[type(mods[0]).__module__]  # the family's own eager attention and rotary code
+        self._eager = source.eager_attention_forward
+        self._rotary = source.apply_rotary_pos_emb if layout.rotary else None
+        self.sizes = [mods[0].get_submodule(n).out_features for n in layout.qkv]
+        self.qkv_weight = nn.Parameter(stack_cat(mods, layout.qkv, "weight"))
+        bias = stack_cat(mods, layout.qkv, "bias")
+        self.qkv_bias = None if bias is None else nn.Parameter(bias)
+        if layout.out is not None:
+            self.o_proj = WideLinear.from_modules([m.get_submodule(layout.out) for m in mods], self.fold)
+        self._head_dim = getattr(mods[0], layout.head_dim)
+        owner, _, attr = layout.dropout.rpartition(".")
+        self._dropout_p = getattr(mods[0].get_submodule(owner), attr)
+
+    def member_state_dict(self, i: int) -> dict[str, torch.Tensor]:
+        state = {}
+        for name, weight in zip(self.layout.qkv, self.qkv_weight[i].split(self.sizes)):
+            state[f"{name}.weight"] = weight
+        if self.qkv_bias is not None:
+            for name, bias in zip(self.layout.qkv, self.qkv_bias[i].split(self.sizes)):
+                state[f"{name}.bias"] = bias
+        if self.layout.out is not None:
+            for key, value in self.o_proj.to_module(i).state_dict().items():
+                state[f"{self.layout.out}.{key}"] = value
+        return state
+
+    def forward(self, *args, **kwargs):
+        kwargs.update(zip(self.layout.arg_names, args))
+        hidden_states = kwargs.pop("hidden_states")  # (N*B, T, D)
+        attention_mask = kwargs.pop("attention_mask", None)
+        position_embeddings = kwargs.pop("position_embeddings", None)
+        past_key_values = kwargs.pop("past_key_values", None)
+        input_shape = hidden_states.shape[:-1]
+        hidden_shape = (*input_shape, -1, self._head_dim)
+
+        qkv = wide_linear(self.fold, hidden_states, self.qkv_weight.transpose(1, 2), self.qkv_bias)
+        query, key, value = (t.view(hidden_shape).transpose(1, 2) for t in qkv.split(self.sizes, dim=-1))
+        # query: (N*B, H, T, hd); key, value: (N*B, H_kv, T, hd)
+
+        if self._rotary is not None:
+            cos, sin = position_embeddings
+            query, key = self._rotary(query, key, cos, sin)
+        if past_key_values is not None:
+            cache = past_key_values
+            if isinstance(cache, EncoderDecoderCache):
+                cache = cache.self_attention_cache
+            key, value = cache.update(key, value, self.layer_idx)
+
+        interface = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, self._eager)
+        if getattr(self, "sliding_window", None) is not None:  # Qwen2: per layer
+            kwargs["sliding_window"] = self.sliding_window
+        elif type(self.proto) is MistralAttention:
+            kwargs["sliding_window"] = getattr(self.config, "sliding_window", None)
+        attn_output, attn_weights = interface(
+            self, query, key, value, attention_mask,
+            dropout=0.0 if not self.training else self._dropout_p, scaling=self.scaling, **kwargs,
+        )
+        attn_output = attn_output.reshape(*input_shape, -1).contiguous()  # (N*B, T, H*hd)
+        if self.layout.out is not None:
+            attn_output = self.o_proj(attn_output)
+        return attn_output, attn_weights

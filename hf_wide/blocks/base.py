@@ -1,0 +1,78 @@
+"""The base class of fused (Flux-style) blocks: one wide module in place of a whole sub-structure.
+
+A block replaces a module *and its children* (an attention layer with its q/k/v/o projections, a gated
+MLP) and fuses what the primitives would run separately: one matmul for Q, K and V of every member, one
+for gate and up. It reimplements its source's forward, so it registers for exact classes only.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from ..fold import Fold
+from ..primitives.base import meta_copy
+
+
+class WideBlock(nn.Module):
+    """N members' copies of one block, fused. Subclasses implement ``build``, ``member_state_dict`` and
+    ``forward``; plain attributes of the source module (``config``, ``is_causal``, ``scaling``, ...) are
+    copied over, since transformers' attention functions read them from the module they are given."""
+
+    source_classes: tuple[type[nn.Module], ...] = ()
+
+    def __init__(self, fold: Fold, proto: nn.Module):
+        super().__init__()
+        for name, value in vars(proto).items():
+            if not name.startswith("_") and name != "training" and not isinstance(value, (nn.Module, torch.Tensor)):
+                setattr(self, name, value)
+        self.fold = fold
+        object.__setattr__(self, "proto", proto)  # the source on the meta device; not a child
+
+    @property
+    def num_members(self) -> int:
+        return self.fold.num_members
+
+    @classmethod
+    def accepts(cls, module: nn.Module) -> bool:
+        return True
+
+    @classmethod
+    def from_modules(cls, mods: Sequence[nn.Module], fold: Fold) -> "WideBlock":
+        if len(mods) != fold.num_members:
+            raise ValueError(f"{cls.__name__} needs {fold.num_members} modules, got {len(mods)}.")
+        block = cls(fold, meta_copy(mods[0]))
+        block.build(mods)
+        return block
+
+    def build(self, mods: Sequence[nn.Module]) -> None:
+        raise NotImplementedError
+
+    def member_state_dict(self, i: int) -> dict[str, torch.Tensor]:
+        """Member i's tensors under the source module's own names."""
+        raise NotImplementedError
+
+    def to_module(self, i: int) -> nn.Module:
+        """Member i as an ordinary module of the source class, with storage of its own."""
+        mod = copy.deepcopy(self.proto)
+        state = {k: v.detach().clone() for k, v in self.member_state_dict(i).items()}
+        mod.load_state_dict(state, strict=True, assign=True)  # keeps the source's requires_grad
+        return mod
+
+    def to_modules(self) -> list[nn.Module]:
+        return [self.to_module(i) for i in range(self.num_members)]
+
+    def extra_repr(self) -> str:
+        return f"num_members={self.num_members}, source={type(self.proto).__name__}"
+
+
+def stack_cat(mods: Sequence[nn.Module], names: Sequence[str], attr: str) -> torch.Tensor | None:
+    """For each member, concatenate ``getattr(sub, attr)`` of its submodules ``names`` along dim 0, then
+    stack the members: N x (sum of D_out_j, ...) -> (N, sum D_out_j, ...). None if the first is None."""
+    first = getattr(mods[0].get_submodule(names[0]), attr)
+    if first is None:
+        return None
+    return torch.stack([torch.cat([getattr(m.get_submodule(n), attr).detach() for n in names]) for m in mods])

@@ -1,0 +1,75 @@
+"""WideMLP: gated MLPs with gate and up fused into one matmul for every member, and plain two-layer MLPs.
+
+Gated (Llama, Mistral, Qwen2): ``down(act(gate(x)) * up(x))`` becomes one matmul with the members' gate
+and up weights side by side, ``act(g) * u``, and one matmul for down. Plain (ViT): ``fc2(act(fc1(x)))``
+with both matmuls called directly, without a module call per projection.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+from transformers.models.llama.modeling_llama import LlamaMLP
+from transformers.models.mistral.modeling_mistral import MistralMLP
+from transformers.models.qwen2.modeling_qwen2 import Qwen2MLP
+from transformers.models.vit.modeling_vit import ViTMLP
+
+from ..primitives.base import WideModule
+from ..primitives.linear import WideLinear, wide_linear
+from ..registry import register_block
+from .base import WideBlock, stack_cat
+
+
+def _prefixed(prefix: str, module: WideModule, i: int) -> dict[str, torch.Tensor]:
+    return {f"{prefix}.{k}": v for k, v in module.to_module(i).state_dict().items()}
+
+
+@register_block(LlamaMLP, MistralMLP, Qwen2MLP)
+class WideGatedMLP(WideBlock):
+    """``gate_up_weight``: (N, 2*I, D), gate rows then up rows; ``gate_up_bias``: (N, 2*I) or None;
+    ``down_proj``: a WideLinear."""
+
+    @classmethod
+    def accepts(cls, module: nn.Module) -> bool:
+        return (module.gate_proj.bias is None) == (module.up_proj.bias is None)
+
+    def build(self, mods: Sequence[nn.Module]) -> None:
+        self.intermediate = mods[0].gate_proj.out_features
+        self.gate_up_weight = nn.Parameter(stack_cat(mods, ("gate_proj", "up_proj"), "weight"))
+        bias = stack_cat(mods, ("gate_proj", "up_proj"), "bias")
+        self.gate_up_bias = None if bias is None else nn.Parameter(bias)
+        self.down_proj = WideLinear.from_modules([m.down_proj for m in mods], self.fold)
+        self.act_fn = mods[0].act_fn
+
+    def member_state_dict(self, i: int) -> dict[str, torch.Tensor]:
+        gate_w, up_w = self.gate_up_weight[i].split(self.intermediate)
+        state = {"gate_proj.weight": gate_w, "up_proj.weight": up_w, **_prefixed("down_proj", self.down_proj, i)}
+        if self.gate_up_bias is not None:
+            state["gate_proj.bias"], state["up_proj.bias"] = self.gate_up_bias[i].split(self.intermediate)
+        return state
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: (N*B, T, D)
+        gate_up = wide_linear(self.fold, x, self.gate_up_weight.transpose(1, 2), self.gate_up_bias)  # (N*B, T, 2I)
+        gate, up = gate_up.split(self.intermediate, dim=-1)
+        return self.down_proj(self.act_fn(gate) * up)
+
+
+@register_block(ViTMLP)
+class WidePlainMLP(WideBlock):
+    """``fc1``, ``fc2``: WideLinears; the activation in between, as in the source."""
+
+    ACTIVATION = {ViTMLP: "activation_fn"}
+
+    def build(self, mods: Sequence[nn.Module]) -> None:
+        self.fc1 = WideLinear.from_modules([m.fc1 for m in mods], self.fold)
+        self.fc2 = WideLinear.from_modules([m.fc2 for m in mods], self.fold)
+        self.act = getattr(mods[0], self.ACTIVATION[type(mods[0])])
+
+    def member_state_dict(self, i: int) -> dict[str, torch.Tensor]:
+        return {**_prefixed("fc1", self.fc1, i), **_prefixed("fc2", self.fc2, i)}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: (N*B, T, D)
+        h = wide_linear(self.fold, x, self.fc1.weight.transpose(1, 2), self.fc1.bias)  # (N*B, T, I)
+        return wide_linear(self.fold, self.act(h), self.fc2.weight.transpose(1, 2), self.fc2.bias)
