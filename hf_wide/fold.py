@@ -23,19 +23,31 @@ from torch.utils import _pytree as pytree
 
 @dataclasses.dataclass
 class Fold:
-    """N, and the rows of the forward in flight. Also the forward pre-hook that records them."""
+    """N, and the rows of the forward in flight. Also the forward pre-hook that records them.
+
+    The rows are held as the shape of an empty ``(N*B, 0)`` tensor, not as an int: ``torch.compile``
+    would bake an int attribute into its guards and recompile for every batch size, while a tensor's
+    size stays symbolic.
+    """
 
     num_members: int
-    rows: int | None = None  # N*B of the current forward; None outside a forward
+    anchor: torch.Tensor | None = None  # (N*B, 0) during a forward, else None
+
+    @property
+    def rows(self) -> int | None:
+        return None if self.anchor is None else self.anchor.shape[0]
 
     @property
     def batch(self) -> int | None:
-        return None if self.rows is None else self.rows // self.num_members
+        return None if self.anchor is None else self.anchor.shape[0] // self.num_members
+
+    def reset(self) -> None:
+        self.anchor = None
 
     def split(self, x: torch.Tensor) -> torch.Tensor:
         """(N*B, *rest) -> (N, B, *rest); a broadcast (1, *rest) -> (N, 1, *rest) without a copy."""
         n = self.num_members
-        if x.shape[0] == 1 and self.rows not in (None, 1) and n > 1:
+        if x.shape[0] == 1 and n > 1:  # N*B rows are at least N: one row is a broadcast
             return x.unsqueeze(0).expand(n, *x.shape)
         if x.shape[0] % n:
             raise RuntimeError(
@@ -46,17 +58,15 @@ class Fold:
 
     def merge(self, y: torch.Tensor) -> torch.Tensor:
         """(N, b, *rest) -> (N*B, *rest), expanding a broadcast b == 1 to the B rows of the forward."""
-        n, b = y.shape[:2]
-        batch = self.batch
-        if b == 1 and batch is not None and batch != 1:
-            y = y.expand(n, batch, *y.shape[2:])
+        if y.shape[1] == 1 and self.anchor is not None:  # only a broadcast needs the batch size
+            y = y.expand(y.shape[0], self.batch, *y.shape[2:])
         return y.reshape(-1, *y.shape[2:])
 
     def __call__(self, module, args, kwargs):
         """Forward pre-hook on the folded model: record the rows of this forward (also inside generate)."""
         for value in (*args, *kwargs.values()):
             if isinstance(value, torch.Tensor) and value.dim() > 0:
-                self.rows = value.shape[0]
+                self.anchor = value.new_empty(value.shape[0], 0)
                 break
         return None
 
@@ -114,7 +124,7 @@ def fold_inputs(n: int, args: tuple, kwargs: dict) -> tuple[tuple, dict, int]:
         if isinstance(value, PerMember):
             return value.tensor.reshape(-1, *value.tensor.shape[2:])
         if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape[0] == batch:
-            return value.unsqueeze(0).expand(n, *value.shape).reshape(-1, *value.shape[1:])
+            return value.repeat(n, *([1] * (value.dim() - 1)))  # member-major and contiguous
         return value
 
     return tuple(fold(a) for a in args), {k: fold(v) for k, v in kwargs.items()}, batch

@@ -138,7 +138,7 @@ class WideModel(nn.Module):
         try:
             outputs = self.model(*args, **kwargs)
         finally:
-            self.fold.rows = None
+            self.fold.reset()
         return unfold_outputs(outputs, n, batch)
 
     @torch.no_grad()
@@ -153,7 +153,7 @@ class WideModel(nn.Module):
         try:
             out = self.model.generate(*args, **kwargs)
         finally:
-            self.fold.rows = None
+            self.fold.reset()
         sequences = out if isinstance(out, torch.Tensor) else out.sequences
         return sequences.view(n, -1, sequences.shape[-1])
 
@@ -166,6 +166,18 @@ class WideModel(nn.Module):
             )
             self._warned_shared = True
         return super().train(mode)
+
+    def compile(self, **compile_kwargs) -> "WideModel":
+        """Compile the whole wide forward (folding included) in place with ``torch.compile``.
+
+        Batch and sequence lengths vary from call to call, so shapes are dynamic by default
+        (``dynamic=True``): one graph serves every batch size above 1 and every sequence length, with no
+        padding to buckets (batch size 1 gets a graph of its own, as torch specialises size-1 dims).
+        Other ``torch.compile`` arguments (``mode=``, ``backend=``, ``fullgraph=``) pass through.
+        """
+        compile_kwargs.setdefault("dynamic", True)
+        super().compile(**compile_kwargs)
+        return self
 
     # ---------------------------------------------------------------- members
     def member(self, i: int) -> nn.Module:

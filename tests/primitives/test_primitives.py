@@ -65,7 +65,7 @@ def test_member_i_equals_module_i(case):
     name, mods, wide, fold, shape = case
     x = sample(name, shape)
     folded = x.unsqueeze(0).expand(N, *x.shape).reshape(N * x.shape[0], *x.shape[1:])
-    fold.rows = folded.shape[0]
+    fold.anchor = torch.empty(folded.shape[0], 0)
     with torch.no_grad():
         out = wide(folded).view(N, *mods[0](x).shape)
         for i, mod in enumerate(mods):
@@ -87,7 +87,7 @@ def test_broadcast_leading_one_gives_all_rows(case):
     if name.startswith("batchnorm"):
         pytest.skip("BatchNorm is never fed broadcast inputs")
     x = sample(name, (1, *shape[1:]))
-    fold.rows = N * B
+    fold.anchor = torch.empty(N * B, 0)
     with torch.no_grad():
         out = wide(x)
         assert out.shape[0] == N * B
@@ -101,7 +101,7 @@ def test_batchnorm_training_uses_each_members_own_rows():
     fold = Fold(N)
     wide = get_wide(nn.BatchNorm2d).from_modules(mods, fold).train()
     xs = [sample("bn", (B, 4, 3, 3), seed=s) for s in range(N)]
-    fold.rows = N * B
+    fold.anchor = torch.empty(N * B, 0)
     out = wide(torch.cat(xs)).view(N, B, 4, 3, 3)
     for i, mod in enumerate(mods):
         assert (out[i] - mod(xs[i])).abs().max() <= 1e-5
