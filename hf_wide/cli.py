@@ -50,6 +50,10 @@ def build_parser() -> argparse.ArgumentParser:
     make.add_argument("--members", type=int, default=8)
     make.add_argument("--seed", type=int, default=0)
     make.set_defaults(func=_make_demo_members)
+
+    from .benchmark import register_cli
+
+    register_cli(sub)
     return parser
 
 

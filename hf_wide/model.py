@@ -180,8 +180,9 @@ class WideModel(nn.Module):
         return self
 
     # ---------------------------------------------------------------- members
-    def member(self, i: int) -> nn.Module:
-        """Member i as an ordinary model (its own class, config and weights): the inverse of fusion."""
+    def member(self, i: int, share: bool = False) -> nn.Module:
+        """Member i as an ordinary model (its own class, config and weights): the inverse of fusion.
+        With ``share=True`` its tensors are views into the wide model's: no memory, but one storage."""
         if not -self.num_members <= i < self.num_members:
             raise IndexError(f"member {i} out of range for {self.num_members} members")
         i %= self.num_members
@@ -191,7 +192,7 @@ class WideModel(nn.Module):
         gen = getattr(self.model, "generation_config", None)
         if gen is not None and self.member_generation_configs and self.member_generation_configs[i] is not None:
             memo[id(gen)] = copy.deepcopy(self.member_generation_configs[i])
-        return member_copy(self.model, i, self._aliases, memo)
+        return member_copy(self.model, i, self._aliases, memo, share=share)
 
     def validate(self, models: Sequence[nn.Module], args: tuple = (), kwargs: dict | None = None, *, atol=1e-4):
         """Check member i of the fused model against ``models[i]`` run alone on the given inputs."""

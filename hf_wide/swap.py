@@ -41,14 +41,18 @@ def build_wide(members: Sequence[nn.Module], plan: WidePlan, fold: Fold) -> nn.M
     return wide
 
 
-def member_copy(wide: nn.Module, i: int, aliases: dict[str, list[str]], memo: dict | None = None) -> nn.Module:
-    """Member i of a folded model as an ordinary module: every swapped module replaced by its i-th member."""
+def member_copy(
+    wide: nn.Module, i: int, aliases: dict[str, list[str]], memo: dict | None = None, share: bool = False
+) -> nn.Module:
+    """Member i of a folded model as an ordinary module: every swapped module replaced by its i-th member.
+    With ``share=True`` every tensor is a view into the wide model's (no copy)."""
     memo = dict(memo or {})
+    if share:  # shared modules' tensors: the same objects
+        memo.update({id(t): t for t in (*wide.parameters(), *wide.buffers())})
     for module in wide.modules():
-        if isinstance(module, (WideModule, WideBlock)):
-            memo[id(module)] = module.to_module(i)
-        elif isinstance(module, PerMemberFallback):
-            memo[id(module)] = copy.deepcopy(module.to_module(i))
+        if isinstance(module, (WideModule, WideBlock, PerMemberFallback)) and id(module) not in memo:
+            memo[id(module)] = module.to_module(i, share=share)
+            memo.update({id(sub): sub for sub in module.modules() if sub is not module})  # inside it: skip
     member = memo[id(wide)] if id(wide) in memo else copy.deepcopy(wide, memo)
     for module in member.modules():  # the fold hook belongs to the wide model only
         for key, hook in list(module._forward_pre_hooks.items()):

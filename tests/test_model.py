@@ -41,6 +41,17 @@ def test_member_runs_alone_and_shares_no_storage(fused, case_id):
     assert back.config._name_or_path == members[1].config._name_or_path
 
 
+@pytest.mark.parametrize("case_id", ["bert-seqcls", "llama-causallm", "vit-imgcls"])
+def test_member_views_share_storage_and_run_alone(fused, case_id):
+    members, wide = fused(case_id)
+    view = wide.member(2, share=True)
+    wide_ptrs = {t.untyped_storage().data_ptr() for t in wide.state_dict().values()}
+    assert {p.untyped_storage().data_ptr() for p in view.parameters()} <= wide_ptrs
+    inputs = CASES[case_id].inputs(2, padded=True)
+    with torch.no_grad():
+        assert torch.equal(main_output(view(**inputs)), main_output(members[2](**inputs)))
+
+
 @pytest.mark.parametrize("case_id", ["gpt2-causallm", "llama-causallm", "mistral-causallm", "qwen2-causallm"])
 def test_generate_gives_each_members_own_greedy_continuation(fused, case_id):
     members, wide = fused(case_id)

@@ -27,7 +27,7 @@ from transformers.models.vit.modeling_vit import ViTAttention
 
 from ..primitives.linear import WideLinear, wide_linear
 from ..registry import register_block
-from .base import WideBlock, stack_cat
+from .base import WideBlock, member_slices, stack_cat
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,8 +89,7 @@ class WideAttention(WideBlock):
             for name, bias in zip(self.layout.qkv, self.qkv_bias[i].split(self.sizes)):
                 state[f"{name}.bias"] = bias
         if self.layout.out is not None:
-            for key, value in self.o_proj.to_module(i).state_dict().items():
-                state[f"{self.layout.out}.{key}"] = value
+            state.update(member_slices(self.layout.out, self.o_proj, i))
         return state
 
     def forward(self, *args, **kwargs):

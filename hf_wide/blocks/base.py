@@ -55,10 +55,11 @@ class WideBlock(nn.Module):
         """Member i's tensors under the source module's own names."""
         raise NotImplementedError
 
-    def to_module(self, i: int) -> nn.Module:
-        """Member i as an ordinary module of the source class, with storage of its own."""
+    def to_module(self, i: int, share: bool = False) -> nn.Module:
+        """Member i as an ordinary module of the source class, with storage of its own (or, with
+        ``share=True``, tensors that are views into the block's)."""
         mod = copy.deepcopy(self.proto)
-        state = {k: v.detach().clone() for k, v in self.member_state_dict(i).items()}
+        state = {k: v.detach() if share else v.detach().clone() for k, v in self.member_state_dict(i).items()}
         mod.load_state_dict(state, strict=True, assign=True)  # keeps the source's requires_grad
         return mod
 
@@ -67,6 +68,12 @@ class WideBlock(nn.Module):
 
     def extra_repr(self) -> str:
         return f"num_members={self.num_members}, source={type(self.proto).__name__}"
+
+
+def member_slices(prefix: str, module: nn.Module, i: int) -> dict[str, torch.Tensor]:
+    """Member i's views of a wide primitive's tensors, named as in the source block's state dict."""
+    tensors = {**module._parameters, **module._buffers}
+    return {f"{prefix}.{name}": t[i] for name, t in tensors.items() if t is not None}
 
 
 def stack_cat(mods: Sequence[nn.Module], names: Sequence[str], attr: str) -> torch.Tensor | None:

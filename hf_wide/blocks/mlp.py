@@ -16,14 +16,9 @@ from transformers.models.mistral.modeling_mistral import MistralMLP
 from transformers.models.qwen2.modeling_qwen2 import Qwen2MLP
 from transformers.models.vit.modeling_vit import ViTMLP
 
-from ..primitives.base import WideModule
 from ..primitives.linear import WideLinear, wide_linear
 from ..registry import register_block
-from .base import WideBlock, stack_cat
-
-
-def _prefixed(prefix: str, module: WideModule, i: int) -> dict[str, torch.Tensor]:
-    return {f"{prefix}.{k}": v for k, v in module.to_module(i).state_dict().items()}
+from .base import WideBlock, member_slices, stack_cat
 
 
 @register_block(LlamaMLP, MistralMLP, Qwen2MLP)
@@ -45,7 +40,7 @@ class WideGatedMLP(WideBlock):
 
     def member_state_dict(self, i: int) -> dict[str, torch.Tensor]:
         gate_w, up_w = self.gate_up_weight[i].split(self.intermediate)
-        state = {"gate_proj.weight": gate_w, "up_proj.weight": up_w, **_prefixed("down_proj", self.down_proj, i)}
+        state = {"gate_proj.weight": gate_w, "up_proj.weight": up_w, **member_slices("down_proj", self.down_proj, i)}
         if self.gate_up_bias is not None:
             state["gate_proj.bias"], state["up_proj.bias"] = self.gate_up_bias[i].split(self.intermediate)
         return state
@@ -68,7 +63,7 @@ class WidePlainMLP(WideBlock):
         self.act = getattr(mods[0], self.ACTIVATION[type(mods[0])])
 
     def member_state_dict(self, i: int) -> dict[str, torch.Tensor]:
-        return {**_prefixed("fc1", self.fc1, i), **_prefixed("fc2", self.fc2, i)}
+        return {**member_slices("fc1", self.fc1, i), **member_slices("fc2", self.fc2, i)}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: (N*B, T, D)
         h = wide_linear(self.fold, x, self.fc1.weight.transpose(1, 2), self.fc1.bias)  # (N*B, T, I)

@@ -69,13 +69,15 @@ class WideModule(nn.Module):
         wide.setup(wide.proto)
         return wide
 
-    def to_module(self, i: int) -> nn.Module:
-        """Member i as an ordinary module with storage of its own."""
+    def to_module(self, i: int, share: bool = False) -> nn.Module:
+        """Member i as an ordinary module: with storage of its own, or (``share=True``) with tensors that
+        are views into the wide module's (no copy; writes to one show in the other)."""
         mod = copy.deepcopy(self.proto)
+        take = (lambda t: t[i].detach()) if share else (lambda t: t[i].detach().clone())
         for name, p in self._parameters.items():
-            mod._parameters[name] = None if p is None else nn.Parameter(p[i].detach().clone(), p.requires_grad)
+            mod._parameters[name] = None if p is None else nn.Parameter(take(p), p.requires_grad)
         for name, b in self._buffers.items():
-            mod._buffers[name] = None if b is None else b[i].clone()
+            mod._buffers[name] = None if b is None else take(b)
         return mod
 
     def to_modules(self) -> list[nn.Module]:

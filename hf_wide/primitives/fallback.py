@@ -7,6 +7,7 @@ or a weight used outside its own module (DeBERTa's relative embeddings).
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Sequence
 
 import torch
@@ -28,8 +29,8 @@ class PerMemberFallback(nn.Module):
     def from_modules(cls, mods: Sequence[nn.Module], fold: Fold) -> "PerMemberFallback":
         return cls(mods, fold)
 
-    def to_module(self, i: int) -> nn.Module:
-        return self.members[i]
+    def to_module(self, i: int, share: bool = False) -> nn.Module:
+        return self.members[i] if share else copy.deepcopy(self.members[i])
 
     def to_modules(self) -> list[nn.Module]:
         return list(self.members)

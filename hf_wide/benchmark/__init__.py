@@ -1,0 +1,187 @@
+"""``hf-wide benchmark``: how fast is the wide model, against what users do today and against the bound?
+
+In one process, on the same inputs, every configuration is run as: the N checkpoints one after another
+(``sequential``), the ``torch.func`` vmap recipe (``vmap``), the wide model eager and compiled, and the
+``ideal``: one checkpoint on the whole N*B batch, eager and compiled (DESIGN.md, "Performance model").
+
+    from hf_wide.benchmark import run_benchmark
+    records = run_benchmark("quick", json_path="bench.json", plot_path="speedup.png")
+
+Times are medians under ``torch.inference_mode()`` after warm-up; compile time is reported apart.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import sys
+import time
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from ..tracer import module_flops
+from . import report
+from .configs import COMPILE_POLICIES, PRESETS, BenchConfig, apply_compile_policy, make_inputs, preset_configs
+from .methods import matmul_gflops, measure
+
+__all__ = ["run_benchmark", "register_cli"]
+
+MODELS_TARGET_S = 1.0  # timing target per method for user checkpoints (--models)
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return None if a is None or b is None else a / b
+
+
+def _measure_config(label: dict, members: Sequence[nn.Module], inputs: dict, flops: int, compiled: bool,
+                    target_s: float) -> dict:
+    """One record: every method on ``members`` and ``inputs`` (B rows), timed and checked.
+    ``flops``: one member's forward on the inputs."""
+    n = len(members)
+    methods = measure(members, inputs, compiled, target_s)
+    for method in methods.values():
+        method["gflops"] = None if method["ms"] is None else n * flops / (method["ms"] / 1e3) / 1e9
+    ms = {name: m["ms"] for name, m in methods.items()}
+    diffs = [m["max_abs_diff"] for m in methods.values() if m["max_abs_diff"] is not None]
+    return {
+        **label,
+        "n": n,
+        "threads": torch.get_num_threads(),
+        "flops_member": flops,
+        "flops_total": n * flops,
+        "compiled": compiled,
+        "methods": methods,
+        "max_abs_diff": max(diffs, default=None),
+        "sequential_over_wide": _ratio(ms["sequential"], ms["wide"]),
+        "wide_over_ideal": _ratio(ms["wide"], ms["ideal"]),
+        "sequential_over_wide_compiled": _ratio(ms["sequential"], ms["wide_compiled"]),
+        "wide_compiled_over_ideal_compiled": _ratio(ms["wide_compiled"], ms["ideal_compiled"]),
+    }
+
+
+def _preset_records(configs: list[BenchConfig], target_s: float, max_gflop: float) -> tuple[list[dict], list[str]]:
+    """The records of the configs within the FLOP budget, and a note for each one skipped."""
+    records, skipped = [], []
+    for i, config in enumerate(configs, 1):
+        start = time.perf_counter()
+        label = {"config": config.spec.name, "family": config.spec.family, "hidden": config.spec.hidden,
+                 "layers": config.spec.layers, "models": None, "batch": config.batch, "seq": config.seq}
+        first = config.spec.build(0)
+        inputs = make_inputs(first, config.batch, config.seq)
+        flops = module_flops(first, (), inputs)[""]
+        if config.n * flops > max_gflop * 1e9:
+            skipped.append(f"{report.label({**label, 'n': config.n})} ({config.n * flops / 1e9:.0f} GFLOP)")
+            continue
+        members = [first] + [config.spec.build(seed) for seed in range(1, config.n)]
+        records.append(_measure_config(label, members, inputs, flops, config.compile, target_s))
+        del first, members, inputs
+        gc.collect()
+        _progress(f"[{i}/{len(configs)}]", records[-1], time.perf_counter() - start)
+    return records, skipped
+
+
+def _models_records(model_ids: Sequence[str], batch: int, seq: int, compiled: bool, offline: bool) -> list[dict]:
+    from ..hub import load_members
+
+    members, ids = load_members(model_ids, local_files_only=offline)[:2]  # (models, ids[, revisions])
+    for model in members:
+        model.eval()
+    label = {"config": type(members[0]).__name__, "family": None, "hidden": None, "layers": None,
+             "models": list(ids), "batch": batch, "seq": seq}
+    start = time.perf_counter()
+    inputs = make_inputs(members[0], batch, seq)
+    flops = module_flops(members[0], (), inputs)[""]
+    record = _measure_config(label, members, inputs, flops, compiled, MODELS_TARGET_S)
+    _progress("[1/1]", record, time.perf_counter() - start)
+    return [record]
+
+
+def _progress(prefix: str, record: dict, seconds: float) -> None:
+    times = ", ".join(f"{report.SHORT[name]} {report.ms_cell(m)}" for name, m in record["methods"].items())
+    print(f"{prefix} {report.label(record)}: {times} ms ({seconds:.1f} s)", file=sys.stderr, flush=True)
+
+
+def run_benchmark(
+    preset: str = "quick",
+    *,
+    models: Sequence[str] | None = None,
+    batch: int = 8,
+    seq: int = 64,
+    compile: str | None = None,
+    threads: int | None = None,
+    max_gflop: float | None = None,
+    offline: bool = False,
+    json_path: str | None = None,
+    plot_path: str | None = None,
+) -> list[dict]:
+    """Run a preset (``tiny``, ``quick``, ``full``), or the checkpoints ``models`` on ``batch`` x ``seq``
+    inputs; print the tables and return one record per configuration.
+
+    ``compile`` (``all``, ``subset``, ``none``) overrides the preset's choice of configs to run under
+    ``torch.compile``; ``max_gflop`` its budget (configs whose forward of all N members needs more GFLOP are
+    skipped); ``threads`` sets ``torch.set_num_threads`` first.
+    """
+    if threads is not None:
+        torch.set_num_threads(threads)
+    preset_name = None if models else preset
+    idle_start = report.cpu_snapshot()
+    time.sleep(0.5)  # what other processes use while this one sleeps
+    start = report.cpu_snapshot()
+    matmul = matmul_gflops()
+    notes = []
+    if models:
+        if compile not in (None, *COMPILE_POLICIES):
+            raise ValueError(f"Unknown compile policy {compile!r}; supported: {COMPILE_POLICIES}")
+        records = _models_records(models, batch, seq, compile != "none", offline)
+    else:
+        chosen = preset_configs(preset)
+        budget = chosen.max_gflop if max_gflop is None else max_gflop
+        configs = apply_compile_policy(chosen.configs, compile or chosen.compile)
+        records, skipped = _preset_records(configs, chosen.target_s, budget)
+        if skipped:
+            notes.append(f"skipped {len(skipped)} config(s) over the budget of {budget:g} GFLOP per forward of all "
+                         f"members (see --max-gflop): {', '.join(skipped)}")
+    others_before, others_during = report.other_cpus(idle_start, start), report.other_cpus(start, report.cpu_snapshot())
+    machine = report.machine_info(matmul, others_before, others_during)
+    print(report.format_table(records, machine, notes))
+    if json_path:
+        report.write_json(json_path, records, machine, preset_name)
+        print(f"\nwrote {json_path}")
+    if plot_path:
+        why_not = report.write_plot(plot_path, records)
+        print(f"\n{why_not}" if why_not else f"\nwrote {plot_path}")
+    return records
+
+
+def _cli(args: argparse.Namespace) -> int:
+    records = run_benchmark(args.preset, models=args.models, batch=args.batch, seq=args.seq, compile=args.compile,
+                            threads=args.threads, max_gflop=args.max_gflop, offline=args.offline,
+                            json_path=args.json, plot_path=args.plot)
+    return 1 if report.mismatches(records) else 0
+
+
+def register_cli(subparsers) -> argparse.ArgumentParser:
+    """Add the ``benchmark`` subcommand to an ``argparse`` subparsers object (its ``func`` runs it)."""
+    bench = subparsers.add_parser(
+        "benchmark", help="time wide against sequential, vmap and the ideal (one model on N*B rows)",
+        description="Times, on the same inputs: the N checkpoints one after another (sequential), the torch.func "
+                    "vmap recipe, the wide model eager and compiled, and the ideal: one checkpoint on all N*B rows, "
+                    "eager and compiled. Prints a table; every method's outputs are checked against the members "
+                    "run alone (exit code 1 when one differs).")
+    bench.add_argument("--preset", choices=PRESETS, default="quick",
+                       help="tiny: seconds, for tests; quick: under 2 minutes; full: the whole grid (long)")
+    bench.add_argument("--models", nargs="+", metavar="ID", help="benchmark these checkpoints instead of a preset")
+    bench.add_argument("--batch", type=int, default=8, help="batch size B for --models")
+    bench.add_argument("--seq", type=int, default=64, help="sequence length for --models")
+    bench.add_argument("--compile", choices=COMPILE_POLICIES, default=None,
+                       help="which configs run under torch.compile (default: the preset's; subset: one per family)")
+    bench.add_argument("--max-gflop", type=float, default=None,
+                       help="skip preset configs whose forward of all N members needs more GFLOP (default: preset's)")
+    bench.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
+    bench.add_argument("--offline", action="store_true", help="--models from the local cache only")
+    bench.add_argument("--json", metavar="PATH", help="write the records and machine info as JSON")
+    bench.add_argument("--plot", metavar="PATH", help="write a PNG of the speedup over sequential vs N (matplotlib)")
+    bench.set_defaults(func=_cli)
+    return bench

@@ -1,0 +1,142 @@
+"""What the benchmark runs: model specs, the presets that pair them with N, B and sequence, and inputs.
+
+Members are transformers models with random weights built from small configs: a BERT-like encoder with a
+classification head and a Llama-like causal LM. Every parameter of member i is perturbed from seed i, so
+no module is identical across members (fresh norms would otherwise all be ones and be kept shared, which
+real fine-tuned checkpoints do not allow). The vocabulary is small (2048) so that the transformer body,
+not the embedding or the LM head, is what gets measured.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+
+import torch
+import transformers as tf
+from torch import nn
+
+from ..tracer import sample_inputs
+
+VOCAB = 2048
+MAX_POSITIONS = 512
+HEAD_DIM = 64
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSpec:
+    """A BERT-like or Llama-like model of a given width and depth."""
+
+    family: str  # "bert" | "llama"
+    hidden: int
+    layers: int = 2
+
+    def __post_init__(self):
+        if self.family not in _BUILDERS:
+            raise ValueError(f"Unknown family {self.family!r}; supported: {sorted(_BUILDERS)}")
+        if self.hidden % HEAD_DIM:
+            raise ValueError(f"hidden must be a multiple of {HEAD_DIM} (head dim); got {self.hidden}")
+
+    @property
+    def name(self) -> str:
+        return f"{self.family}-h{self.hidden}-l{self.layers}"
+
+    def build(self, seed: int) -> nn.Module:
+        """Member ``seed``: a fresh model in eval mode, every parameter perturbed from the seed."""
+        torch.manual_seed(seed)
+        model = _BUILDERS[self.family](self.hidden, self.layers).eval()
+        gen = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for param in model.parameters():  # unique tensors: a tied weight is perturbed once
+                param.add_(0.02 * torch.randn(param.shape, generator=gen, dtype=param.dtype))
+        return model
+
+
+def _bert(hidden: int, layers: int) -> nn.Module:
+    config = tf.BertConfig(vocab_size=VOCAB, hidden_size=hidden, num_hidden_layers=layers,
+                           num_attention_heads=hidden // HEAD_DIM, intermediate_size=4 * hidden,
+                           max_position_embeddings=MAX_POSITIONS, num_labels=2)
+    return tf.BertForSequenceClassification(config)
+
+
+def _llama(hidden: int, layers: int) -> nn.Module:
+    heads = hidden // HEAD_DIM
+    intermediate = -(-8 * hidden // 3 // 64) * 64  # Llama's 8/3 * hidden, rounded up to a multiple of 64
+    config = tf.LlamaConfig(vocab_size=VOCAB, hidden_size=hidden, num_hidden_layers=layers,
+                            num_attention_heads=heads, num_key_value_heads=max(1, heads // 2),
+                            intermediate_size=intermediate, max_position_embeddings=MAX_POSITIONS,
+                            pad_token_id=0, bos_token_id=1, eos_token_id=1)
+    return tf.LlamaForCausalLM(config)
+
+
+_BUILDERS = {"bert": _bert, "llama": _llama}
+
+
+@dataclasses.dataclass(frozen=True)
+class BenchConfig:
+    """One row of the benchmark: N members of ``spec`` on a batch of B sequences of length ``seq``."""
+
+    spec: ModelSpec
+    n: int
+    batch: int
+    seq: int
+    compile: bool = True  # run the torch.compile methods (compiling costs seconds per config)
+
+
+COMPILE_POLICIES = ("all", "subset", "none")
+
+
+@dataclasses.dataclass(frozen=True)
+class Preset:
+    configs: list[BenchConfig]
+    compile: str  # which configs run under torch.compile by default: one of COMPILE_POLICIES
+    target_s: float  # each method is repeated for about this long (at least 5 runs)
+    max_gflop: float  # configs whose forward of all N members needs more are skipped: bounds the total time
+
+
+def _grid(specs, ns, batches, seqs) -> list[BenchConfig]:
+    return [BenchConfig(s, n, b, t) for s, n, b, t in itertools.product(specs, ns, batches, seqs)]
+
+
+def preset_configs(name: str) -> Preset:
+    """``tiny``: one config in seconds, for tests. ``quick``: under 2 minutes on 2 cores, compiling one
+    config per family. ``full``: the whole grid, every config compiled (an hour or so on 2 cores)."""
+    if name == "tiny":
+        return Preset([BenchConfig(ModelSpec("bert", 64, 1), 2, 1, 8)], "none", 0.02, 1.0)
+    if name == "quick":
+        small = _grid([ModelSpec("bert", 128), ModelSpec("llama", 128)], (2, 8), (1, 8), (16, 64))
+        larger = [BenchConfig(ModelSpec("bert", 384), 4, 8, 64), BenchConfig(ModelSpec("llama", 256), 4, 8, 64)]
+        return Preset(small + larger, "subset", 0.2, 50.0)
+    if name == "full":
+        specs = [ModelSpec(f, h) for f in ("bert", "llama") for h in (128, 384, 768)]
+        return Preset(_grid(specs, (2, 4, 8, 16), (1, 8), (16, 64, 128)), "all", 0.5, 100.0)
+    raise ValueError(f"Unknown preset {name!r}; supported: {PRESETS}")
+
+
+PRESETS = ("tiny", "quick", "full")
+
+
+def apply_compile_policy(configs: list[BenchConfig], policy: str) -> list[BenchConfig]:
+    """``all``: compile every config; ``none``: none; ``subset``: one per family, the smallest model at its
+    largest N with the shortest sequence and smallest B (overhead-bound: where compiling matters most)."""
+    if policy not in COMPILE_POLICIES:
+        raise ValueError(f"Unknown compile policy {policy!r}; supported: {COMPILE_POLICIES}")
+    if policy != "subset":
+        return [dataclasses.replace(c, compile=policy == "all") for c in configs]
+    chosen = {}
+    for c in configs:
+        key = (c.spec.hidden, c.seq, c.batch, -c.n)
+        if c.spec.family not in chosen or key < chosen[c.spec.family][0]:
+            chosen[c.spec.family] = (key, c)
+    picked = {id(c) for _, c in chosen.values()}
+    return [dataclasses.replace(c, compile=id(c) in picked) for c in configs]
+
+
+def make_inputs(model: nn.Module, batch: int, seq: int) -> dict:
+    """The same kind of inputs for every method: ``input_ids`` and ``attention_mask`` (B, seq) for text
+    models (``pixel_values`` for vision ones), plus ``use_cache=False`` where the model has a KV cache."""
+    torch.manual_seed(0)
+    inputs = sample_inputs(model, batch, seq)
+    if getattr(model.config, "use_cache", None) is not None:
+        inputs["use_cache"] = False  # the sequential loop and the ideal would build caches the others do not
+    return inputs

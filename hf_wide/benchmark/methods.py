@@ -1,0 +1,224 @@
+"""The ways of running N members that the benchmark compares, and how each is timed and checked.
+
+Every method is built once from the members and the shared inputs (B rows); after its first call (timed
+apart: it compiles, for compiled ones) all methods are called round-robin (see :func:`time_interleaved`):
+
+- ``sequential``: the N models one after another (what users do today);
+- ``vmap``: ``torch.func.stack_module_state`` + ``functional_call`` under ``torch.vmap`` (the official recipe);
+- ``wide`` / ``wide_compiled``: :class:`~hf_wide.WideModel`, eager and under ``torch.compile``;
+- ``ideal`` / ``ideal_compiled``: member 0 alone on the N*B rows: the same FLOPs with one weight set,
+  the bound no fusion can beat (DESIGN.md, "Performance model").
+
+Each method's output is checked once against the members run alone, so a wrong fast path shows up as a
+large ``max_abs_diff`` rather than as a fast time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import time
+import warnings
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..model import WideModel
+
+Outputs = dict[str, torch.Tensor]  # output name -> (N, B, ...)
+
+
+@dataclasses.dataclass
+class Method:
+    """A way of running all N members, built once and called many times."""
+
+    run: Callable[[], Any]  # one forward of all N members
+    outputs: Callable[[Any], Outputs]  # what run() returned, as (N, B, ...) tensors
+    same_weights: bool = False  # every block of B rows used member 0's weights (the ideal)
+
+
+def _tensors(output) -> dict[str, torch.Tensor]:
+    """A transformers ModelOutput (a dict) or a plain tensor as {name: tensor}."""
+    if isinstance(output, torch.Tensor):
+        return {"output": output}
+    return {k: v for k, v in output.items() if isinstance(v, torch.Tensor)}
+
+
+def _repeat_rows(inputs: dict, n: int) -> dict:
+    """(B, ...) tensors -> (N*B, ...), member-major, as the wide model folds them; other values unchanged."""
+    def repeat(v):
+        if isinstance(v, torch.Tensor) and v.dim() > 0:
+            return v.unsqueeze(0).expand(n, *v.shape).reshape(-1, *v.shape[1:])
+        return v
+    return {k: repeat(v) for k, v in inputs.items()}
+
+
+def sequential(members: Sequence[nn.Module], inputs: dict) -> Method:
+    def run():
+        return [model(**inputs) for model in members]
+
+    def outputs(outs):
+        per_member = [_tensors(o) for o in outs]
+        return {k: torch.stack([o[k] for o in per_member]) for k in per_member[0]}
+
+    return Method(run, outputs)
+
+
+def vmap(members: Sequence[nn.Module], inputs: dict) -> Method:
+    params, buffers = torch.func.stack_module_state(list(members))  # each (N, *shape)
+    # functional_call swaps the stacked tensors into member 0 for the call and restores its own after. The
+    # tutorial's deepcopy to the meta device instead silently returns garbage for tied weights (lm_head).
+    base = members[0]
+
+    def one(p, b):
+        return torch.func.functional_call(base, (p, b), (), inputs)  # inputs are shared, not vmapped
+
+    batched = torch.vmap(one)
+
+    def run():
+        with warnings.catch_warnings():  # transformers' mask and attention code warns under vmap
+            warnings.simplefilter("ignore")
+            return batched(params, buffers)
+
+    return Method(run, _tensors)
+
+
+def wide(model: WideModel, inputs: dict, compiled: bool = False) -> Method:
+    model = torch.compile(model) if compiled else model  # compiles at the first call
+    return Method(lambda: model(**inputs), _tensors)
+
+
+def ideal(member: nn.Module, inputs: dict, n: int, compiled: bool = False) -> Method:
+    rows = _repeat_rows(inputs, n)
+    model = torch.compile(member) if compiled else member
+
+    def outputs(out):
+        return {k: v.view(n, -1, *v.shape[1:]) for k, v in _tensors(out).items()}  # (N*B, ...) -> (N, B, ...)
+
+    return Method(lambda: model(**rows), outputs, same_weights=True)
+
+
+COMPILED = ("wide_compiled", "ideal_compiled")
+
+
+def builders(members: Sequence[nn.Module], inputs: dict) -> dict[str, Callable[[], Method]]:
+    """name -> a function that builds the method. ``wide`` and ``wide_compiled`` share one fused model."""
+    fused = []
+
+    def wide_model() -> WideModel:
+        if not fused:
+            fused.append(WideModel.from_models(members))
+        return fused[0]
+
+    n = len(members)
+    return {
+        "sequential": lambda: sequential(members, inputs),
+        "vmap": lambda: vmap(members, inputs),
+        "wide": lambda: wide(wide_model(), inputs),
+        "wide_compiled": lambda: wide(wide_model(), inputs, compiled=True),
+        "ideal": lambda: ideal(members[0], inputs, n),
+        "ideal_compiled": lambda: ideal(members[0], inputs, n, compiled=True),
+    }
+
+
+METHOD_NAMES = ("sequential", "vmap", "wide", "wide_compiled", "ideal", "ideal_compiled")  # builders' keys
+
+
+def max_abs_diff(got: Outputs, reference: Outputs, same_weights: bool) -> float:
+    """Largest |got - reference| over the outputs both have. With ``same_weights`` every member block of
+    ``got`` is compared with member 0 of the reference."""
+    common = [k for k in reference if k in got]
+    if not common:
+        raise ValueError(f"no output in common with the reference: got {sorted(got)}, expected {sorted(reference)}")
+    diff = 0.0
+    for k in common:
+        ref = reference[k][:1] if same_weights else reference[k]  # (1 or N, B, ...)
+        diff = max(diff, (got[k].float() - ref.float()).abs().max().item())
+    return diff
+
+
+def time_interleaved(runs: dict[str, Callable[[], Any]], target_s: float, min_runs: int = 5,
+                     max_runs: int = 1000) -> tuple[dict[str, tuple[float, int]], dict[str, str]]:
+    """Median milliseconds of each ``runs[name]()`` and its number of runs, plus errors by name.
+
+    Runs go round-robin, one call of each per round, so that load from elsewhere on the machine slows
+    every method alike and the ratios stay meaningful. Rounds go on until ``target_s`` per method has
+    passed, with at least ``min_runs`` rounds. The caller has made each first (slow) call already.
+    """
+    runs, errors = dict(runs), {}
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    start, rounds = time.perf_counter(), -1  # round -1 is a warm-up
+    while runs and (rounds < min_runs or (time.perf_counter() - start < target_s * len(times) and rounds < max_runs)):
+        for name, fn in list(runs.items()):
+            t0 = time.perf_counter()
+            try:
+                fn()
+            except Exception as exc:  # record and drop the method; the others go on
+                errors[name] = _error(exc)
+                del runs[name]
+                continue
+            if rounds >= 0:
+                times[name].append(time.perf_counter() - t0)
+        rounds += 1
+    return {name: (statistics.median(ts) * 1e3, len(ts)) for name, ts in times.items() if name in runs}, errors
+
+
+def _error(exc: Exception) -> str:
+    return f"{type(exc).__name__}: {str(exc).strip()}"
+
+
+def blank_record(skipped: str | None = None) -> dict:
+    """What a method reports; ``skipped`` says why it did not run (``error``: why it failed)."""
+    return {"ms": None, "runs": 0, "gflops": None, "build_s": None, "first_call_s": None, "max_abs_diff": None,
+            "error": None, "skipped": skipped}
+
+
+def measure(members: Sequence[nn.Module], inputs: dict, compiled: bool, target_s: float) -> dict[str, dict]:
+    """Every method on ``members`` and ``inputs`` (B rows): its build time, its first call (compilation,
+    for compiled ones), its agreement with the members run alone, and its steady-state median.
+    A failure is recorded with its error string instead of raised."""
+    records = {name: blank_record() for name in METHOD_NAMES}
+    methods: dict[str, Method] = {}
+    reference = None  # (N, B, ...) per output: the members run alone, from the sequential method
+    if compiled:
+        torch._dynamo.reset()  # fresh caches: honest compile times, no recompile limit across configs
+    for name, build in builders(members, inputs).items():
+        record = records[name]
+        if name in COMPILED and not compiled:
+            record["skipped"] = "not compiled in this run (see --compile)"
+            continue
+        try:
+            t0 = time.perf_counter()
+            method = build()
+            record["build_s"] = time.perf_counter() - t0
+            with torch.inference_mode():
+                t0 = time.perf_counter()
+                out = method.run()
+                record["first_call_s"] = time.perf_counter() - t0
+                outputs = method.outputs(out)
+            if name == "sequential":
+                reference = outputs
+            elif reference is None:
+                raise RuntimeError("no reference to check against: the sequential run failed")
+            record["max_abs_diff"] = max_abs_diff(outputs, reference, method.same_weights)
+            methods[name] = method
+        except Exception as exc:  # any failure (vmap's batching rules, compile errors) is a result to report
+            record["error"] = _error(exc)
+    with torch.inference_mode():
+        timings, errors = time_interleaved({name: m.run for name, m in methods.items()}, target_s)
+    for name, (ms, runs) in timings.items():
+        records[name].update(ms=ms, runs=runs)
+    for name, error in errors.items():
+        records[name]["error"] = error
+    return records
+
+
+def matmul_gflops(size: int = 2048, runs: int = 5) -> float:
+    """The machine's float32 matmul throughput: median GFLOP/s of a (size x size) @ (size x size)."""
+    a, b = torch.randn(size, size), torch.randn(size, size)
+    with torch.inference_mode():
+        timings, _ = time_interleaved({"matmul": lambda: a @ b}, target_s=0.0, min_runs=runs)
+    ms, _ = timings["matmul"]
+    return 2 * size**3 / (ms / 1e3) / 1e9

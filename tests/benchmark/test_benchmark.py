@@ -1,0 +1,88 @@
+"""``hf-wide benchmark``: the tiny preset through the API and its CLI entry, saved checkpoints through
+``--models``, the FLOP budget and the compile policies."""
+
+import argparse
+import json
+
+import pytest
+from conftest import CASES
+
+from hf_wide.benchmark import register_cli, run_benchmark
+from hf_wide.benchmark.configs import BenchConfig, ModelSpec, apply_compile_policy, preset_configs
+from hf_wide.benchmark.methods import METHOD_NAMES
+from hf_wide.benchmark.report import ATOL
+
+METHOD_KEYS = {"ms", "runs", "gflops", "build_s", "first_call_s", "max_abs_diff", "error", "skipped"}
+
+
+def check_records(records):
+    assert records
+    for record in records:
+        assert set(record["methods"]) == set(METHOD_NAMES)
+        for name, method in record["methods"].items():
+            assert set(method) == METHOD_KEYS, name
+        for name in ("sequential", "wide", "ideal"):
+            method = record["methods"][name]
+            assert method["error"] is None and method["ms"] > 0 and method["runs"] >= 5, (name, method)
+            assert method["gflops"] > 0
+        assert 0 <= record["max_abs_diff"] < ATOL
+        assert record["flops_total"] == record["n"] * record["flops_member"] > 0
+        assert record["sequential_over_wide"] > 0 and record["wide_over_ideal"] > 0
+
+
+def test_tiny_preset_through_the_api(tmp_path, capsys):
+    path = tmp_path / "bench.json"
+    records = run_benchmark("tiny", json_path=str(path))
+    check_records(records)
+    saved = json.loads(path.read_text())
+    assert saved["records"] == json.loads(json.dumps(records))
+    machine = saved["machine"]
+    assert machine["threads"] >= 1 and machine["matmul_gflops"] > 0 and machine["torch"] and machine["date"]
+    out = capsys.readouterr().out
+    assert "seq/wide" in out and "wide/ideal" in out and "bert-h64-l1" in out
+
+
+def test_tiny_preset_through_the_cli_entry(tmp_path, capsys):
+    parser = argparse.ArgumentParser(prog="hf-wide")
+    register_cli(parser.add_subparsers(dest="command", required=True))
+    path, plot = tmp_path / "bench.json", tmp_path / "speedup.png"
+    args = parser.parse_args(["benchmark", "--preset", "tiny", "--json", str(path), "--plot", str(plot)])
+    assert args.func(args) == 0
+    check_records(json.loads(path.read_text())["records"])
+    out = capsys.readouterr().out
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        assert "matplotlib is not installed" in out
+    else:
+        assert plot.read_bytes().startswith(b"\x89PNG")
+
+
+@pytest.mark.parametrize("policy, compiled", [("all", [True] * 4), ("none", [False] * 4),
+                                              ("subset", [False, True, True, False])])
+def test_compile_policy(policy, compiled):
+    configs = [BenchConfig(ModelSpec("bert", 128), 2, 1, 16), BenchConfig(ModelSpec("bert", 128), 8, 1, 16),
+               BenchConfig(ModelSpec("llama", 128), 8, 1, 16), BenchConfig(ModelSpec("llama", 256), 8, 1, 16)]
+    assert [c.compile for c in apply_compile_policy(configs, policy)] == compiled
+
+
+def test_quick_preset_compiles_one_config_per_family():
+    quick = preset_configs("quick")
+    chosen = [c for c in apply_compile_policy(quick.configs, quick.compile) if c.compile]
+    assert sorted(c.spec.family for c in chosen) == ["bert", "llama"]
+
+
+def test_configs_over_the_flop_budget_are_skipped_and_said(capsys):
+    assert run_benchmark("tiny", max_gflop=0) == []
+    assert "skipped 1 config(s) over the budget of 0 GFLOP" in capsys.readouterr().out
+
+
+def test_saved_checkpoints_through_models(tmp_path, capsys):
+    paths = []
+    for seed in range(2):
+        paths.append(str(tmp_path / f"m{seed}"))
+        CASES["llama-causallm"].build(seed).save_pretrained(paths[-1])
+    records = run_benchmark(models=paths, batch=1, seq=8, compile="none")
+    check_records(records)
+    assert records[0]["config"] == "LlamaForCausalLM" and records[0]["models"] == paths
+    assert "LlamaForCausalLM" in capsys.readouterr().out
