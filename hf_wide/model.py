@@ -135,6 +135,7 @@ class WideModel(nn.Module):
         tensors ``(N, B, ...)`` give each its own. Every output tensor gains a leading member dim."""
         n = self.num_members
         args, kwargs, batch = fold_inputs(n, args, kwargs)
+        self.fold.anchor = _first_tensor((*args, *kwargs.values())).new_empty(n * batch, 0)
         try:
             outputs = self.model(*args, **kwargs)
         finally:
@@ -150,9 +151,13 @@ class WideModel(nn.Module):
             raise TypeError(f"{type(self.model).__name__} cannot generate.")
         n = self.num_members
         args, kwargs, batch = fold_inputs(n, args, kwargs)
+        # generate() calls the model's forward itself, with rows it may expand (beams, several sequences
+        # per input): a pre-hook records the rows of each call.
+        hook = self.model.register_forward_pre_hook(self.fold, with_kwargs=True)
         try:
             out = self.model.generate(*args, **kwargs)
         finally:
+            hook.remove()
             self.fold.reset()
         sequences = out if isinstance(out, torch.Tensor) else out.sequences
         return sequences.view(n, -1, sequences.shape[-1])

@@ -37,7 +37,6 @@ def build_wide(members: Sequence[nn.Module], plan: WidePlan, fold: Fold) -> nn.M
     # If the whole model is one fallback, it is its own replacement.
     wide = memo[id(template)] if id(template) in memo else copy.deepcopy(template, memo)
     retie(wide, tensor_aliases(template))
-    wide.register_forward_pre_hook(fold, with_kwargs=True)
     return wide
 
 
@@ -54,11 +53,6 @@ def member_copy(
             memo[id(module)] = module.to_module(i, share=share)
             memo.update({id(sub): sub for sub in module.modules() if sub is not module})  # inside it: skip
     member = memo[id(wide)] if id(wide) in memo else copy.deepcopy(wide, memo)
-    for module in member.modules():  # the fold hook belongs to the wide model only
-        for key, hook in list(module._forward_pre_hooks.items()):
-            if isinstance(hook, Fold):
-                del module._forward_pre_hooks[key]
-                module._forward_pre_hooks_with_kwargs.pop(key, None)
     retie(member, aliases)
     return member
 

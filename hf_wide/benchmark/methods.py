@@ -140,27 +140,32 @@ def max_abs_diff(got: Outputs, reference: Outputs, same_weights: bool) -> float:
 
 
 def time_interleaved(runs: dict[str, Callable[[], Any]], target_s: float, min_runs: int = 5,
-                     max_runs: int = 1000) -> tuple[dict[str, tuple[float, int]], dict[str, str]]:
+                     max_runs: int = 1000, burst: int = 3) -> tuple[dict[str, tuple[float, int]], dict[str, str]]:
     """Median milliseconds of each ``runs[name]()`` and its number of runs, plus errors by name.
 
-    Runs go round-robin, one call of each per round, so that load from elsewhere on the machine slows
-    every method alike and the ratios stay meaningful. Rounds go on until ``target_s`` per method has
-    passed, with at least ``min_runs`` rounds. The caller has made each first (slow) call already.
+    Runs go round-robin in bursts: each round calls every method ``burst + 1`` times back to back and
+    times the last ``burst`` calls. Round-robin makes load from elsewhere on the machine slow every
+    method alike, so the ratios stay meaningful; the untimed first call of a burst brings the method's
+    own weights back into cache, so each is timed in its steady state, as it runs when served alone,
+    not in the cache left by the method before it. Rounds go on until ``target_s`` per method has
+    passed, with at least ``min_runs`` timed calls. The caller has made each first (slow) call already.
     """
     runs, errors = dict(runs), {}
     times: dict[str, list[float]] = {name: [] for name in runs}
     start, rounds = time.perf_counter(), -1  # round -1 is a warm-up
-    while runs and (rounds < min_runs or (time.perf_counter() - start < target_s * len(times) and rounds < max_runs)):
+    while runs and (rounds * burst < min_runs
+                    or (time.perf_counter() - start < target_s * len(times) and rounds * burst < max_runs)):
         for name, fn in list(runs.items()):
-            t0 = time.perf_counter()
             try:
-                fn()
+                fn()  # untimed: refills the cache with this method's weights
+                for _ in range(burst):
+                    t0 = time.perf_counter()
+                    fn()
+                    if rounds >= 0:
+                        times[name].append(time.perf_counter() - t0)
             except Exception as exc:  # record and drop the method; the others go on
                 errors[name] = _error(exc)
                 del runs[name]
-                continue
-            if rounds >= 0:
-                times[name].append(time.perf_counter() - t0)
         rounds += 1
     return {name: (statistics.median(ts) * 1e3, len(ts)) for name, ts in times.items() if name in runs}, errors
 

@@ -74,9 +74,11 @@ class WideModule(nn.Module):
         are views into the wide module's (no copy; writes to one show in the other)."""
         mod = copy.deepcopy(self.proto)
         take = (lambda t: t[i].detach()) if share else (lambda t: t[i].detach().clone())
-        for name, p in self._parameters.items():
+        for name in mod._parameters:  # the source's own tensors, not helpers the wide class adds
+            p = self._parameters[name]
             mod._parameters[name] = None if p is None else nn.Parameter(take(p), p.requires_grad)
-        for name, b in self._buffers.items():
+        for name in mod._buffers:
+            b = self._buffers[name]
             mod._buffers[name] = None if b is None else take(b)
         return mod
 

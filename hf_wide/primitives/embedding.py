@@ -21,12 +21,14 @@ class WideEmbedding(WideModule):
         self.padding_idx = proto.padding_idx
         if proto.max_norm is not None:
             raise NotImplementedError("WideEmbedding does not support max_norm (it renormalises in place).")
+        offsets = torch.arange(self.num_members, device=self.weight.device) * self.num_embeddings
+        self.register_buffer("offsets", offsets.view(-1, 1), persistent=False)  # (N, 1): member m starts at m*V
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:  # ids: (N*B, ...) or broadcast (1, ...)
-        idm = self.fold.split(ids)  # (N, b, ...)
-        n = idm.shape[0]
-        offsets = torch.arange(n, device=ids.device, dtype=ids.dtype) * self.num_embeddings
-        offsets = offsets.view(n, *([1] * (idm.dim() - 1)))
-        table = self.weight.view(n * self.num_embeddings, self.embedding_dim)  # (N*V, D)
-        out = F.embedding(idm + offsets, table)  # (N, b, ..., D)
-        return self.fold.merge(out)
+        n = self.num_members
+        if ids.shape[0] == 1 and n > 1:  # broadcast: look up every member's table, then expand
+            out = self(ids.expand(n, *ids.shape[1:]))  # (N, ..., D)
+            return self.fold.merge(out.unsqueeze(1))
+        flat = ids.reshape(n, -1) + self.offsets  # (N, B*...): member m's ids index rows m*V.. of the table
+        out = F.embedding(flat, self.weight.view(-1, self.embedding_dim))  # (N, B*..., D)
+        return out.view(*ids.shape, self.embedding_dim)

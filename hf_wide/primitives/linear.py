@@ -17,13 +17,19 @@ def wide_linear(fold: Fold, x: torch.Tensor, weight_t: torch.Tensor, bias: torch
     x: (N*B, ..., D_in) member-major, or a broadcast (1, ..., D_in); weight_t: (N, D_in, D_out);
     bias: (N, D_out) or None. Returns (N*B, ..., D_out).
     """
-    xm = fold.split(x)  # (N, b, ..., D_in)
-    flat = xm.reshape(xm.shape[0], -1, xm.shape[-1])  # (N, b*..., D_in)
+    n = fold.num_members
+    if x.shape[0] == 1 and n > 1:  # broadcast: every member's weights on the one row, then expand
+        y = wide_linear(fold, x.expand(n, *x.shape[1:]), weight_t, bias)  # (N, ..., D_out)
+        return fold.merge(y.unsqueeze(1))
+    if x.shape[0] % n:
+        raise RuntimeError(f"A wide layer got {x.shape[0]} rows, which do not split into {n} members.")
+    # The common path, kept to four ops: small layers are bound by per-op overhead.
+    flat = x.reshape(n, -1, x.shape[-1])  # (N, B*..., D_in), member-major rows
     if bias is None:
         y = torch.bmm(flat, weight_t)
     else:
-        y = torch.baddbmm(bias.unsqueeze(1), flat, weight_t)  # (N, b*..., D_out)
-    return fold.merge(y.view(*xm.shape[:-1], y.shape[-1]))
+        y = torch.baddbmm(bias.unsqueeze(1), flat, weight_t)  # (N, B*..., D_out)
+    return y.view(*x.shape[:-1], y.shape[-1])
 
 
 @register_wide(nn.Linear)

@@ -25,13 +25,16 @@ class WideLayerNorm(WideModule):
         self.eps = proto.eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: (N*B, ..., *normalized_shape)
-        y = self.fold.split(F.layer_norm(x, self.normalized_shape, None, None, self.eps))  # (N, b, ..., D)
-        k = len(self.normalized_shape)
-        lead = [y.shape[0]] + [1] * (y.dim() - 1 - k)
-        y = y * self.weight.view(*lead, *self.normalized_shape)
-        if self.bias is not None:
-            y = y + self.bias.view(*lead, *self.normalized_shape)
-        return self.fold.merge(y)
+        n, d = self.num_members, self.weight[0].numel()
+        y = F.layer_norm(x, self.normalized_shape, None, None, self.eps)
+        # Members' rows and features flattened: (N, rows, D), against weight/bias (N, 1, D). Few ops, as
+        # small models are bound by per-op overhead.
+        if y.shape[0] == 1 and n > 1:
+            y = y.expand(n, *y.shape[1:])
+        ym = y.reshape(n, -1, d)
+        weight = self.weight.view(n, 1, d)
+        out = ym * weight if self.bias is None else torch.addcmul(self.bias.view(n, 1, d), ym, weight)
+        return self.fold.merge(out.view(n, -1, *x.shape[1:]))
 
 
 def _llama_style_rms_norms() -> list[type[nn.Module]]:
