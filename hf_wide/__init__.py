@@ -4,6 +4,7 @@ from . import blocks, primitives  # noqa: F401  (fill the registries)
 from .compat import IncompatibleMembersError
 from .fold import PerMember
 from .model import WideModel, WideValidationError
+from .pipelines import pipeline
 from .plan import Kind, WidePlan
 from .registry import register_wide
 
@@ -16,5 +17,6 @@ __all__ = [
     "WideModel",
     "WidePlan",
     "WideValidationError",
+    "pipeline",
     "register_wide",
 ]

@@ -1,0 +1,56 @@
+"""Pipelines in the transformers style, on a WideModel: ``hf_wide.pipeline(task, model=...)``.
+
+    pipe = pipeline("text-classification", model=["org/a", "org/b", "org/c"])
+    pipe("great movie")   # {"label", "score", "members": [...], "uncertainty": {...}}
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from ..model import WideModel
+from .base import WidePipeline
+from .classification import ImageClassificationPipeline, TextClassificationPipeline
+from .combine import Combine
+from .loading import load_preprocessors
+
+TASKS: dict[str, type[WidePipeline]] = {
+    "text-classification": TextClassificationPipeline,
+    "image-classification": ImageClassificationPipeline,
+}
+
+
+def pipeline(
+    task: str,
+    model: WideModel | str | Sequence[str],
+    *,
+    tokenizer=None,
+    image_processor=None,
+    revision=None,
+    token=None,
+    dtype=None,
+    **kwargs,
+) -> WidePipeline:
+    """A pipeline for ``task`` on a WideModel, N member ids/folders, or a fused repo id.
+
+    Options: ``combine`` (mean, logit_mean, vote, weighted, median, none), ``weights``, ``temperature``,
+    ``device``, ``batch_size``, ``compile``, ``buckets``, and the task's own (``top_k``, ...).
+    """
+    if task not in TASKS:
+        raise ValueError(f"Unknown task {task!r}: hf-wide has {', '.join(sorted(TASKS))}.")
+    sources = [model] if isinstance(model, str) else None if isinstance(model, WideModel) else list(model)
+    wide = model if isinstance(model, WideModel) else WideModel.from_pretrained(
+        sources, revision=revision, token=token, dtype=dtype
+    )
+    if sources is None:
+        sources = list(wide.member_ids)
+    pipeline_class = TASKS[task]
+    needs_text = task != "image-classification"
+    if needs_text and tokenizer is None:
+        tokenizer = load_preprocessors(sources, "tokenizer", token=token)
+    if not needs_text and image_processor is None:
+        image_processor = load_preprocessors(sources, "image_processor", token=token)
+    return pipeline_class(wide, tokenizer=tokenizer, image_processor=image_processor, **kwargs)
+
+
+__all__ = ["Combine", "TASKS", "WidePipeline", "pipeline"]

@@ -1,0 +1,166 @@
+"""The base of hf-wide's pipelines, in the shape of transformers' ``Pipeline``.
+
+``_sanitize_parameters`` splits call options into three dicts; ``preprocess`` turns one input into
+tensors on the CPU; ``_forward`` runs one wide forward for a whole batch on the model's device (all
+members at once) and combines the members there; ``postprocess`` turns one item's results into plain
+Python. The base class owns batching (inputs sorted by length, padded to length buckets), progress bars,
+``inference_mode`` and device moves.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from huggingface_hub.utils import tqdm
+
+from ..model import WideModel
+from .combine import Combine, check_weights, label_permutations
+
+PROGRESS_MIN_ITEMS = 256  # show a progress bar from this many inputs on
+
+
+class WidePipeline:
+    """One task on a :class:`WideModel`: every batch is one forward of all N members."""
+
+    task: str = ""
+
+    def __init__(
+        self,
+        model: WideModel,
+        *,
+        tokenizer=None,
+        image_processor=None,
+        device: str | int | torch.device | None = None,
+        batch_size: int = 8,
+        combine: str | Combine = Combine.MEAN,
+        weights: Sequence[float] | None = None,
+        temperature: float = 1.0,
+        compile: bool = False,
+        buckets: Sequence[int] | str | None = "pow2",
+        **kwargs,
+    ):
+        if not isinstance(model, WideModel):
+            raise TypeError(f"A wide pipeline runs a WideModel, got {type(model).__name__}.")
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be at least 1, got {batch_size}.")
+        self.model = model.eval()
+        if device is not None:
+            self.model.to(torch.device(f"cuda:{device}" if isinstance(device, int) else device))
+        self.device = next(model.parameters()).device
+        self.tokenizer = tokenizer
+        self.image_processor = image_processor
+        self.batch_size = batch_size
+        self.combine = Combine.parse(combine)
+        self.weights = check_weights(weights, model.num_members)
+        if self.combine == Combine.WEIGHTED and self.weights is None:
+            raise ValueError("combine='weighted' needs weights=[one per member].")
+        if temperature <= 0:
+            raise ValueError(f"temperature must be positive, got {temperature}.")
+        self.temperature = temperature
+        self.buckets = buckets
+        if compile:
+            self.model.compile()
+        self._defaults = self._sanitize_parameters(**kwargs)
+
+    # ---------------------------------------------------------------- the four steps
+    def _sanitize_parameters(self, **kwargs) -> tuple[dict, dict, dict]:
+        """Split call options into (preprocess, _forward, postprocess) parameters."""
+        if kwargs:
+            raise TypeError(f"{type(self).__name__} got unknown options: {', '.join(kwargs)}")
+        return {}, {}, {}
+
+    def preprocess(self, item: Any, **params) -> dict[str, torch.Tensor]:
+        raise NotImplementedError
+
+    def _forward(self, batch: dict[str, torch.Tensor], **params) -> dict[str, torch.Tensor]:
+        raise NotImplementedError
+
+    def postprocess(self, outputs: dict[str, Any], **params) -> Any:
+        raise NotImplementedError
+
+    # ---------------------------------------------------------------- running
+    def __call__(self, inputs, batch_size: int | None = None, **kwargs):
+        single = not isinstance(inputs, (list, tuple))
+        items = [inputs] if single else list(inputs)
+        if not items:
+            raise ValueError(f"{self.task} got an empty list of inputs.")
+        pre, fwd, post = self._defaults
+        if kwargs:
+            extra = self._sanitize_parameters(**kwargs)
+            pre, fwd, post = {**pre, **extra[0]}, {**fwd, **extra[1]}, {**post, **extra[2]}
+        features = [self.preprocess(item, **pre) for item in items]
+        results: list[Any] = [None] * len(items)
+        size = batch_size or self.batch_size
+        # Similar lengths together: less padding, and few distinct shapes for a compiled model.
+        order = sorted(range(len(items)), key=lambda i: -_length(features[i]))
+        chunks = [order[i : i + size] for i in range(0, len(order), size)]
+        for chunk in tqdm(chunks, desc=self.task, unit="batch", disable=len(items) < PROGRESS_MIN_ITEMS):
+            batch = self.collate([features[i] for i in chunk])
+            with torch.inference_mode():
+                outputs = self._forward({k: v.to(self.device) for k, v in batch.items()}, **fwd)
+            outputs = {k: v.cpu() for k, v in outputs.items()}  # one transfer per batch, then plain Python
+            for j, i in enumerate(chunk):
+                results[i] = self.postprocess(_item(outputs, j, features[i]), **post)
+        return results[0] if single else results
+
+    def collate(self, features: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+        """Stack one-item features into a batch; token inputs are right-padded to a length bucket."""
+        keys = features[0].keys()
+        if "input_ids" not in keys:
+            return {k: torch.cat([f[k] for f in features]) for k in keys}
+        length = self.bucket(max(f["input_ids"].shape[-1] for f in features))
+        pad_id = getattr(self.tokenizer, "pad_token_id", None) or 0
+        batch = {}
+        for key in keys:
+            fill = pad_id if key == "input_ids" else 0
+            rows = [torch.nn.functional.pad(f[key], (0, length - f[key].shape[-1]), value=fill) for f in features]
+            batch[key] = torch.cat(rows)
+        return batch
+
+    def bucket(self, length: int) -> int:
+        """The padded length: the next power of two (at least 8), a user bucket, or the length itself."""
+        limit = _max_length(self.tokenizer, self.model)
+        if self.buckets == "pow2":
+            padded = max(8, 2 ** math.ceil(math.log2(length)))
+        elif self.buckets:
+            padded = next((b for b in sorted(self.buckets) if b >= length), length)
+        else:
+            padded = length
+        return min(padded, max(limit, length))
+
+    # ---------------------------------------------------------------- shared helpers
+    def member_id2labels(self) -> list[dict[int, str]]:
+        configs = self.model.member_configs or [self.model.config] * self.model.num_members
+        return [{int(k): v for k, v in c.id2label.items()} for c in configs]
+
+    def label_order(self):
+        """(member 0's labels in order, per-member permutations onto them or None)."""
+        id2labels = self.member_id2labels()
+        return [id2labels[0][i] for i in range(len(id2labels[0]))], label_permutations(id2labels)
+
+    def __repr__(self) -> str:
+        return (f"{type(self).__name__}(task={self.task!r}, members={self.model.num_members}, "
+                f"combine={self.combine.value!r}, device={self.device})")
+
+
+def _length(features: dict[str, torch.Tensor]) -> int:
+    ids = features.get("input_ids")
+    return 0 if ids is None else ids.shape[-1]
+
+
+def _max_length(tokenizer, model: WideModel) -> int:
+    limit = getattr(tokenizer, "model_max_length", None)
+    config = model.config
+    positions = getattr(config, "max_position_embeddings", None) if config is not None else None
+    candidates = [v for v in (limit, positions) if isinstance(v, int) and 0 < v < 1_000_000]
+    return min(candidates) if candidates else 1_000_000
+
+
+def _item(outputs: dict[str, torch.Tensor], j: int, features: dict[str, torch.Tensor]) -> dict[str, Any]:
+    """Row j of a batch's outputs; ``per_member_*`` tensors have the member dim first, (N, B, ...)."""
+    item = {key: value[:, j] if key.startswith("per_member_") else value[j] for key, value in outputs.items()}
+    item["features"] = features
+    return item

@@ -1,0 +1,115 @@
+"""Text and image classification: the ensemble's label, each member's, and how sure the ensemble is."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .. import metrics
+from .base import WidePipeline
+from .combine import Combine, combine, member_probabilities, ranking, realign
+from .inputs import load_image, tokenize
+
+
+class ClassificationPipeline(WidePipeline):
+    """Shared by text and image classification: ``_forward`` combines the members on the device and
+    computes the uncertainty measures for the whole batch; ``postprocess`` formats one input.
+
+    Options: ``top_k`` (the ensemble's k best labels, in ``"top_k"``), ``multi_label`` (independent
+    sigmoids; default from the config's ``problem_type``)."""
+
+    def _sanitize_parameters(self, top_k: int | None = None, multi_label: bool | None = None, **kwargs):
+        pre, fwd, post = self._sanitize_inputs(**kwargs)
+        if multi_label is not None:
+            fwd["multi_label"] = post["multi_label"] = multi_label
+        if top_k is not None:
+            if top_k < 1:
+                raise ValueError(f"top_k must be at least 1, got {top_k}.")
+            post["top_k"] = top_k
+        return pre, fwd, post
+
+    def _sanitize_inputs(self, **kwargs) -> tuple[dict, dict, dict]:
+        return super()._sanitize_parameters(**kwargs)
+
+    def _multi_label(self, multi_label: bool | None) -> bool:
+        if multi_label is not None:
+            return multi_label
+        return getattr(self.model.config, "problem_type", None) == "multi_label_classification"
+
+    def _forward(self, batch, multi_label: bool | None = None):
+        multi_label = self._multi_label(multi_label)
+        _, permutations = self.label_order()
+        logits = realign(self.model(**batch).logits, permutations)  # (N, B, C)
+        member_probs = member_probabilities(logits, multi_label, self.temperature)  # (N, B, C)
+        scores = combine(logits, self.combine, self.weights, multi_label, self.temperature)  # (B, C)
+        out = {"per_member_probs": member_probs, "scores": scores, "ranking": ranking(scores, member_probs)}
+        if multi_label:  # each label a yes/no question: measures averaged over labels
+            binary = torch.stack([member_probs, 1 - member_probs], -1)  # (N, B, C, 2)
+            out["predictive_entropy"] = metrics.predictive_entropy(binary).mean(-1)
+            out["expected_entropy"] = metrics.expected_entropy(binary).mean(-1)
+            out["mutual_information"] = metrics.mutual_information(binary).mean(-1)
+        else:
+            chosen = out["ranking"].argmax(-1)  # (B,)
+            out["predictive_entropy"] = metrics.predictive_entropy(member_probs)
+            out["expected_entropy"] = metrics.expected_entropy(member_probs)
+            out["mutual_information"] = metrics.mutual_information(member_probs)
+            out["agreement"] = metrics.vote_agreement(member_probs, chosen)
+            index = chosen.view(1, -1, 1).expand(member_probs.shape[0], -1, 1)
+            out["member_std"] = member_probs.gather(-1, index).squeeze(-1).std(0, unbiased=False)  # (B,)
+        return out
+
+    def postprocess(self, outputs: dict[str, Any], top_k: int | None = None, multi_label: bool | None = None):
+        labels, _ = self.label_order()
+        member_probs = outputs["per_member_probs"]  # (N, C)
+        if self._multi_label(multi_label):
+            members = [_labels_above(p, labels) for p in member_probs]
+        else:
+            members = [{"label": labels[int(p.argmax())], "score": float(p.max())} for p in member_probs]
+        if self.combine == Combine.NONE:
+            return {"members": members}
+        scores, order = outputs["scores"], outputs["ranking"].argsort(descending=True)
+        result: dict[str, Any] = {}
+        if self._multi_label(multi_label):
+            result["labels"] = [{"label": labels[i], "score": float(scores[i])} for i in order if scores[i] > 0.5]
+        else:
+            best = int(order[0])
+            result.update(label=labels[best], score=float(scores[best]))
+        if top_k is not None:
+            result["top_k"] = [{"label": labels[int(i)], "score": float(scores[i])} for i in order[:top_k]]
+        result["members"] = members
+        keys = ("predictive_entropy", "expected_entropy", "mutual_information", "member_std", "agreement")
+        result["uncertainty"] = {k: float(outputs[k]) for k in keys if k in outputs}
+        return result
+
+
+def _labels_above(probs: torch.Tensor, labels: list[str], threshold: float = 0.5) -> list[dict]:
+    return [{"label": labels[i], "score": float(p)} for i, p in enumerate(probs) if p > threshold]
+
+
+class TextClassificationPipeline(ClassificationPipeline):
+    """``pipe("great movie")`` -> ``{"label", "score", "members", "uncertainty"}``.
+    Texts longer than the model's maximum length are truncated (``truncation=False`` refuses them)."""
+
+    task = "text-classification"
+
+    def _sanitize_inputs(self, truncation: bool | None = None, **kwargs):
+        pre, fwd, post = super()._sanitize_inputs(**kwargs)
+        if truncation is not None:
+            pre["truncation"] = truncation
+        return pre, fwd, post
+
+    def preprocess(self, text, truncation: bool = True):
+        return tokenize(self.tokenizer, self.model, text, truncation)
+
+
+class ImageClassificationPipeline(ClassificationPipeline):
+    """``pipe(image)`` with a PIL image, an array or a file path. Images are converted to the mode the
+    model expects (``L`` for one channel, ``RGB`` for three) before the image processor runs."""
+
+    task = "image-classification"
+
+    def preprocess(self, image):
+        channels = getattr(self.model.config, "num_channels", 3)
+        pixels = self.image_processor(load_image(image, channels), return_tensors="pt")["pixel_values"]
+        return {"pixel_values": pixels.to(next(self.model.parameters()).dtype)}

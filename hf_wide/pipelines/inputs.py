@@ -1,0 +1,56 @@
+"""Turning one raw input (a text, an image) into model inputs, with clear errors on bad input."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import torch
+
+from .base import _max_length
+
+
+def tokenize(tokenizer, model, text, truncation: bool = True, **kwargs) -> dict[str, torch.Tensor]:
+    """One text -> ``input_ids`` and ``attention_mask`` of shape (1, T). Over-long texts are truncated to
+    the model's maximum length, or refused with ``truncation=False``."""
+    if tokenizer is None:
+        raise ValueError("This pipeline needs a tokenizer: pass tokenizer=, or load members that ship one.")
+    if not isinstance(text, str):
+        raise TypeError(f"Expected a text (str), got {type(text).__name__}.")
+    if not text.strip():
+        raise ValueError("Got an empty text: there is nothing to classify.")
+    limit = _max_length(tokenizer, model)
+    encoded = tokenizer(text, return_tensors="pt", truncation=truncation, max_length=limit if truncation else None,
+                        **kwargs)
+    if encoded["input_ids"].shape[-1] > limit:
+        raise ValueError(
+            f"The text is {encoded['input_ids'].shape[-1]} tokens long, over the model's maximum of {limit}; "
+            "pass truncation=True to cut it."
+        )
+    return {k: v for k, v in encoded.items() if k in ("input_ids", "attention_mask", "token_type_ids")}
+
+
+def load_image(image, channels: int):
+    """A PIL image in the mode the model expects: ``L`` for 1 channel, ``RGB`` for 3."""
+    from PIL import Image
+
+    if isinstance(image, (str, os.PathLike)):
+        if not os.path.exists(image):
+            raise FileNotFoundError(f"No image file at {image!s}.")
+        image = Image.open(image)
+    elif isinstance(image, np.ndarray):
+        if image.ndim not in (2, 3):
+            raise ValueError(f"An image array must be (H, W) or (H, W, C), got shape {image.shape}.")
+        image = Image.fromarray(image.astype(np.uint8) if image.dtype != np.uint8 else image)
+    elif not isinstance(image, Image.Image):
+        raise TypeError(f"Expected a PIL image, an array or a path, got {type(image).__name__}.")
+    mode = {1: "L", 3: "RGB"}.get(channels)
+    if mode is None:
+        raise ValueError(f"The model expects {channels} channels; only 1 (L) and 3 (RGB) are supported.")
+    if image.mode != mode:
+        if image.mode in ("RGBA", "LA", "P") and mode == "L":
+            image = image.convert("RGBA")
+            background = Image.new("RGBA", image.size, (255, 255, 255, 255))
+            image = Image.alpha_composite(background, image)  # transparent strokes on white, as drawn
+        image = image.convert(mode)
+    return image
