@@ -19,6 +19,7 @@ METADATA_FIELDS = frozenset(
         "id2label",
         "label2id",
         "_attn_implementation_autoset",
+        "architectures",  # the model class is compared directly
     }
 )
 

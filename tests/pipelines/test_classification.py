@@ -1,0 +1,182 @@
+"""Text and image classification pipelines: the ensemble equals the combination of the members run
+alone, each member's result equals its own transformers pipeline, and bad input gets clear errors."""
+
+import pytest
+import torch
+import transformers
+from conftest import CASES
+from helpers import make_tokenizer, save_members, text
+from PIL import Image
+
+from hf_wide import WideModel, pipeline
+
+N = 3
+TEXTS = [text(5, 17, 33), text(40, 41), text(*range(10, 30)), text(99)]
+
+
+@pytest.fixture(scope="module")
+def text_members(tmp_path_factory):
+    root = tmp_path_factory.mktemp("text-members")
+    tokenizer = make_tokenizer(root / "tokenizer")
+    models = [CASES["bert-seqcls"].build(seed) for seed in range(N)]
+    return models, tokenizer, save_members(models, tokenizer, root)
+
+
+@pytest.fixture(scope="module")
+def pipe(text_members):
+    return pipeline("text-classification", model=text_members[2])
+
+
+def member_probs(models, tokenizer, texts):
+    with torch.no_grad():
+        return torch.stack([m(**tokenizer(texts, return_tensors="pt", padding=True)).logits.softmax(-1) for m in models])
+
+
+def test_ensemble_equals_the_mean_of_members_run_alone(pipe, text_members):
+    models, tokenizer, _ = text_members
+    results = pipe(TEXTS, batch_size=3)
+    probs = member_probs(models, tokenizer, TEXTS)  # (N, B, C)
+    labels = models[0].config.id2label
+    for b, result in enumerate(results):
+        mean = probs[:, b].mean(0)
+        assert result["label"] == labels[int(mean.argmax())]
+        assert result["score"] == pytest.approx(float(mean.max()), abs=1e-5)
+        entropy = -(mean * mean.log()).sum()
+        expected = -(probs[:, b] * probs[:, b].log()).sum(-1).mean()
+        u = result["uncertainty"]
+        assert u["predictive_entropy"] == pytest.approx(float(entropy), abs=1e-5)
+        assert u["expected_entropy"] == pytest.approx(float(expected), abs=1e-5)
+        assert u["mutual_information"] == pytest.approx(float(entropy - expected), abs=1e-5)
+        chosen = int(mean.argmax())
+        assert u["agreement"] == pytest.approx(float((probs[:, b].argmax(-1) == chosen).float().mean()))
+        assert u["member_std"] == pytest.approx(float(probs[:, b, chosen].std(unbiased=False)), abs=1e-5)
+
+
+def test_each_member_equals_its_own_transformers_pipeline(pipe, text_members):
+    models, tokenizer, _ = text_members
+    ours = pipe(TEXTS)
+    for i, model in enumerate(models):
+        theirs = transformers.pipeline("text-classification", model=model, tokenizer=tokenizer)(TEXTS)
+        for mine, reference in zip(ours, theirs):
+            assert mine["members"][i]["label"] == reference["label"]
+            assert mine["members"][i]["score"] == pytest.approx(reference["score"], abs=1e-5)
+
+
+def test_batches_sorted_by_length_keep_the_input_order(pipe):
+    one_by_one = [pipe(t) for t in TEXTS]
+    batched = pipe(TEXTS, batch_size=2)
+    for single, together in zip(one_by_one, batched):
+        assert single["label"] == together["label"]
+        assert single["score"] == pytest.approx(together["score"], abs=1e-5)
+
+
+@pytest.mark.parametrize("rule", ["logit_mean", "vote", "median"])
+def test_other_rules_follow_combine(pipe, text_members, rule):
+    result = pipeline("text-classification", model=pipe.model, tokenizer=pipe.tokenizer, combine=rule)(TEXTS[0])
+    assert set(result) == {"label", "score", "members", "uncertainty"}
+    if rule == "vote":
+        assert any(result["score"] == pytest.approx(k / N) for k in range(1, N + 1))
+
+
+def test_weighted_and_none(pipe, text_members):
+    models, tokenizer, _ = text_members
+    weighted = pipeline("text-classification", model=pipe.model, tokenizer=tokenizer, combine="weighted",
+                        weights=[0, 0, 1])(TEXTS[1])
+    alone = member_probs(models[2:], tokenizer, [TEXTS[1]])[0, 0]
+    assert weighted["score"] == pytest.approx(float(alone.max()), abs=1e-5)
+    none = pipeline("text-classification", model=pipe.model, tokenizer=tokenizer, combine="none")(TEXTS[1])
+    assert set(none) == {"members"} and len(none["members"]) == N
+
+
+def test_top_k(pipe):
+    result = pipe(TEXTS[0], top_k=2)
+    assert len(result["top_k"]) == 2 and result["top_k"][0]["label"] == result["label"]
+    assert result["top_k"][0]["score"] >= result["top_k"][1]["score"]
+
+
+def test_members_with_permuted_labels_are_realigned(text_members):
+    models, tokenizer, _ = text_members
+    permuted = CASES["bert-seqcls"].build(N - 1)
+    order = [2, 0, 1]
+    with torch.no_grad():
+        permuted.classifier.weight.copy_(models[N - 1].classifier.weight[order])
+        permuted.classifier.bias.copy_(models[N - 1].classifier.bias[order])
+    names = models[0].config.id2label
+    permuted.config.id2label = {i: names[o] for i, o in enumerate(order)}
+    permuted.config.label2id = {v: k for k, v in permuted.config.id2label.items()}
+    straight = pipeline("text-classification", model=WideModel.from_models(models), tokenizer=tokenizer)
+    mixed = pipeline("text-classification", model=WideModel.from_models(models[:-1] + [permuted],
+                                                                          allow_label_mismatch=True), tokenizer=tokenizer)
+    for a, b in zip(straight(TEXTS), mixed(TEXTS)):
+        assert a["label"] == b["label"] and a["score"] == pytest.approx(b["score"], abs=1e-6)
+
+
+def test_multi_label(text_members):
+    models, tokenizer, _ = text_members
+    for m in models:
+        m.config.problem_type = "multi_label_classification"
+    try:
+        pipe = pipeline("text-classification", model=WideModel.from_models(models), tokenizer=tokenizer)
+        result = pipe(TEXTS[0])
+    finally:
+        for m in models:
+            m.config.problem_type = None
+    with torch.no_grad():
+        sig = torch.stack([m(**tokenizer(TEXTS[0], return_tensors="pt")).logits.sigmoid()[0] for m in models]).mean(0)
+    assert [r["label"] for r in result["labels"]] == [models[0].config.id2label[int(i)]
+                                                      for i in sig.argsort(descending=True) if sig[i] > 0.5]
+
+
+def test_bad_input(pipe):
+    with pytest.raises(ValueError, match="empty text"):
+        pipe("   ")
+    with pytest.raises(ValueError, match="empty list"):
+        pipe([])
+    with pytest.raises(ValueError, match="Unknown combine rule 'average'"):
+        pipeline("text-classification", model=pipe.model, tokenizer=pipe.tokenizer, combine="average")
+    with pytest.raises(ValueError, match="one number per member"):
+        pipeline("text-classification", model=pipe.model, tokenizer=pipe.tokenizer, combine="weighted", weights=[1, 2])
+    with pytest.raises(TypeError, match="unknown options: colour"):
+        pipe(TEXTS[0], colour="red")
+    with pytest.raises(ValueError, match="Unknown task 'translation'"):
+        pipeline("translation", model=pipe.model)
+
+
+def test_over_long_text_is_truncated_unless_refused(pipe):
+    long_text = text(*([7] * 500))
+    assert pipe(long_text)["label"] in pipe.model.config.id2label.values()
+    with pytest.raises(ValueError, match="over the model's maximum of 64"):
+        pipe(long_text, truncation=False)
+
+
+# ---------------------------------------------------------------- images
+
+@pytest.fixture(scope="module")
+def image_pipe():
+    processor = transformers.ViTImageProcessorPil(size={"height": 32, "width": 32}, image_mean=[0.5] * 3,
+                                                  image_std=[0.5] * 3)
+    models = [CASES["vit-imgcls"].build(seed) for seed in range(N)]
+    return models, processor, pipeline("image-classification", model=WideModel.from_models(models),
+                                       image_processor=processor)
+
+
+def test_image_classification_equals_members_alone(image_pipe):
+    models, processor, pipe = image_pipe
+    images = [Image.fromarray((torch.rand(20, 24, 3) * 255).byte().numpy()) for _ in range(3)]
+    results = pipe(images)
+    pixels = processor(images, return_tensors="pt")["pixel_values"]
+    with torch.no_grad():
+        probs = torch.stack([m(pixel_values=pixels).logits.softmax(-1) for m in models]).mean(0)
+    for b, result in enumerate(results):
+        assert result["score"] == pytest.approx(float(probs[b].max()), abs=1e-5)
+
+
+def test_images_of_other_modes_are_converted(image_pipe):
+    _, _, pipe = image_pipe
+    rgba = Image.new("RGBA", (16, 16), (10, 200, 30, 128))
+    grey = Image.new("L", (16, 16), 77)
+    assert pipe(rgba)["label"] and pipe(grey)["label"]
+    with pytest.raises(TypeError, match="Expected a PIL image"):
+        pipe(42)
+    with pytest.raises(FileNotFoundError):
+        pipe("/no/such/image.png")
