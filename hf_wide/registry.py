@@ -21,30 +21,26 @@ _REGISTRY: dict[type[nn.Module], type] = {}
 _BLOCKS: dict[type[nn.Module], type] = {}
 
 
-def register_wide(*module_classes: type[nn.Module]):
-    """Class decorator: register the decorated wide class as the builder for ``module_classes``."""
-
+def _registrar(table: dict[type[nn.Module], type], module_classes: tuple[type[nn.Module], ...]):
     def decorator(wide_cls: type) -> type:
         for module_class in module_classes:
-            _REGISTRY[module_class] = wide_cls
+            table[module_class] = wide_cls
         wide_cls.source_classes = tuple(getattr(wide_cls, "source_classes", ())) + module_classes
         return wide_cls
 
     return decorator
 
 
+def register_wide(*module_classes: type[nn.Module]):
+    """Class decorator: register the decorated wide class as the builder for ``module_classes``."""
+    return _registrar(_REGISTRY, module_classes)
+
+
 def register_block(*module_classes: type[nn.Module]):
     """Class decorator: register a fused block, which replaces a whole module *with its children*
     (an attention or MLP block) instead of one leaf layer. Same contract as :func:`register_wide`, plus
     ``accepts(module) -> bool`` to decline instances it cannot fuse."""
-
-    def decorator(block_cls: type) -> type:
-        for module_class in module_classes:
-            _BLOCKS[module_class] = block_cls
-        block_cls.source_classes = tuple(getattr(block_cls, "source_classes", ())) + module_classes
-        return block_cls
-
-    return decorator
+    return _registrar(_BLOCKS, module_classes)
 
 
 def find_block(module: nn.Module) -> type | None:
