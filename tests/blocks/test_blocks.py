@@ -1,0 +1,61 @@
+"""Fused blocks: chosen by the plan for the families they know, exact end to end (tests/test_model.py),
+and each block's member i is the source module i again."""
+
+import pytest
+import torch
+from conftest import CASES
+
+from hf_wide import Kind, WideModel
+from hf_wide.blocks import WideAttention, WideGatedMLP, WidePlainMLP
+
+BLOCKS = {
+    "bert-seqcls": {"BertSelfAttention": WideAttention},
+    "roberta-tokcls": {"RobertaSelfAttention": WideAttention},
+    "electra-seqcls": {"ElectraSelfAttention": WideAttention},
+    "llama-causallm": {"LlamaAttention": WideAttention, "LlamaMLP": WideGatedMLP},
+    "mistral-causallm": {"MistralAttention": WideAttention, "MistralMLP": WideGatedMLP},
+    "qwen2-causallm": {"Qwen2Attention": WideAttention, "Qwen2MLP": WideGatedMLP},
+    "vit-imgcls": {"ViTAttention": WideAttention, "ViTMLP": WidePlainMLP},
+}
+
+
+@pytest.mark.parametrize("case_id", list(BLOCKS))
+def test_plan_fuses_known_blocks(fused, case_id):
+    _, wide = fused(case_id)
+    blocks = {e.module_class: e.wide_class for e in wide.plan.entries.values() if e.kind == Kind.BLOCK}
+    assert blocks == {k: v.__name__ for k, v in BLOCKS[case_id].items()}
+    # nothing inside a block is planned on its own
+    roots = [e.fqn for e in wide.plan.entries.values() if e.kind == Kind.BLOCK]
+    assert not any(f.startswith(r + ".") for f in wide.plan.entries for r in roots)
+
+
+@pytest.mark.parametrize("case_id", list(BLOCKS))
+def test_block_member_is_the_source_module(fused, case_id):
+    members, wide = fused(case_id)
+    for fqn, entry in wide.plan.entries.items():
+        if entry.kind != Kind.BLOCK:
+            continue
+        block = wide.model.get_submodule(fqn)
+        for i, member in enumerate(members):
+            source = member.get_submodule(fqn)
+            back = block.to_module(i)
+            assert type(back) is type(source)
+            for key, value in source.state_dict().items():
+                assert torch.equal(back.state_dict()[key], value), (fqn, key)
+
+
+def test_qkv_is_one_tensor_for_all_members(fused):
+    members, wide = fused("llama-causallm")
+    attention = wide.model.model.layers[0].self_attn
+    q = members[1].model.layers[0].self_attn.q_proj.weight
+    k = members[1].model.layers[0].self_attn.k_proj.weight
+    assert attention.qkv_weight.shape[0] == len(members)
+    assert torch.equal(attention.qkv_weight[1][: q.shape[0]], q)
+    assert torch.equal(attention.qkv_weight[1][q.shape[0] : q.shape[0] + k.shape[0]], k)
+
+
+def test_shared_identical_block_is_not_fused():
+    case = CASES["llama-seqcls"]
+    members = [case.build(0) for _ in range(2)]  # identical members: everything is shared
+    wide = WideModel.from_models(members)
+    assert not wide.plan.by_kind(Kind.BLOCK)
