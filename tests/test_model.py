@@ -52,7 +52,7 @@ def test_member_views_share_storage_and_run_alone(fused, case_id):
         assert torch.equal(main_output(view(**inputs)), main_output(members[2](**inputs)))
 
 
-@pytest.mark.parametrize("case_id", ["gpt2-causallm", "llama-causallm", "mistral-causallm", "qwen2-causallm"])
+@pytest.mark.parametrize("case_id", [c for c in CASES if CASES[c].causal_lm])
 def test_generate_gives_each_members_own_greedy_continuation(fused, case_id):
     members, wide = fused(case_id)
     inputs = CASES[case_id].inputs(2, padded=True)
