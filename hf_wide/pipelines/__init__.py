@@ -2,6 +2,10 @@
 
     pipe = pipeline("text-classification", model=["org/a", "org/b", "org/c"])
     pipe("great movie")   # {"label", "score", "members": [...], "uncertainty": {...}}
+    calibrate(pipe, held_out_texts, labels)   # fits pipe.temperature by NLL
+
+Tasks: text-classification, image-classification, token-classification, feature-extraction and
+text-generation (per-member continuations, or ensemble decoding with ``combine=``).
 """
 
 from __future__ import annotations
@@ -10,13 +14,20 @@ from collections.abc import Sequence
 
 from ..model import WideModel
 from .base import WidePipeline
+from .calibration import calibrate
 from .classification import ImageClassificationPipeline, TextClassificationPipeline
 from .combine import Combine
+from .feature_extraction import FeatureExtractionPipeline
 from .loading import load_preprocessors
+from .text_generation import TextGenerationPipeline
+from .token_classification import TokenClassificationPipeline
 
 TASKS: dict[str, type[WidePipeline]] = {
     "text-classification": TextClassificationPipeline,
     "image-classification": ImageClassificationPipeline,
+    "token-classification": TokenClassificationPipeline,
+    "feature-extraction": FeatureExtractionPipeline,
+    "text-generation": TextGenerationPipeline,
 }
 
 
@@ -53,4 +64,4 @@ def pipeline(
     return pipeline_class(wide, tokenizer=tokenizer, image_processor=image_processor, **kwargs)
 
 
-__all__ = ["Combine", "TASKS", "WidePipeline", "pipeline"]
+__all__ = ["Combine", "TASKS", "WidePipeline", "calibrate", "pipeline"]

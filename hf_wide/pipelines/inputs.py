@@ -10,6 +10,10 @@ import torch
 from .base import _max_length
 
 
+# Model inputs, plus what a task may ask the tokenizer for (return_offsets_mapping=True, ...) to read its outputs.
+TOKENIZER_KEYS = ("input_ids", "attention_mask", "token_type_ids", "offset_mapping", "special_tokens_mask")
+
+
 def tokenize(tokenizer, model, text, truncation: bool = True, **kwargs) -> dict[str, torch.Tensor]:
     """One text -> ``input_ids`` and ``attention_mask`` of shape (1, T). Over-long texts are truncated to
     the model's maximum length, or refused with ``truncation=False``."""
@@ -27,7 +31,7 @@ def tokenize(tokenizer, model, text, truncation: bool = True, **kwargs) -> dict[
             f"The text is {encoded['input_ids'].shape[-1]} tokens long, over the model's maximum of {limit}; "
             "pass truncation=True to cut it."
         )
-    return {k: v for k, v in encoded.items() if k in ("input_ids", "attention_mask", "token_type_ids")}
+    return {k: v for k, v in encoded.items() if k in TOKENIZER_KEYS}
 
 
 def load_image(image, channels: int):

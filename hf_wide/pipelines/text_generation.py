@@ -1,0 +1,221 @@
+"""Text generation: each member's own continuation, or ensemble decoding (one shared continuation).
+
+    pipe = pipeline("text-generation", model=wide)                  # combine="mean": ensemble decoding
+    pipe("once upon a time", max_new_tokens=20)
+    # {"generated_text": ..., "uncertainty": {...}}   (+ "members" with return_members=True)
+    pipeline("text-generation", model=wide, combine="none")("once")
+    # {"members": [{"member": 0, "generated_text": ...}, ...]}
+
+Ensemble decoding: at every step all N members read the same prefix in one wide forward (a KV cache of
+N*B rows, one new token per row), their next-token distributions are combined (``combine=``: the mean by
+default, as for classification) and one token is chosen for all of them: the argmax (``do_sample=False``)
+or a draw after ``top_k`` / ``top_p`` filtering (``do_sample=True``, ``seed=`` or ``generator=``). Rows stop
+at an eos token. Per-member continuations come from :meth:`WideModel.generate` (transformers' own loop).
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import torch
+
+from .. import metrics
+from .base import WidePipeline, _max_length
+from .combine import Combine, combine, member_probabilities, ranking
+
+MEASURES = ("predictive_entropy", "expected_entropy", "mutual_information", "member_std", "agreement")
+DEFAULT_NEW_TOKENS = 20
+
+
+class TextGenerationPipeline(WidePipeline):
+    """``pipe(prompt)`` -> ``{"generated_text", "uncertainty"}`` (the ensemble's continuation, with each
+    measure averaged over the generated tokens), or ``{"members": [...]}`` with ``combine="none"``.
+
+    Options: ``max_new_tokens`` (20), ``do_sample``, ``temperature``, ``top_k``, ``top_p``, ``seed`` /
+    ``generator`` (sampling), ``return_full_text`` (True: prompt + continuation, as transformers),
+    ``return_members`` (also each member's own continuation), ``truncation`` (True: prompts too long for
+    the model's positions keep their last tokens; False: refuse them). Prompts are left-padded."""
+
+    task = "text-generation"
+
+    def _sanitize_parameters(self, max_new_tokens: int | None = None, do_sample: bool | None = None,
+                             temperature: float | None = None, top_k: int | None = None, top_p: float | None = None,
+                             seed: int | None = None, generator: torch.Generator | None = None,
+                             return_full_text: bool | None = None, return_members: bool | None = None,
+                             truncation: bool | None = None, **kwargs):
+        pre, fwd, post = super()._sanitize_parameters(**kwargs)
+        if self.combine == Combine.VOTE and do_sample:
+            raise ValueError("combine='vote' has no distribution to sample from; use do_sample=False or another rule.")
+        if max_new_tokens is not None:
+            if max_new_tokens < 1:
+                raise ValueError(f"max_new_tokens must be at least 1, got {max_new_tokens}.")
+            pre["max_new_tokens"] = fwd["max_new_tokens"] = max_new_tokens
+        if temperature is not None and temperature <= 0:
+            raise ValueError(f"temperature must be positive, got {temperature}.")
+        if top_k is not None and top_k < 1:
+            raise ValueError(f"top_k must be at least 1, got {top_k}.")
+        if top_p is not None and not 0 < top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {top_p}.")
+        options = dict(do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
+                       generator=generator, return_members=return_members)
+        fwd.update({k: v for k, v in options.items() if v is not None})
+        if truncation is not None:
+            pre["truncation"] = truncation
+        if return_full_text is not None:
+            post["return_full_text"] = return_full_text
+        return pre, fwd, post
+
+    # ---------------------------------------------------------------- the four steps
+    def preprocess(self, prompt, truncation: bool = True, max_new_tokens: int = DEFAULT_NEW_TOKENS):
+        if self.tokenizer is None:
+            raise ValueError("This pipeline needs a tokenizer: pass tokenizer=, or load members that ship one.")
+        if not isinstance(prompt, str):
+            raise TypeError(f"Expected a prompt (str), got {type(prompt).__name__}.")
+        if not prompt.strip():
+            raise ValueError("Got an empty prompt: give the members some text to continue.")
+        encoded = self.tokenizer(prompt, return_tensors="pt")
+        ids, mask = encoded["input_ids"], encoded["attention_mask"]
+        budget = _max_length(self.tokenizer, self.model) - max_new_tokens  # positions left for the prompt
+        if budget < 1:
+            raise ValueError(f"max_new_tokens={max_new_tokens} leaves no room for a prompt within the model's "
+                             f"{budget + max_new_tokens} positions.")
+        if ids.shape[-1] > budget:
+            if not truncation:
+                raise ValueError(f"The prompt is {ids.shape[-1]} tokens long; with max_new_tokens={max_new_tokens} "
+                                 f"the model has room for {budget}. Pass truncation=True to keep its last tokens.")
+            ids, mask = ids[:, -budget:], mask[:, -budget:]  # the end of a prompt is what it continues
+        return {"input_ids": ids, "attention_mask": mask, "text": prompt}
+
+    def collate(self, features):
+        """Left padding to the longest prompt: the last column is every row's newest token."""
+        length = max(f["input_ids"].shape[-1] for f in features)
+        pad = self._pad_id()
+        ids = [torch.nn.functional.pad(f["input_ids"], (length - f["input_ids"].shape[-1], 0), value=pad)
+               for f in features]
+        mask = [torch.nn.functional.pad(f["attention_mask"], (length - f["attention_mask"].shape[-1], 0))
+                for f in features]
+        return {"input_ids": torch.cat(ids), "attention_mask": torch.cat(mask)}
+
+    def _forward(self, batch, max_new_tokens: int = DEFAULT_NEW_TOKENS, do_sample: bool = False,
+                 temperature: float | None = None, top_k: int | None = None, top_p: float | None = None,
+                 seed: int | None = None, generator: torch.Generator | None = None, return_members: bool = False):
+        sampling = dict(do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p)
+        out = {}
+        if self.combine == Combine.NONE or return_members:
+            out["per_member_tokens"] = self._member_continuations(batch, max_new_tokens, seed, **sampling)
+        if self.combine != Combine.NONE:
+            if do_sample and generator is None:
+                generator = torch.Generator(self.device)
+                if seed is not None:
+                    generator.manual_seed(seed)
+                else:
+                    generator.seed()
+            out.update(self._ensemble_decode(batch, max_new_tokens, generator=generator, **sampling))
+        return out
+
+    def postprocess(self, outputs: dict[str, Any], return_full_text: bool = True):
+        prompt = outputs["features"]["text"] if return_full_text else ""
+
+        def text(tokens: torch.Tensor) -> str:
+            return prompt + self.tokenizer.decode(tokens.tolist(), skip_special_tokens=True)
+
+        result: dict[str, Any] = {}
+        if "tokens" in outputs:
+            valid = outputs["valid"].bool()  # (S,): tokens up to and including eos
+            result["generated_text"] = text(outputs["tokens"])
+            result["uncertainty"] = {k: float(outputs[k][valid].mean()) for k in MEASURES}
+        if "per_member_tokens" in outputs:
+            result["members"] = [{"member": i, "generated_text": text(t)}
+                                 for i, t in enumerate(outputs["per_member_tokens"])]
+        return result
+
+    # ---------------------------------------------------------------- decoding
+    def _ensemble_decode(self, batch, max_new_tokens: int, do_sample: bool, temperature: float | None,
+                         top_k: int | None, top_p: float | None, generator: torch.Generator | None):
+        """One shared continuation per row; each step is one wide forward of N*B rows, one new token each."""
+        ids, mask = batch["input_ids"], batch["attention_mask"]  # (B, T), left-padded
+        temperature = temperature or self.temperature
+        # Positions as transformers' generate makes them: padding does not count.
+        positions = (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 0)  # (B, T)
+        eos = torch.tensor(self._eos_ids(), device=ids.device, dtype=ids.dtype)
+        done = torch.zeros(ids.shape[0], dtype=torch.bool, device=ids.device)
+        keep = {"logits_to_keep": 1} if self._keeps_logits() else {}
+        cache, step_ids, steps = None, ids, []
+        for _ in range(max_new_tokens):
+            out = self.model(input_ids=step_ids, attention_mask=mask, position_ids=positions,
+                             past_key_values=cache, use_cache=True, **keep)
+            cache, logits = out.past_key_values, out.logits[:, :, -1]  # (N, B, V)
+            member_probs = member_probabilities(logits, False, temperature)  # (N, B, V)
+            probs = combine(logits, self.combine, self.weights, False, temperature)  # (B, V)
+            if do_sample:
+                token = torch.multinomial(_filter(probs, top_k, top_p), 1, generator=generator).squeeze(-1)
+            else:
+                token = ranking(probs, member_probs).argmax(-1)  # (B,)
+            token = token.masked_fill(done, self._pad_id())
+            steps.append({"tokens": token, "valid": ~done, **_measures(member_probs, token)})
+            done = done | torch.isin(token, eos)
+            if done.all():
+                break
+            step_ids = token[:, None]  # (B, 1)
+            mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], -1)
+            positions = positions[:, -1:] + 1
+        return {key: torch.stack([s[key] for s in steps], -1) for key in steps[0]}  # each (B, S)
+
+    def _member_continuations(self, batch, max_new_tokens: int, seed: int | None, do_sample: bool,
+                              temperature: float | None, top_k: int | None, top_p: float | None) -> torch.Tensor:
+        """Each member's own continuation, ``(N, B, S)`` new tokens, from transformers' generate."""
+        options = {"do_sample": do_sample}
+        if do_sample:
+            options.update({k: v for k, v in dict(temperature=temperature, top_k=top_k, top_p=top_p).items()
+                            if v is not None})
+            if seed is not None:
+                torch.manual_seed(seed)  # transformers' sampling draws from the global generator
+        sequences = self.model.generate(**batch, max_new_tokens=max_new_tokens, pad_token_id=self._pad_id(),
+                                        **options)
+        return sequences[:, :, batch["input_ids"].shape[-1]:]
+
+    # ---------------------------------------------------------------- special tokens
+    def _eos_ids(self) -> list[int]:
+        for source in (getattr(self.model.model, "generation_config", None), self.model.config, self.tokenizer):
+            eos = getattr(source, "eos_token_id", None)
+            if eos is not None:
+                return [eos] if isinstance(eos, int) else list(eos)
+        return []
+
+    def _pad_id(self) -> int:
+        for source in (getattr(self.model.model, "generation_config", None), self.tokenizer):
+            pad = getattr(source, "pad_token_id", None)
+            if pad is not None:
+                return pad
+        return (self._eos_ids() or [0])[0]
+
+    def _keeps_logits(self) -> bool:
+        """Whether the model can compute logits for the last position only (most causal LMs can)."""
+        return "logits_to_keep" in inspect.signature(self.model.model.forward).parameters
+
+
+def _measures(member_probs: torch.Tensor, token: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The classification measures of one step, (N, B, V) member probabilities -> (B,) each."""
+    chosen = member_probs.gather(-1, token.view(1, -1, 1).expand(member_probs.shape[0], -1, 1)).squeeze(-1)
+    return {
+        "predictive_entropy": metrics.predictive_entropy(member_probs),
+        "expected_entropy": metrics.expected_entropy(member_probs),
+        "mutual_information": metrics.mutual_information(member_probs),
+        "member_std": chosen.std(0, unbiased=False),
+        "agreement": metrics.vote_agreement(member_probs, token),
+    }
+
+
+def _filter(probs: torch.Tensor, top_k: int | None, top_p: float | None) -> torch.Tensor:
+    """(B, V) probabilities restricted to the ``top_k`` most likely tokens and then to the smallest set
+    holding ``top_p`` of the mass (always at least one token), renormalised."""
+    if top_k is not None and top_k < probs.shape[-1]:
+        kth = probs.topk(top_k, -1).values[:, -1:]  # (B, 1)
+        probs = probs.masked_fill(probs < kth, 0)
+    if top_p is not None and top_p < 1:
+        ordered, order = probs.sort(-1, descending=True)
+        before = ordered.cumsum(-1) - ordered  # mass of the more likely tokens
+        ordered = ordered.masked_fill(before >= top_p * ordered.sum(-1, keepdim=True), 0)
+        probs = torch.zeros_like(probs).scatter(-1, order, ordered)
+    return probs / probs.sum(-1, keepdim=True)

@@ -1,0 +1,181 @@
+"""Text generation: per-member continuations equal each member's own generate and transformers pipeline;
+ensemble decoding (KV cache of N*B rows) equals a reference loop that steps the members separately with no
+cache and averages their softmaxes; sampling and bad input."""
+
+import numpy as np
+import pytest
+import torch
+import transformers
+from text_members import build_members, decoder_tokenizer, sentences
+
+from hf_wide import WideModel
+from hf_wide.pipelines import pipeline
+from hf_wide.pipelines.text_generation import _filter
+
+PROMPTS = [sentences(1, seed=11, min_words=6, max_words=6)[0], sentences(1, seed=12, min_words=2, max_words=2)[0]]
+NEW = 6
+
+
+@pytest.fixture(scope="module", params=["llama-causallm", "gpt2-causallm"])
+def setup(request, tmp_path_factory):
+    tokenizer = decoder_tokenizer(tmp_path_factory.mktemp("tok"))
+    members = build_members(request.param, 3)
+    return tokenizer, members, WideModel.from_models(members)
+
+
+@torch.no_grad()
+def reference_decode(members, tokenizer, prompts, steps, eos=1):
+    """Every step, every member reads the whole sequence again (no cache); their softmaxes are averaged and
+    the argmax appended. Returns each row's new tokens (cut after eos) and per-step member probabilities."""
+    encoded = tokenizer(prompts, return_tensors="pt", padding=True)
+    ids, mask = encoded["input_ids"], encoded["attention_mask"]
+    new, member_probs = [], []
+    for _ in range(steps):
+        positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 0)
+        probs = torch.stack([m(input_ids=ids, attention_mask=mask, position_ids=positions).logits[:, -1].softmax(-1)
+                             for m in members])  # (N, B, V)
+        token = probs.mean(0).argmax(-1)
+        new.append(token)
+        member_probs.append(probs)
+        ids = torch.cat([ids, token[:, None]], -1)
+        mask = torch.cat([mask, torch.ones_like(mask[:, :1])], -1)
+    new = torch.stack(new, -1).tolist()
+    rows = [row[: row.index(eos) + 1] if eos in row else row for row in new]
+    return rows, torch.stack(member_probs, 2)  # (N, B, S, V)
+
+
+def entropy(p):
+    return -(p * p.clamp_min(1e-12).log()).sum(-1)
+
+
+def test_ensemble_decoding_equals_stepping_the_members_without_cache(setup):
+    tokenizer, members, wide = setup
+    pipe = pipeline("text-generation", model=wide, tokenizer=tokenizer)
+    results = pipe(PROMPTS, max_new_tokens=NEW, return_full_text=False, batch_size=2)  # left-padded batch
+    rows, probs = reference_decode(members, tokenizer, PROMPTS, NEW)
+    for b, (row, result) in enumerate(zip(rows, results)):
+        assert result["generated_text"] == tokenizer.decode(row, skip_special_tokens=True)
+        p = probs[:, b, : len(row)]  # (N, S, V): the steps up to eos
+        tokens = torch.tensor(row)
+        chosen = p[:, torch.arange(len(row)), tokens]  # (N, S): each member's probability of the token
+        u = result["uncertainty"]
+        assert u["predictive_entropy"] == pytest.approx(float(entropy(p.mean(0)).mean()), abs=1e-5)
+        assert u["expected_entropy"] == pytest.approx(float(entropy(p).mean()), abs=1e-5)
+        assert u["member_std"] == pytest.approx(float(chosen.std(0, unbiased=False).mean()), abs=1e-6)
+        assert u["agreement"] == pytest.approx(float((p.argmax(-1) == tokens).float().mean()))
+
+
+def test_per_member_continuations_equal_each_members_generate(setup):
+    tokenizer, members, wide = setup
+    pipe = pipeline("text-generation", model=wide, tokenizer=tokenizer, combine="none")
+    results = pipe(PROMPTS, max_new_tokens=NEW, return_full_text=False, batch_size=2)
+    encoded = tokenizer(PROMPTS, return_tensors="pt", padding=True)
+    for i, member in enumerate(members):
+        out = member.generate(**encoded, max_new_tokens=NEW, do_sample=False, pad_token_id=0)
+        for b, result in enumerate(results):
+            assert set(result) == {"members"}
+            expected = tokenizer.decode(out[b, encoded["input_ids"].shape[-1]:], skip_special_tokens=True)
+            assert result["members"][i] == {"member": i, "generated_text": expected}
+
+
+def test_per_member_continuations_equal_transformers_pipeline(setup):
+    tokenizer, members, wide = setup
+    result = pipeline("text-generation", model=wide, tokenizer=tokenizer)(PROMPTS[0], max_new_tokens=NEW,
+                                                                         return_members=True)
+    assert result["generated_text"].startswith(PROMPTS[0])
+    for i, member in enumerate(members):
+        reference = transformers.pipeline("text-generation", model=member, tokenizer=tokenizer)
+        expected = reference(PROMPTS[0], max_new_tokens=NEW, do_sample=False)[0]["generated_text"]
+        assert result["members"][i]["generated_text"] == expected
+
+
+def test_one_hot_weights_decode_like_that_member_alone(setup):
+    tokenizer, members, wide = setup
+    pipe = pipeline("text-generation", model=wide, tokenizer=tokenizer, combine="weighted", weights=[0, 1, 0])
+    result = pipe(PROMPTS[0], max_new_tokens=NEW, return_full_text=False)
+    encoded = tokenizer(PROMPTS[0], return_tensors="pt")
+    out = members[1].generate(**encoded, max_new_tokens=NEW, do_sample=False, pad_token_id=0)
+    assert result["generated_text"] == tokenizer.decode(out[0, encoded["input_ids"].shape[-1]:],
+                                                        skip_special_tokens=True)
+
+
+def test_decoding_stops_at_eos_and_measures_only_what_it_generated(setup):
+    tokenizer, members, wide = setup
+    rows, probs = reference_decode(members, tokenizer, PROMPTS[:1], NEW, eos=-1)
+    eos = rows[0][2]  # make the third token an eos
+    stop = rows[0].index(eos) + 1
+    config = wide.model.generation_config
+    saved = config.eos_token_id
+    config.eos_token_id = eos
+    try:
+        result = pipeline("text-generation", model=wide, tokenizer=tokenizer)(PROMPTS[0], max_new_tokens=NEW,
+                                                                             return_full_text=False)
+    finally:
+        config.eos_token_id = saved
+    assert result["generated_text"] == tokenizer.decode(rows[0][:stop], skip_special_tokens=True)
+    expected = entropy(probs[:, 0, :stop].mean(0)).mean()
+    assert result["uncertainty"]["predictive_entropy"] == pytest.approx(float(expected), abs=1e-5)
+
+
+def test_sampling_is_seeded_and_top_k_1_is_greedy(setup):
+    tokenizer, _, wide = setup
+    pipe = pipeline("text-generation", model=wide, tokenizer=tokenizer)
+    greedy = pipe(PROMPTS[0], max_new_tokens=NEW)
+    assert pipe(PROMPTS[0], max_new_tokens=NEW, do_sample=True, top_k=1, seed=3) == greedy
+    first = pipe(PROMPTS[0], max_new_tokens=NEW, do_sample=True, temperature=2.0, top_p=0.9, seed=5)
+    assert pipe(PROMPTS[0], max_new_tokens=NEW, do_sample=True, temperature=2.0, top_p=0.9, seed=5) == first
+    others = {pipe(PROMPTS[0], max_new_tokens=NEW, do_sample=True, temperature=2.0, seed=s)["generated_text"]
+              for s in range(4)}
+    assert len(others) > 1
+
+
+def test_top_k_and_top_p_keep_the_most_likely_tokens():
+    probs = torch.tensor([[0.5, 0.1, 0.25, 0.15]])
+    assert _filter(probs, 2, None)[0].tolist() == pytest.approx([0.5 / 0.75, 0, 0.25 / 0.75, 0])
+    assert _filter(probs, None, 0.7)[0].tolist() == pytest.approx([0.5 / 0.75, 0, 0.25 / 0.75, 0])
+    assert _filter(probs, None, 0.75)[0].tolist() == pytest.approx([0.5 / 0.75, 0, 0.25 / 0.75, 0])
+    assert _filter(probs, None, 0.76)[0].tolist() == pytest.approx([0.5 / 0.9, 0, 0.25 / 0.9, 0.15 / 0.9])
+    assert _filter(probs, None, 0.1)[0].tolist() == pytest.approx([1, 0, 0, 0])
+
+
+def test_long_prompts_keep_their_last_tokens_or_are_refused(setup):
+    tokenizer, members, wide = setup
+    pipe = pipeline("text-generation", model=wide, tokenizer=tokenizer)
+    words = sentences(1, seed=4, min_words=70, max_words=70)[0]  # over the 64 positions
+    result = pipe(words, max_new_tokens=4, return_full_text=False)
+    kept = tokenizer(words, return_tensors="pt")["input_ids"][:, -60:]
+    rows, _ = reference_decode(members, tokenizer, [tokenizer.decode(kept[0])], 4)
+    assert tokenizer(tokenizer.decode(kept[0]))["input_ids"] == kept[0].tolist()
+    assert result["generated_text"] == tokenizer.decode(rows[0], skip_special_tokens=True)
+    with pytest.raises(ValueError, match="room for 60"):
+        pipe(words, max_new_tokens=4, truncation=False)
+
+
+@pytest.mark.parametrize("options, call, error, match", [
+    ({}, {"inputs": ""}, ValueError, "empty prompt"),
+    ({}, {"inputs": []}, ValueError, "empty list"),
+    ({}, {"inputs": 3}, TypeError, "Expected a prompt"),
+    ({}, {"inputs": "a cat", "max_new_tokens": 0}, ValueError, "max_new_tokens must be at least 1"),
+    ({}, {"inputs": "a cat", "max_new_tokens": 64}, ValueError, "leaves no room"),
+    ({}, {"inputs": "a cat", "top_p": 1.5}, ValueError, "top_p"),
+    ({}, {"inputs": "a cat", "beams": 2}, TypeError, "unknown options: beams"),
+    ({"combine": "vote"}, {"inputs": "a cat", "do_sample": True}, ValueError, "no distribution to sample"),
+    ({"combine": "first"}, None, ValueError, "Unknown combine rule"),
+    ({"combine": "weighted", "weights": [1]}, None, ValueError, "one number per member"),
+])
+def test_bad_input_is_refused_clearly(setup, options, call, error, match):
+    tokenizer, _, wide = setup
+    with pytest.raises(error, match=match):
+        pipe = pipeline("text-generation", model=wide, tokenizer=tokenizer, **options)
+        pipe(**call)
+
+
+def test_vote_decoding_takes_the_majority_token(setup):
+    tokenizer, members, wide = setup
+    result = pipeline("text-generation", model=wide, tokenizer=tokenizer, combine="vote")(
+        PROMPTS[0], max_new_tokens=1, return_full_text=False)
+    encoded = tokenizer(PROMPTS[0], return_tensors="pt")
+    with torch.no_grad():
+        probs = torch.stack([m(**encoded).logits[0, -1].softmax(-1) for m in members])  # (N, V)
+    votes = np.bincount(probs.argmax(-1).numpy(), minlength=probs.shape[-1]) + 1e-6 * probs.mean(0).numpy()
+    assert result["generated_text"] == tokenizer.decode([int(votes.argmax())], skip_special_tokens=True)
