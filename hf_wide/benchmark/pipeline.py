@@ -1,0 +1,197 @@
+"""``hf-wide benchmark --pipeline``: the pipelines against what users run today, end to end.
+
+1. Text classification: ``texts`` texts with ``members`` tiny BERT classifiers, our pipeline
+   (``batch_size=32``) against ``members`` ``transformers.pipeline("text-classification")`` run one after
+   another over the same texts, batched like ours (``batch_size=32``) and as called by default (one text
+   at a time). Target: at least 4x.
+2. Ensemble decoding: ``new_tokens`` greedy tokens with ``members`` tiny Llama members, our pipeline (one
+   wide forward per token, a KV cache of N*B rows) against stepping the members separately with the same
+   averaging (each with its own KV cache: one forward per member per token). Target: at least 2x.
+
+Members have random weights (hidden 64, 2 layers); tokenizers are built here from a generated vocabulary,
+so nothing is downloaded. Each result is checked: every member's labels, and the decoded tokens, must
+equal the baseline's. Times are the best of ``repeats`` runs after a warm-up.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import transformers
+
+from ..model import WideModel
+from ..pipelines import pipeline
+
+SPECIALS = ["[PAD]", "[SEP]", "[UNK]", "[CLS]", "[MASK]"]
+SYLLABLES = "ka lo mi ne ru sa ti vo be da fe gi hu jo ly po qua ze xi wu".split()
+TARGETS = {"classification": 4.0, "decoding": 2.0}
+
+
+def make_tokenizer(folder: str | Path) -> transformers.PreTrainedTokenizerBase:
+    """A WordPiece tokenizer over 5 specials and 400 two-syllable words (ids only matter here)."""
+    words = [a + b for a in SYLLABLES for b in SYLLABLES]
+    path = Path(folder) / "vocab.txt"
+    path.write_text("\n".join(SPECIALS + words) + "\n")
+    return transformers.BertTokenizer(str(path))
+
+
+def make_texts(count: int, seed: int = 0, min_words: int = 4, max_words: int = 48) -> list[str]:
+    rng = random.Random(seed)
+    words = [a + b for a in SYLLABLES for b in SYLLABLES]
+    return [" ".join(rng.choices(words, k=rng.randint(min_words, max_words))) for _ in range(count)]
+
+
+def _seeded(model_class, config, seed: int):
+    torch.manual_seed(seed)
+    return model_class(config).eval()
+
+
+def _best_of(fn, repeats: int) -> tuple[float, object]:
+    """(best wall seconds of ``repeats`` calls, the last call's result)."""
+    best, result = float("inf"), None
+    for _ in range(repeats):
+        start = time.perf_counter()
+        result = fn()
+        best = min(best, time.perf_counter() - start)
+    return best, result
+
+
+# ---------------------------------------------------------------- 1. text classification
+def classification_benchmark(num_texts: int = 2000, num_members: int = 8, batch_size: int = 32, hidden: int = 64,
+                             repeats: int = 2, unbatched: bool = True) -> dict:
+    with tempfile.TemporaryDirectory() as folder:
+        tokenizer = make_tokenizer(folder)
+    config = transformers.BertConfig(vocab_size=len(tokenizer), hidden_size=hidden, num_hidden_layers=2,
+                                     num_attention_heads=4, intermediate_size=2 * hidden, max_position_embeddings=128,
+                                     num_labels=3)
+    members = [_seeded(transformers.BertForSequenceClassification, config, seed) for seed in range(num_members)]
+    texts = make_texts(num_texts)
+    pipe = pipeline("text-classification", model=WideModel.from_models(members), tokenizer=tokenizer,
+                    batch_size=batch_size)
+    hf_pipes = [transformers.pipeline("text-classification", model=m, tokenizer=tokenizer, device="cpu")
+                for m in members]
+    pipe(texts[:batch_size])  # warm-up
+    for hf in hf_pipes:
+        hf(texts[:batch_size], batch_size=batch_size)
+    ours_s, ours = _best_of(lambda: pipe(texts), repeats)
+    hf_s, hf_labels = _best_of(lambda: [hf(texts, batch_size=batch_size) for hf in hf_pipes], repeats)
+    matches = sum(r["members"][i]["label"] == h[k]["label"]
+                  for i, h in enumerate(hf_labels) for k, r in enumerate(ours))
+    record = {
+        "benchmark": "classification", "texts": num_texts, "members": num_members, "batch_size": batch_size,
+        "hidden": hidden, "ours_s": ours_s, "ours_items_per_s": num_texts / ours_s,
+        "transformers_batched_s": hf_s, "speedup_vs_batched": hf_s / ours_s,
+        "member_labels_match": matches / (num_texts * num_members),
+    }
+    if unbatched:  # transformers' default: pipe(texts) one text at a time
+        hf1_s, _ = _best_of(lambda: [hf(texts) for hf in hf_pipes], 1)
+        record.update(transformers_default_s=hf1_s, speedup_vs_default=hf1_s / ours_s)
+    return record
+
+
+# ---------------------------------------------------------------- 2. ensemble decoding
+def _prompts(tokenizer, texts: list[str]) -> dict[str, torch.Tensor]:
+    tokenizer.padding_side = "left"
+    return tokenizer(texts, return_tensors="pt", padding=True)
+
+
+@torch.inference_mode()
+def stepped_decode(members, input_ids: torch.Tensor, attention_mask: torch.Tensor, new_tokens: int) -> torch.Tensor:
+    """The baseline: every member steps on its own KV cache, their softmaxes are averaged, the argmax is
+    fed to all of them. (B, new_tokens) tokens."""
+    mask = attention_mask
+    positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 0)
+    caches = [None] * len(members)
+    step_ids, tokens = input_ids, []
+    for _ in range(new_tokens):
+        probs = 0
+        for i, member in enumerate(members):
+            out = member(input_ids=step_ids, attention_mask=mask, position_ids=positions,
+                         past_key_values=caches[i], use_cache=True, logits_to_keep=1)
+            caches[i] = out.past_key_values
+            probs = probs + out.logits[:, -1].float().softmax(-1)
+        token = (probs / len(members)).argmax(-1)  # (B,)
+        tokens.append(token)
+        step_ids = token[:, None]
+        mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], -1)
+        positions = positions[:, -1:] + 1
+    return torch.stack(tokens, -1)
+
+
+def decoding_benchmark(num_members: int = 4, new_tokens: int = 32, batch: int = 1, hidden: int = 64,
+                       repeats: int = 3) -> dict:
+    with tempfile.TemporaryDirectory() as folder:
+        tokenizer = make_tokenizer(folder)
+    # No eos: every run generates exactly new_tokens tokens.
+    config = transformers.LlamaConfig(vocab_size=len(tokenizer), hidden_size=hidden, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, intermediate_size=2 * hidden,
+                                      max_position_embeddings=256, pad_token_id=0, bos_token_id=None,
+                                      eos_token_id=None)
+    members = [_seeded(transformers.LlamaForCausalLM, config, seed) for seed in range(num_members)]
+    for member in members:
+        member.generation_config.eos_token_id = None
+    texts = make_texts(batch, seed=1, min_words=8, max_words=16)
+    pipe = pipeline("text-generation", model=WideModel.from_models(members), tokenizer=tokenizer)
+    prompts = _prompts(tokenizer, texts)
+
+    def ours():
+        return pipe(texts, max_new_tokens=new_tokens, batch_size=batch, return_full_text=False)
+
+    def baseline():
+        return stepped_decode(members, prompts["input_ids"], prompts["attention_mask"], new_tokens)
+
+    ours(), baseline()  # warm-up
+    ours_s, generated = _best_of(ours, repeats)
+    base_s, tokens = _best_of(baseline, repeats)
+    expected = [tokenizer.decode(row.tolist(), skip_special_tokens=True) for row in tokens]
+    return {
+        "benchmark": "decoding", "members": num_members, "new_tokens": new_tokens, "batch": batch, "hidden": hidden,
+        "ours_s": ours_s, "ours_ms_per_token": 1e3 * ours_s / new_tokens,
+        "stepped_s": base_s, "stepped_ms_per_token": 1e3 * base_s / new_tokens,
+        "speedup": base_s / ours_s,
+        "same_tokens": [g["generated_text"] for g in generated] == expected,
+    }
+
+
+# ---------------------------------------------------------------- running and reporting
+def run_pipeline_benchmark(*, texts: int = 2000, new_tokens: int = 32, batches: tuple[int, ...] = (1, 8),
+                           unbatched: bool = True, threads: int | None = None,
+                           json_path: str | None = None) -> list[dict]:
+    """Both benchmarks; prints a table and returns the records (also written to ``json_path``)."""
+    if threads is not None:
+        torch.set_num_threads(threads)
+    records = [classification_benchmark(num_texts=texts, unbatched=unbatched)]
+    records += [decoding_benchmark(new_tokens=new_tokens, batch=b) for b in batches]
+    for record in records:
+        record["threads"] = torch.get_num_threads()
+    print(format_records(records))
+    if json_path:
+        Path(json_path).write_text(json.dumps({"records": records}, indent=2))
+        print(f"\nwrote {json_path}")
+    return records
+
+
+def format_records(records: list[dict]) -> str:
+    lines = ["Pipeline benchmark (best of repeated runs, seconds; target in brackets):"]
+    for r in records:
+        if r["benchmark"] == "classification":
+            line = (f"text-classification  {r['texts']} texts, N={r['members']}, batch {r['batch_size']}: "
+                    f"hf-wide {r['ours_s']:.2f} s ({r['ours_items_per_s']:.0f} texts/s); "
+                    f"{r['members']} transformers pipelines batched {r['transformers_batched_s']:.2f} s "
+                    f"-> {r['speedup_vs_batched']:.1f}x")
+            if "speedup_vs_default" in r:
+                line += (f", one text at a time {r['transformers_default_s']:.2f} s "
+                         f"-> {r['speedup_vs_default']:.1f}x")
+            line += f" [>= {TARGETS['classification']:g}x]; member labels equal: {r['member_labels_match']:.0%}"
+        else:
+            line = (f"ensemble decoding    {r['new_tokens']} tokens, N={r['members']}, B={r['batch']}: "
+                    f"hf-wide {r['ours_s'] * 1e3:.0f} ms ({r['ours_ms_per_token']:.2f} ms/token); stepped members "
+                    f"{r['stepped_s'] * 1e3:.0f} ms -> {r['speedup']:.1f}x [>= {TARGETS['decoding']:g}x]; "
+                    f"same tokens: {r['same_tokens']}")
+        lines.append(line)
+    return "\n".join(lines)

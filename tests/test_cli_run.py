@@ -1,0 +1,100 @@
+"""``hf-wide run TASK --model ID ... --input FILE_OR_TEXT`` and ``hf-wide benchmark --pipeline``."""
+
+import json
+
+import pytest
+from pipelines.text_members import bert_tokenizer, build_members, decoder_tokenizer, save_members, sentences
+
+from hf_wide import cli
+from hf_wide.benchmark.pipeline import run_pipeline_benchmark
+from hf_wide.pipelines import pipeline
+
+TEXTS = sentences(3, seed=31)
+CASES = {  # task -> (family case, tokenizer, labels)
+    "text-classification": ("bert-seqcls", bert_tokenizer, None),
+    "token-classification": ("bert-tokcls", bert_tokenizer, {0: "O", 1: "B-X", 2: "I-X"}),
+    "feature-extraction": ("bert-base", bert_tokenizer, None),
+    "text-generation": ("llama-causallm", decoder_tokenizer, None),
+}
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """task -> two saved member folders, each with its tokenizer."""
+    folders = {}
+    for task, (case, make_tokenizer, labels) in CASES.items():
+        root = tmp_path_factory.mktemp(task)
+        folders[task] = save_members(root, build_members(case, 2, labels), make_tokenizer(root))
+    return folders
+
+
+def run_json(capsys, *argv):
+    assert cli.main(["run", *argv, "--json"]) == 0
+    captured = capsys.readouterr()
+    assert "items/s" in captured.err
+    return [json.loads(line) for line in captured.out.splitlines()]
+
+
+def test_a_literal_text_gives_the_pipelines_answer_as_json(saved, capsys):
+    lines = run_json(capsys, "text-classification", "--model", *saved["text-classification"], "--input", TEXTS[0],
+                     "--top-k", "2")
+    expected = pipeline("text-classification", model=saved["text-classification"])(TEXTS[0], top_k=2)
+    assert lines == [{"input": TEXTS[0], **json.loads(json.dumps(expected))}]
+
+
+@pytest.mark.parametrize("task", ["token-classification", "feature-extraction", "text-generation"])
+def test_a_file_gives_one_answer_per_line(saved, capsys, tmp_path, task):
+    path = tmp_path / "inputs.txt"
+    path.write_text("\n".join(TEXTS) + "\n\n")
+    lines = run_json(capsys, task, "--model", *saved[task], "--input", str(path), "--max-new-tokens", "3")
+    assert [line["input"] for line in lines] == TEXTS
+    for line in lines:
+        assert len(line["members"]) == 2
+        assert {"entities", "embedding", "generated_text"} & set(line)
+
+
+def test_the_plain_table_shows_ensemble_members_and_uncertainty(saved, capsys, monkeypatch):
+    monkeypatch.setattr(cli, "_has_rich", lambda: False)
+    members = saved["text-classification"]
+    assert cli.main(["run", "text-classification", "--model", *members, "--input", TEXTS[1]]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].split() == ["input", "ensemble", "members", "uncertainty"]
+    result = pipeline("text-classification", model=members)(TEXTS[1])
+    row = out[2]
+    assert row.startswith(TEXTS[1]) and f"{result['label']} ({result['score']:.2f})" in row
+    assert "m0: " in row and " | m1: " in row and "MI " in row and "agree " in row
+
+
+def test_the_rich_table_where_rich_is_installed(saved, capsys):
+    pytest.importorskip("rich")
+    assert cli.main(["run", "text-generation", "--model", *saved["text-generation"], "--input", TEXTS[0],
+                     "--max-new-tokens", "2", "--combine", "none"]) == 0
+    out = capsys.readouterr().out
+    assert "ensemble" in out and "m0:" in out and "m1:" in out
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["text-generation", "--top-k", "2"], "--top-k applies to text- and image-classification"),
+    (["text-classification", "--combine", "best"], "Unknown combine rule 'best'"),
+    (["text-classification", "--combine", "weighted", "--weights", "1"], "one number per member"),
+    (["image-classification", "--input", "no/such/folder"], "No image file or folder"),
+    (["text-classification", "--input", ""], "empty text"),
+])
+def test_errors_are_reported_with_exit_code_2(saved, capsys, argv, message):
+    task, *rest = argv
+    members = saved.get(task, saved["text-classification"])
+    if "--input" not in rest:
+        rest += ["--input", TEXTS[0]]
+    assert cli.main(["run", task, "--model", *members, *rest]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_the_pipeline_benchmark_runs_and_checks_its_results(capsys, tmp_path):
+    assert cli.build_parser().parse_args(["benchmark", "--pipeline"]).pipeline
+    path = tmp_path / "bench.json"
+    records = run_pipeline_benchmark(texts=40, new_tokens=3, batches=(2,), unbatched=False, json_path=str(path))
+    classification, decoding = records
+    assert classification["member_labels_match"] == 1 and classification["speedup_vs_batched"] > 0
+    assert decoding["same_tokens"] and decoding["speedup"] > 0
+    assert json.loads(path.read_text())["records"] == json.loads(json.dumps(records))
+    assert "text-classification" in capsys.readouterr().out
