@@ -1,24 +1,44 @@
-"""Hub I/O: resolve N member ids (Hub repos or local folders) and load them as transformers models.
+"""Hub I/O: resolve N member ids (Hub repos or local folders), load them as one wide model, push it back.
 
 Everything that talks to the Hub lives here, through the real ``huggingface_hub`` client: downloads run
 in parallel across members under one progress bar, weights are safetensors unless pickle is explicitly
 allowed, and remote code never runs unless asked for.
+
+Loading keeps memory low (DESIGN.md, "The Hub"): member 0 is loaded alone for the trace and dropped; the
+wide model is then built from meta-device skeletons and filled member by member from the safetensors files
+(:mod:`hf_wide.saving`), so the peak stays near the fused model's own size. Pickle checkpoints, and
+checkpoints whose tensor names transformers must convert, are loaded as whole models instead.
 """
 
 from __future__ import annotations
 
+import contextlib
+import copy
+import gc
+import logging
 import os
 import re
+import tempfile
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
 import transformers
-from huggingface_hub import list_repo_files, snapshot_download
+from huggingface_hub import HfApi, list_repo_files, snapshot_download
+from huggingface_hub.errors import RepositoryNotFoundError
 from huggingface_hub.utils import tqdm as hf_tqdm
+from torch import nn
 
-from .compat import IncompatibleMembersError
+from .compat import IncompatibleMembersError, _check_configs
+from .planner import plan_members, tensor_aliases
+from .saving import (
+    WEIGHTS_INDEX_NAME, Checkpoint, assemble, load_fused, member_config, model_class_for, read_section,
+    same_bytes, save_member, save_wide, skeleton_like, state_tensors,
+)
+from .tracer import sample_inputs
+
+logger = logging.getLogger(__name__)
 
 
 class MemberLoadError(OSError):
@@ -27,8 +47,8 @@ class MemberLoadError(OSError):
 
 SAFETENSORS_PATTERNS = ["*.safetensors", "*.safetensors.index.json"]
 PICKLE_PATTERNS = ["*.bin", "*.bin.index.json"]
-# Config, tokenizer and processor files: small, and what a pipeline needs besides the weights.
-META_PATTERNS = ["*.json", "*.txt", "*.model", "*.tiktoken", "*.py"]
+# Config, tokenizer, processor and chat-template files: small, and what a pipeline needs besides the weights.
+META_PATTERNS = ["*.json", "*.txt", "*.model", "*.tiktoken", "*.jinja", "*.py"]
 
 DTYPES = {
     "float32": torch.float32,
@@ -49,6 +69,34 @@ def resolve_dtype(dtype: str | torch.dtype | None) -> torch.dtype | str | None:
     elif dtype in DTYPES.values():
         return dtype
     raise ValueError(f"Unsupported dtype {dtype!r}: use one of {', '.join(DTYPES)}, 'auto' or None.")
+
+
+def resolve_device(device=None, device_map=None) -> torch.device | None:
+    """The one device the wide model goes to. The members are folded into each layer, so a layer cannot be split
+    across devices: ``device_map`` is "auto" (the first accelerator, else the CPU), a device, or ``{"": device}``."""
+    if device_map is None:
+        return None if device is None else torch.device(device)
+    if device is not None:
+        raise ValueError("Pass device= or device_map=, not both.")
+    if device_map == "auto":
+        accelerator = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
+        return torch.device(accelerator.type, 0) if accelerator is not None else torch.device("cpu")
+    if isinstance(device_map, dict):
+        if set(device_map) != {""}:
+            raise NotImplementedError(
+                f"device_map {device_map!r} splits the model across devices; hf-wide keeps the wide model on one "
+                "device (every layer holds all members). Use device_map='auto' or {'': device}."
+            )
+        device_map = device_map[""]
+    return torch.device(device_map)
+
+
+class _QuietTqdm(hf_tqdm):
+    """snapshot_download's own bars (files, bytes), switched off: all members share one bar."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs["disable"] = True
+        super().__init__(*args, **kwargs)
 
 
 def _revisions(revision: str | Sequence[str | None] | None, n: int) -> list[str | None]:
@@ -72,6 +120,7 @@ def download_members(
     (in parallel, one progress bar). ``hub_kwargs``: ``token``, ``cache_dir``, ``local_files_only``,
     ``force_download``."""
     revisions = _revisions(revision, len(model_ids))
+    hub_kwargs.setdefault("tqdm_class", _QuietTqdm)
     patterns = META_PATTERNS + SAFETENSORS_PATTERNS + (PICKLE_PATTERNS if allow_pickle else [])
 
     def fetch(item: tuple[int, str, str | None]) -> Path:
@@ -82,7 +131,10 @@ def download_members(
         try:
             folder = Path(snapshot_download(model_id, revision=rev, allow_patterns=patterns, **hub_kwargs))
         except Exception as exc:  # the hub client's errors, offline misses, network failures
-            raise MemberLoadError(f"{name}: {type(exc).__name__}: {exc}") from exc
+            hint = ""
+            if isinstance(exc, RepositoryNotFoundError):
+                hint = "\nIf the repo is private or gated, pass token= (or log in with `hf auth login`)."
+            raise MemberLoadError(f"{name}: {type(exc).__name__}: {exc}{hint}") from exc
         if not allow_pickle and not any(folder.glob("*.safetensors")):
             _refuse_if_pickle_only(model_id, folder.name, name, hub_kwargs)
         return folder
@@ -129,6 +181,142 @@ def _weights_format(folder: Path, name: str, allow_pickle: bool) -> bool:
     raise FileNotFoundError(f"{name} has no model weights (*.safetensors) in {folder}.")
 
 
+# ---------------------------------------------------------------- loading a wide model
+def load_wide(
+    cls,
+    model_ids: Sequence[str] | str,
+    revision: str | Sequence[str | None] | None = None,
+    *,
+    dtype: str | torch.dtype | None = None,
+    device: str | torch.device | None = None,
+    device_map: str | dict | None = None,
+    allow_pickle: bool = False,
+    trust_remote_code: bool = False,
+    allow_label_mismatch: bool = False,
+    share_identical: bool = True,
+    validate: bool = False,
+    **hub_kwargs,
+):
+    """``cls.from_pretrained``: one fused repo (its config.json has an ``hf_wide`` section), or N member
+    checkpoints fused here. See :func:`download_members` for ``hub_kwargs``."""
+    ids = [model_ids] if isinstance(model_ids, str) else list(model_ids)
+    if not ids:
+        raise ValueError("WideModel.from_pretrained needs at least one model id; got an empty list.")
+    torch_dtype, device = resolve_dtype(dtype), resolve_device(device, device_map)
+    folders = download_members(ids, revision, allow_pickle=allow_pickle, **hub_kwargs)
+    names = [f"member {i} ({model_id})" for i, model_id in enumerate(ids)]
+    fused = [name for name, folder in zip(names, folders) if read_section(folder) is not None]
+    if fused:
+        if len(ids) > 1:
+            raise ValueError(f"{fused[0]} is a fused hf-wide repo: load it on its own, not as a member.")
+        wide = load_fused(cls, folders[0], name=ids[0], dtype=torch_dtype, device=device)
+    else:
+        wide = None
+        if all(_weights_format(folder, name, allow_pickle) for folder, name in zip(folders, names)):
+            wide = _load_streaming(cls, ids, folders, names, torch_dtype, device, trust_remote_code,
+                                   allow_label_mismatch, share_identical)
+        if wide is None:  # pickle weights, or tensor names that transformers converts on load
+            models = _load_models(ids, folders, torch_dtype, device, allow_pickle, trust_remote_code)
+            wide = cls.from_models(models, validate=validate, allow_label_mismatch=allow_label_mismatch,
+                                   member_ids=ids, share_identical=share_identical)
+            wide._source_dirs = folders
+            validate = False  # done against the models themselves
+        wide.member_revisions = [commit_sha(folder) for folder in folders]
+    if validate:
+        members = [wide.member(i) for i in range(wide.num_members)]
+        wide.validate(members, (), sample_inputs(members[0]))
+    return wide
+
+
+def _load_streaming(cls, ids, folders, names, dtype, device, trust_remote_code, allow_label_mismatch,
+                    share_identical):
+    """The low-memory path: member 0 alone for the trace, then the wide model filled from the files.
+    Returns None when a checkpoint's tensor names differ from its model's (transformers must convert them)."""
+    raw = [transformers.AutoConfig.from_pretrained(f, trust_remote_code=trust_remote_code) for f in folders]
+    classes = [model_class_for(config, name) for config, name in zip(raw, names)]
+    for name, config, klass in zip(names[1:], raw[1:], classes[1:]):
+        if klass is not classes[0]:
+            raise IncompatibleMembersError(
+                f"{name} is a {klass.__name__}, but {names[0]} is a {classes[0].__name__}: "
+                "all members must be the same model class."
+            )
+        _check_configs(raw[0], config, names[0], name, allow_label_mismatch)
+    checkpoints = [Checkpoint(folder) for folder in folders]
+    try:
+        template = _load_member(folders[0], names[0], dtype, device=None, use_safetensors=True,
+                                trust_remote_code=trust_remote_code)
+        keys = _checkpoint_keys(template, checkpoints, names)
+        if keys is None:
+            return None
+        configs = [member_config(template.config, _differing(config, raw[0])) for config in raw]
+        generation_configs = [_generation_config(template, folder) for folder in folders]
+        skeletons = [skeleton_like(template, c, g) for c, g in zip(configs, generation_configs)]
+        identical = {k for k in keys[0] if share_identical and same_bytes(checkpoints, [ks[k] for ks in keys])}
+        stand_ins = [_stand_in(template, identical) for _ in folders[1:]]
+        plan = plan_members([template, *stand_ins], share_identical=share_identical)
+        del template, stand_ins  # free member 0 before the wide model takes its memory
+        gc.collect()
+
+        def read(i: int, key: str, dst: torch.Tensor) -> None:
+            checkpoints[i].read_into(keys[i][key], dst)
+
+        model, fold, aliases = assemble(skeletons, plan, device, read)
+    finally:
+        for checkpoint in checkpoints:
+            checkpoint.close()
+    wide = cls(model, plan, fold, aliases, ids, configs, generation_configs)
+    wide._source_dirs = list(folders)
+    return wide.eval()
+
+
+def _checkpoint_keys(template: nn.Module, checkpoints: Sequence[Checkpoint], names: Sequence[str]):
+    """For each member, the file key of every state-dict tensor of the template (a tied tensor may be stored
+    under any of its names), checking shapes; None if some tensor is not found under any of its names."""
+    aliases = tensor_aliases(template)
+    found = []
+    for checkpoint, name in zip(checkpoints, names):
+        keys = {}
+        for key, t in state_tensors(template).items():
+            stored = next((a for a in aliases.get(key, [key]) if a in checkpoint), None)
+            if stored is None:
+                logger.info("%s has no tensor %r under that name: loading whole members with transformers", name, key)
+                return None
+            if checkpoint.shape(stored) != tuple(t.shape):
+                raise IncompatibleMembersError(
+                    f"{name} has {stored!r} of shape {checkpoint.shape(stored)}, but {names[0]} has {tuple(t.shape)}."
+                )
+            keys[key] = stored
+        found.append(keys)
+    return found
+
+
+def _differing(config, base) -> dict:
+    """The attributes of a member's config that differ from member 0's (labels, provenance)."""
+    ours, theirs = vars(config), vars(base)
+    return {k: v for k, v in ours.items() if k not in theirs or theirs[k] != v}
+
+
+def _generation_config(template: nn.Module, folder: Path):
+    """The generation config transformers would give the member in ``folder`` (None if it cannot generate)."""
+    generation_config = getattr(template, "generation_config", None)
+    if generation_config is None or not (Path(folder) / "generation_config.json").exists():
+        return copy.deepcopy(generation_config)
+    return transformers.GenerationConfig.from_pretrained(folder)
+
+
+def _stand_in(template: nn.Module, identical: set[str]) -> nn.Module:
+    """What the planner needs of members 1..N-1 without loading them: their module tree, holding member 0's very
+    tensors where all members agree and an empty tensor where they differ (the planner only compares them)."""
+    memo = {}
+    for key, t in state_tensors(template).items():
+        if key not in identical:
+            empty = torch.empty(0, dtype=t.dtype)
+            memo[id(t)] = nn.Parameter(empty, requires_grad=False) if isinstance(t, nn.Parameter) else empty
+    for t in (*template.parameters(), *template.buffers()):
+        memo.setdefault(id(t), t)
+    return copy.deepcopy(template, memo)
+
+
 def load_members(
     model_ids: Sequence[str],
     revision: str | Sequence[str | None] | None = None,
@@ -144,34 +332,46 @@ def load_members(
     model_ids = list(model_ids)
     if not model_ids:
         raise ValueError("WideModel.from_pretrained needs at least one model id; got an empty list.")
-    torch_dtype = resolve_dtype(dtype)
     folders = download_members(model_ids, revision, allow_pickle=allow_pickle, **hub_kwargs)
-    models = []
-    # One bar for all members instead of transformers' bar per checkpoint.
-    bars_were_on = transformers.utils.logging.is_progress_bar_enabled()
-    transformers.utils.logging.disable_progress_bar()
-    try:
-        for i, (model_id, folder) in enumerate(hf_tqdm(list(zip(model_ids, folders)), desc="Loading members",
-                                                     unit="member", disable=len(model_ids) < 2 or not bars_were_on)):
-            models.append(_load_member(model_id, folder, f"member {i} ({model_id})", torch_dtype, device,
-                                       allow_pickle, trust_remote_code))
-    finally:
-        if bars_were_on:
-            transformers.utils.logging.enable_progress_bar()
+    models = _load_models(model_ids, folders, resolve_dtype(dtype), device, allow_pickle, trust_remote_code)
     return models, model_ids, [commit_sha(folder) for folder in folders]
 
 
-def _load_member(model_id, folder, name, torch_dtype, device, allow_pickle, trust_remote_code):
+def _load_models(model_ids, folders, torch_dtype, device, allow_pickle, trust_remote_code) -> list[nn.Module]:
+    show_bar = len(model_ids) > 1 and transformers.utils.logging.is_progress_bar_enabled()
+    models = []
+    for i, (model_id, folder) in enumerate(hf_tqdm(list(zip(model_ids, folders)), desc="Loading members",
+                                                 unit="member", disable=not show_bar)):
+        name = f"member {i} ({model_id})"
+        use_safetensors = _weights_format(folder, name, allow_pickle)
+        models.append(_load_member(folder, name, torch_dtype, device=device, use_safetensors=use_safetensors,
+                                   trust_remote_code=trust_remote_code))
+    return models
+
+
+@contextlib.contextmanager
+def _no_transformers_bars():
+    """transformers' bar per checkpoint, switched off: the members share one bar."""
+    were_on = transformers.utils.logging.is_progress_bar_enabled()
+    transformers.utils.logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if were_on:
+            transformers.utils.logging.enable_progress_bar()
+
+
+def _load_member(folder, name, torch_dtype, *, device, use_safetensors, trust_remote_code):
     """One member with its own transformers class, refusing a checkpoint that lacks tensors."""
-    use_safetensors = _weights_format(folder, name, allow_pickle)
     config = transformers.AutoConfig.from_pretrained(folder, trust_remote_code=trust_remote_code)
-    model, info = _model_class(config, name).from_pretrained(
-        folder,
-        dtype=torch_dtype,
-        use_safetensors=use_safetensors,
-        trust_remote_code=trust_remote_code,
-        output_loading_info=True,
-    )
+    with _no_transformers_bars():
+        model, info = model_class_for(config, name).from_pretrained(
+            folder,
+            dtype=torch_dtype,
+            use_safetensors=use_safetensors,
+            trust_remote_code=trust_remote_code,
+            output_loading_info=True,
+        )
     if info.get("missing_keys"):
         missing = ", ".join(sorted(info["missing_keys"])[:5])
         raise IncompatibleMembersError(f"{name}: the checkpoint is missing tensor(s) {missing}.")
@@ -180,12 +380,40 @@ def _load_member(model_id, folder, name, torch_dtype, device, allow_pickle, trus
     return model.eval()
 
 
-def _model_class(config, name: str) -> type:
-    architectures = getattr(config, "architectures", None) or []
-    for arch in architectures:
-        if hasattr(transformers, arch):
-            return getattr(transformers, arch)
-    raise ValueError(
-        f"{name}: config.architectures is {architectures!r}, which names no transformers class; "
-        "load the models yourself and use WideModel.from_models."
-    )
+# ---------------------------------------------------------------- pushing
+def push_wide(wide, repo_id: str, *, private: bool | None = None, token: str | None = None,
+              commit_message: str | None = None, create_pr: bool = False, overwrite_readme: bool = False,
+              **save_kwargs):
+    """Save ``wide`` as a fused repo in a temporary folder and upload it to ``repo_id`` in one commit (the repo is
+    created if needed). A README.md already in the repo is kept unless ``overwrite_readme``; weight files of an
+    earlier upload that this one does not replace are deleted in the same commit. Returns the CommitInfo."""
+    api = HfApi(token=token)
+    repo_id = api.create_repo(repo_id, private=private, exist_ok=True).repo_id
+    with tempfile.TemporaryDirectory(prefix="hf-wide-") as tmp:
+        save_wide(wide, tmp, repo_id=repo_id, overwrite_readme=True, **save_kwargs)
+        if not overwrite_readme and api.file_exists(repo_id, "README.md"):
+            (Path(tmp) / "README.md").unlink()
+        return api.upload_folder(
+            repo_id=repo_id,
+            folder_path=tmp,
+            commit_message=commit_message or f"Upload a wide model of {wide.num_members} members with hf-wide",
+            create_pr=create_pr,
+            delete_patterns=["model*.safetensors", WEIGHTS_INDEX_NAME],
+        )
+
+
+def push_members(wide, repo_ids: Sequence[str], *, private: bool | None = None, token: str | None = None,
+                 commit_message: str | None = None) -> list:
+    """Upload every member as an ordinary transformers repo, member i to ``repo_ids[i]`` (one commit each)."""
+    repo_ids = list(repo_ids)
+    if len(repo_ids) != wide.num_members:
+        raise ValueError(f"Got {len(repo_ids)} repo ids for {wide.num_members} members.")
+    api = HfApi(token=token)
+    commits = []
+    for i, repo_id in enumerate(repo_ids):
+        repo_id = api.create_repo(repo_id, private=private, exist_ok=True).repo_id
+        with tempfile.TemporaryDirectory(prefix="hf-wide-") as tmp:
+            save_member(wide, i, tmp)
+            message = commit_message or f"Upload member {i} ({wide.member_ids[i]}) of a wide model with hf-wide"
+            commits.append(api.upload_folder(repo_id=repo_id, folder_path=tmp, commit_message=message))
+    return commits

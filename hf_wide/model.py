@@ -109,17 +109,45 @@ class WideModel(nn.Module):
 
     @classmethod
     def from_pretrained(cls, model_ids: Sequence[str] | str, **kwargs) -> "WideModel":
-        """Download (or read) N checkpoints and fuse them. See :func:`hf_wide.hub.load_members`."""
-        from .hub import load_members
+        """Download (or read) N checkpoints and fuse them, or load one fused repo (a single id whose config.json
+        has an ``hf_wide`` section, as written by :meth:`save_pretrained`). Options (``revision``, ``dtype``,
+        ``device``, ``device_map``, ``token``, ``allow_pickle``, ...): see :func:`hf_wide.hub.load_wide`."""
+        from .hub import load_wide
 
-        if isinstance(model_ids, str):
-            model_ids = [model_ids]
-        allow_label_mismatch = kwargs.pop("allow_label_mismatch", False)
-        validate = kwargs.pop("validate", False)
-        models, ids, revisions = load_members(model_ids, **kwargs)
-        wide = cls.from_models(models, validate=validate, allow_label_mismatch=allow_label_mismatch, member_ids=ids)
-        wide.member_revisions = revisions
-        return wide
+        return load_wide(cls, model_ids, **kwargs)
+
+    # ---------------------------------------------------------------- saving
+    def save_pretrained(self, save_directory, *, max_shard_size: int | str = "5GB", tokenizer=None, processor=None,
+                        overwrite_readme: bool = False):
+        """Write one fused repo (stacked weights, config with an ``hf_wide`` section, tokenizer files, model card)
+        that :meth:`from_pretrained` loads back. See :func:`hf_wide.saving.save_wide`."""
+        from .saving import save_wide
+
+        return save_wide(self, save_directory, max_shard_size=max_shard_size, tokenizer=tokenizer,
+                         processor=processor, overwrite_readme=overwrite_readme)
+
+    def push_to_hub(self, repo_id: str, *, private: bool | None = None, token: str | None = None,
+                    commit_message: str | None = None, create_pr: bool = False, overwrite_readme: bool = False,
+                    **save_kwargs):
+        """Upload the fused repo to ``repo_id`` in one commit; a README already there is kept unless
+        ``overwrite_readme``. See :func:`hf_wide.hub.push_wide`."""
+        from .hub import push_wide
+
+        return push_wide(self, repo_id, private=private, token=token, commit_message=commit_message,
+                         create_pr=create_pr, overwrite_readme=overwrite_readme, **save_kwargs)
+
+    def save_members(self, save_directory, names: Sequence[str] | None = None):
+        """Every member as an ordinary transformers repo in ``save_directory/member-{i}``: the inverse of fusion."""
+        from .saving import save_members
+
+        return save_members(self, save_directory, names)
+
+    def push_members(self, repo_ids: Sequence[str], *, private: bool | None = None, token: str | None = None,
+                     commit_message: str | None = None):
+        """Upload member i as an ordinary transformers repo to ``repo_ids[i]``."""
+        from .hub import push_members
+
+        return push_members(self, repo_ids, private=private, token=token, commit_message=commit_message)
 
     # ---------------------------------------------------------------- running
     @property

@@ -1,0 +1,169 @@
+"""The Hub round trip over real HTTP (tests/hub_server.py): members up, fused, pushed, and loaded back elsewhere."""
+
+import pytest
+import torch
+import transformers
+from conftest import CASES
+from huggingface_hub import HfApi, constants, hf_hub_download
+from huggingface_hub.errors import HfHubHTTPError
+from hub_server import TOKEN, hub  # noqa: F401  (the fixture)
+from oracle import TOLERANCE, main_output, max_member_error
+from safetensors.torch import load_file, save_file
+
+from hf_wide import IncompatibleMembersError, WideModel
+from hf_wide.hub import MemberLoadError
+
+CASE = CASES["bert-seqcls"]
+IDS = ["alice/seed-0", "alice/seed-1", "alice/seed-2"]
+
+
+@pytest.fixture(scope="module")
+def member_folders(tmp_path_factory):
+    root = tmp_path_factory.mktemp("members")
+    members, paths = [], []
+    for seed in range(3):
+        model = CASE.build(seed)
+        model.save_pretrained(root / f"seed-{seed}")
+        members.append(model)
+        paths.append(root / f"seed-{seed}")
+    (root / "vocab.txt").write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "good", "bad"]) + "\n")
+    transformers.BertTokenizerFast(vocab_file=str(root / "vocab.txt")).save_pretrained(root / "tokenizer")
+    return members, paths, root / "tokenizer"
+
+
+@pytest.fixture
+def published(hub, member_folders):
+    """Three member repos with the same tokenizer; seed-1's weights live on branch "seed-1" only, seed-2 is private."""
+    members, paths, tokenizer = member_folders
+    hub.publish("alice/seed-0", tokenizer)
+    hub.publish("alice/seed-0", paths[0])
+    hub.publish("alice/seed-1", tokenizer)
+    sha1 = hub.publish("alice/seed-1", paths[1], revision="seed-1")
+    hub.publish("alice/seed-2", tokenizer, private=True)
+    hub.publish("alice/seed-2", paths[2])
+    return members, sha1
+
+
+def fuse(**kwargs) -> WideModel:
+    return WideModel.from_pretrained(IDS, revision=["main", "seed-1", None], token=TOKEN, **kwargs)
+
+
+def test_members_to_fused_repo_and_back(hub, published, tmp_path):
+    members, sha1 = published
+    wide = fuse()
+    inputs = CASE.inputs(3, padded=True)
+    assert max_member_error(wide, members, inputs) <= TOLERANCE
+    commit = wide.push_to_hub("alice/wide-ensemble", token=TOKEN, commit_message="fuse three seeds")
+    assert commit.oid == hub.repos["alice/wide-ensemble"].branches["main"]
+    files = hub.repos["alice/wide-ensemble"].commits[commit.oid].files
+    assert {"config.json", "model.safetensors", "README.md", "tokenizer.json", "tokenizer_config.json"} <= set(files)
+    card = files["README.md"].decode()
+    assert "base_model:\n- alice/seed-0\n- alice/seed-1\n- alice/seed-2" in card and "library_name: hf-wide" in card
+    assert f"/alice/seed-1/tree/{sha1}" in card
+
+    back = WideModel.from_pretrained("alice/wide-ensemble", cache_dir=tmp_path / "fresh")
+    with torch.no_grad():
+        assert torch.equal(main_output(back(**inputs)), main_output(wide(**inputs)))
+    assert back.member_ids == IDS and back.member_revisions == wide.member_revisions
+    assert back.member_revisions[1] == sha1
+    for i, member in enumerate(members):
+        got, want = back.member(i).state_dict(), member.state_dict()
+        assert list(got) == list(want) and all(torch.equal(got[k], want[k]) for k in want)
+    downloads = [r.path for r in hub.requests if "/resolve/" in r.path]
+    assert not any(p.endswith(".bin") for p in downloads)
+
+
+def test_push_keeps_a_readme_and_replaces_stale_shards(hub, published):
+    wide = fuse()
+    hub.publish("alice/wide", {"README.md": "my own words"})
+    wide.push_to_hub("alice/wide", token=TOKEN, max_shard_size="20KB")
+    files = hub.repos["alice/wide"].commits[hub.repos["alice/wide"].branches["main"]].files
+    assert files["README.md"] == b"my own words"
+    assert "model.safetensors.index.json" in files and "model.safetensors" not in files
+    wide.push_to_hub("alice/wide", token=TOKEN, overwrite_readme=True)
+    files = hub.repos["alice/wide"].commits[hub.repos["alice/wide"].branches["main"]].files
+    assert b"library_name: hf-wide" in files["README.md"]
+    assert sorted(f for f in files if f.startswith("model")) == ["model.safetensors"]
+
+
+def test_private_fused_repo_needs_a_token(hub, published):
+    fuse().push_to_hub("alice/private-wide", private=True, token=TOKEN)
+    message = r"(?s)member 0 \(alice/private-wide\): RepositoryNotFoundError.*pass token="
+    with pytest.raises(MemberLoadError, match=message):
+        WideModel.from_pretrained("alice/private-wide")
+    assert WideModel.from_pretrained("alice/private-wide", token=TOKEN).num_members == 3
+    with pytest.raises(HfHubHTTPError):
+        fuse().push_to_hub("alice/no-token")
+
+
+def test_errors_name_the_member(hub, published, tmp_path):
+    with pytest.raises(MemberLoadError, match=r"member 1 \(alice/missing\).*RepositoryNotFoundError"):
+        WideModel.from_pretrained(["alice/seed-0", "alice/missing"])
+    with pytest.raises(MemberLoadError, match=r"member 1 \(alice/seed-1\) at revision 'v2'.*RevisionNotFound"):
+        WideModel.from_pretrained(["alice/seed-0", "alice/seed-1"], revision=["main", "v2"])
+    bigger = transformers.BertForSequenceClassification(transformers.BertConfig(
+        vocab_size=100, max_position_embeddings=64, num_hidden_layers=2, num_labels=3, hidden_size=64,
+        num_attention_heads=4, intermediate_size=64))
+    bigger.save_pretrained(tmp_path / "bigger")
+    hub.publish("alice/bigger", tmp_path / "bigger")
+    with pytest.raises(IncompatibleMembersError, match=r"member 1 \(alice/bigger\) has config.hidden_size = 64"):
+        WideModel.from_pretrained(["alice/seed-0", "alice/bigger"])
+
+
+def test_interrupted_download_is_retried(hub, published):
+    members, _ = published
+    hub.fail_next_downloads("model.safetensors", times=1, after_bytes=1000)
+    wide = WideModel.from_pretrained(["alice/seed-0"])
+    assert max_member_error(wide, members[:1], CASE.inputs(2, padded=True)) <= TOLERANCE
+    gets = [r for r in hub.requests if r.method == "GET" and r.path.endswith("/model.safetensors")]
+    assert len(gets) == 2
+
+
+def test_offline_from_the_cache(hub, published, monkeypatch):
+    members, _ = published
+    fuse().push_to_hub("alice/wide-offline", token=TOKEN)
+    online = fuse()
+    WideModel.from_pretrained("alice/wide-offline")
+    seen = len(hub.requests)
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    offline = fuse()
+    assert offline.member_revisions == online.member_revisions
+    assert max_member_error(offline, members, CASE.inputs(3, padded=True)) <= TOLERANCE
+    assert WideModel.from_pretrained("alice/wide-offline").member_ids == IDS
+    assert len(hub.requests) == seen  # not one request
+
+
+def test_pickle_only_member_is_refused(hub, published, tmp_path):
+    members, _ = published
+    folder = tmp_path / "pickled"
+    members[0].config.save_pretrained(folder)
+    torch.save(members[0].state_dict(), folder / "pytorch_model.bin")
+    hub.publish("alice/pickled", folder)
+    with pytest.raises(ValueError, match=r"alice/pickled.*only pickle weights"):
+        WideModel.from_pretrained(["alice/seed-0", "alice/pickled"])
+
+
+def test_push_members_back_as_ordinary_repos(hub, published):
+    members, _ = published
+    wide = fuse()
+    wide.push_members(["alice/out-0", "alice/out-1", "alice/out-2"], token=TOKEN)
+    inputs = CASE.inputs(2, padded=True)
+    with torch.no_grad():
+        for i, member in enumerate(members):
+            loaded = transformers.AutoModelForSequenceClassification.from_pretrained(f"alice/out-{i}").eval()
+            assert torch.equal(loaded(**inputs).logits, member(**inputs).logits)
+    assert hf_hub_download("alice/out-1", "tokenizer_config.json")
+    assert HfApi().file_exists("alice/out-2", "tokenizer.json")
+
+
+def test_a_member_with_a_corrupt_tensor_names_it(hub, published, member_folders, tmp_path):
+    _, paths, _ = member_folders
+    tensors = load_file(paths[1] / "model.safetensors")
+    tensors["classifier.weight"] = tensors["classifier.weight"][:2]
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "config.json").write_bytes((paths[1] / "config.json").read_bytes())
+    save_file(tensors, str(tmp_path / "bad" / "model.safetensors"), metadata={"format": "pt"})
+    hub.publish("alice/bad", tmp_path / "bad")
+    with pytest.raises(IncompatibleMembersError, match=r"member 1 \(alice/bad\) has 'classifier.weight' of shape"):
+        WideModel.from_pretrained(["alice/seed-0", "alice/bad"])

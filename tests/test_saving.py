@@ -1,0 +1,186 @@
+"""Fused repos on disk (hf_wide.saving): exact round trips, the stored layout, shards, cards, members back out."""
+
+import json
+
+import pytest
+import torch
+import transformers
+from conftest import CASES
+from oracle import TOLERANCE, main_output, max_member_error
+from safetensors import safe_open
+
+from hf_wide import IncompatibleMembersError, Kind, WideModel
+from hf_wide.hub import resolve_device
+from hf_wide.saving import CONFIG_KEY, WEIGHTS_INDEX_NAME, Checkpoint
+
+ROUND_TRIP_CASES = ["bert-seqcls", "llama-causallm", "vit-imgcls", "resnet-imgcls"]
+
+
+def kinds(wide) -> dict[str, Kind]:
+    return {fqn: entry.kind for fqn, entry in wide.plan.entries.items()}
+
+
+def assert_same_members(wide, members) -> None:
+    """member(i) has exactly checkpoint i's state dict: same names, same values."""
+    for i, member in enumerate(members):
+        got, want = wide.member(i).state_dict(), member.state_dict()
+        assert list(got) == list(want)
+        assert all(torch.equal(got[k], want[k]) for k in want), f"member {i} differs"
+
+
+def stored_shapes(folder) -> dict[str, tuple]:
+    with Checkpoint(folder) as ckpt:
+        return {k: ckpt.shape(k) for k in ckpt.entries}
+
+
+@pytest.mark.parametrize("case_id", ROUND_TRIP_CASES)
+def test_fused_repo_round_trip_is_exact(fused, case_id, tmp_path):
+    members, wide = fused(case_id)
+    wide.save_pretrained(tmp_path)
+    back = WideModel.from_pretrained(str(tmp_path))
+    inputs = CASES[case_id].inputs(3, padded=True)
+    with torch.no_grad():
+        assert torch.equal(main_output(back(**inputs)), main_output(wide(**inputs)))
+    assert max_member_error(back, members, inputs) <= TOLERANCE
+    assert kinds(back) == kinds(wide)
+    assert_same_members(back, members)
+    assert not back.training
+
+
+def test_stacked_layout_ties_and_fallbacks(fused, tmp_path):
+    members, wide = fused("llama-causallm")
+    wide.save_pretrained(tmp_path)
+    shapes = stored_shapes(tmp_path)
+    assert shapes["model.embed_tokens.weight"] == (3, *members[0].model.embed_tokens.weight.shape)
+    assert "lm_head.weight" not in shapes  # tied to the embeddings: stored once, under the first name
+    back = WideModel.from_pretrained(str(tmp_path))
+    assert back.model.lm_head.weight is back.model.model.embed_tokens.weight
+    section = json.loads((tmp_path / "config.json").read_text())[CONFIG_KEY]
+    assert section["num_members"] == 3 and section["shared"] == []
+    assert back.member_generation_configs[0] is not None
+
+    members, wide = fused("vit-imgcls")
+    wide.save_pretrained(tmp_path / "vit")
+    assert stored_shapes(tmp_path / "vit")["vit.embeddings.cls_token"] == (3, 1, 1, 32)
+    assert WideModel.from_pretrained(str(tmp_path / "vit")).plan.fallbacks
+
+
+@pytest.fixture(scope="module")
+def sharing_members(tmp_path_factory):
+    """Three BERT checkpoints with the same embeddings and classifier bias, saved to folders."""
+    case = CASES["bert-seqcls"]
+    members = [case.build(seed) for seed in range(3)]
+    with torch.no_grad():
+        for m in members[1:]:
+            m.bert.embeddings.load_state_dict(members[0].bert.embeddings.state_dict())
+            m.classifier.bias.copy_(members[0].classifier.bias)
+    root = tmp_path_factory.mktemp("sharing")
+    paths = []
+    for i, m in enumerate(members):
+        m.save_pretrained(root / f"m{i}")
+        paths.append(str(root / f"m{i}"))
+    return members, paths
+
+
+def test_identical_tensors_are_stored_once(sharing_members, tmp_path):
+    members, paths = sharing_members
+    wide = WideModel.from_pretrained(paths)  # the low-memory path finds the sharing from the files' bytes
+    assert kinds(wide) == kinds(WideModel.from_models(members))
+    assert wide.plan.entries["bert.embeddings.word_embeddings"].kind == Kind.SHARED
+    wide.save_pretrained(tmp_path)
+    shapes = stored_shapes(tmp_path)
+    assert shapes["bert.embeddings.word_embeddings.weight"] == (100, 32)  # no member dim
+    assert shapes["classifier.bias"] == (3,)  # identical inside a primitive: stored once too
+    assert shapes["classifier.weight"] == (3, 3, 32)
+    shared = json.loads((tmp_path / "config.json").read_text())[CONFIG_KEY]["shared"]
+    assert "classifier.bias" in shared and "classifier.weight" not in shared
+    back = WideModel.from_pretrained(str(tmp_path))
+    assert kinds(back) == kinds(wide)
+    assert max_member_error(back, members, CASES["bert-seqcls"].inputs(3, padded=True)) <= TOLERANCE
+
+
+def test_sharded_save(fused, tmp_path):
+    members, wide = fused("bert-seqcls")
+    wide.save_pretrained(tmp_path, max_shard_size="20KB")
+    index = json.loads((tmp_path / WEIGHTS_INDEX_NAME).read_text())
+    files = sorted(set(index["weight_map"].values()))
+    assert len(files) > 2 and files[0] == f"model-00001-of-{len(files):05d}.safetensors"
+    assert not (tmp_path / "model.safetensors").exists()
+    back = WideModel.from_pretrained(str(tmp_path))
+    assert_same_members(back, members)
+    wide.save_pretrained(tmp_path)  # unsharded again: the old shards go
+    assert sorted(p.name for p in tmp_path.glob("model*")) == ["model.safetensors"]
+
+
+def test_model_card_and_readme_kept(fused, tmp_path):
+    _, wide = fused("bert-seqcls")
+    wide.save_pretrained(tmp_path)
+    card = (tmp_path / "README.md").read_text()
+    assert "library_name: hf-wide" in card and "- ensemble" in card and "pipeline_tag: text-classification" in card
+    assert "base_model" not in card  # local members are not Hub repos
+    (tmp_path / "README.md").write_text("my own card")
+    wide.save_pretrained(tmp_path)
+    assert (tmp_path / "README.md").read_text() == "my own card"
+    wide.save_pretrained(tmp_path, overwrite_readme=True)
+    assert "library_name: hf-wide" in (tmp_path / "README.md").read_text()
+
+
+def test_labels_per_member_and_dtype(tmp_path):
+    case = CASES["bert-seqcls"]
+    members = [case.build(seed) for seed in range(2)]
+    members[1].config.id2label = {0: "neg", 1: "neutral", 2: "pos"}
+    members[1].config.label2id = {"neg": 0, "neutral": 1, "pos": 2}
+    wide = WideModel.from_models(members, allow_label_mismatch=True)
+    wide.save_pretrained(tmp_path)
+    back = WideModel.from_pretrained(str(tmp_path))
+    assert back.member(1).config.id2label == {0: "neg", 1: "neutral", 2: "pos"}
+    assert back.member(1).config.label2id == {"neg": 0, "neutral": 1, "pos": 2}
+    assert back.member(0).config.id2label == members[0].config.id2label
+    half = WideModel.from_pretrained(str(tmp_path), dtype="bfloat16")
+    assert {p.dtype for p in half.parameters()} == {torch.bfloat16}
+
+
+def test_save_members_gives_ordinary_checkpoints(fused, tmp_path):
+    members, wide = fused("bert-seqcls")
+    folders = wide.save_members(tmp_path)
+    assert [f.name for f in folders] == ["member-0", "member-1", "member-2"]
+    inputs = CASES["bert-seqcls"].inputs(2, padded=True)
+    with torch.no_grad():
+        for folder, member in zip(folders, members):
+            loaded = transformers.AutoModelForSequenceClassification.from_pretrained(folder).eval()
+            assert torch.equal(loaded(**inputs).logits, member(**inputs).logits)
+
+
+def test_fused_repo_cannot_be_a_member(fused, tmp_path):
+    _, wide = fused("bert-seqcls")
+    wide.save_pretrained(tmp_path / "fused")
+    wide.save_members(tmp_path / "members")
+    with pytest.raises(ValueError, match=r"member 1 \(.*fused\) is a fused hf-wide repo"):
+        WideModel.from_pretrained([str(tmp_path / "members" / "member-0"), str(tmp_path / "fused")])
+
+
+def test_weights_of_the_wrong_shape_name_the_member(sharing_members, tmp_path):
+    members, paths = sharing_members
+    config = members[0].config
+    model = type(members[0])(config)
+    model.save_pretrained(tmp_path)
+    with safe_open(str(tmp_path / "model.safetensors"), "pt") as f:
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    tensors["classifier.weight"] = torch.zeros(4, 32)
+    from safetensors.torch import save_file
+
+    save_file(tensors, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(IncompatibleMembersError, match=r"member 1 \(.*\) has 'classifier.weight' of shape \(4, 32\)"):
+        WideModel.from_pretrained([paths[0], str(tmp_path)])
+
+
+def test_device_and_device_map():
+    assert resolve_device() is None
+    assert resolve_device("cpu") == torch.device("cpu")
+    assert resolve_device(device_map={"": "cpu"}) == torch.device("cpu")
+    expected = "cuda" if torch.cuda.is_available() else "cpu"
+    assert resolve_device(device_map="auto").type == expected
+    with pytest.raises(NotImplementedError, match="one device"):
+        resolve_device(device_map={"bert": "cpu", "classifier": "cpu"})
+    with pytest.raises(ValueError, match="not both"):
+        resolve_device("cpu", "auto")
