@@ -272,11 +272,11 @@ def _load_streaming(cls, ids, folders, names, dtype, device, trust_remote_code, 
 def _checkpoint_keys(template: nn.Module, checkpoints: Sequence[Checkpoint], names: Sequence[str]):
     """For each member, the file key of every state-dict tensor of the template (a tied tensor may be stored
     under any of its names), checking shapes; None if some tensor is not found under any of its names."""
-    aliases = tensor_aliases(template)
+    aliases, tensors = tensor_aliases(template), state_tensors(template)
     found = []
     for checkpoint, name in zip(checkpoints, names):
         keys = {}
-        for key, t in state_tensors(template).items():
+        for key, t in tensors.items():
             stored = next((a for a in aliases.get(key, [key]) if a in checkpoint), None)
             if stored is None:
                 logger.info("%s has no tensor %r under that name: loading whole members with transformers", name, key)

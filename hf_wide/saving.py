@@ -48,8 +48,9 @@ DEFAULT_MAX_SHARD_SIZE = "5GB"
 # Tokenizer, processor and chat-template files: copied into a fused repo from the members' folders.
 TOKENIZER_PATTERNS = ["tokenizer*.json", "special_tokens_map.json", "added_tokens.json", "vocab.*", "merges.txt",
                       "*.model", "*.tiktoken", "chat_template.*", "*preprocessor_config.json", "processor_config.json"]
-# Per-member config fields that only say where a checkpoint came from: not carried into a fused repo.
-PROVENANCE_FIELDS = {"_name_or_path", "_commit_hash", "transformers_version", "id2label", "label2id"}
+# Config fields kept out of a fused repo's per-member overrides: where a checkpoint came from (not carried
+# over), and the labels (stored in ``hf_wide.labels``).
+NOT_OVERRIDDEN = {"_name_or_path", "_commit_hash", "transformers_version", "id2label", "label2id"}
 
 SAFETENSORS_DTYPES = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -112,7 +113,9 @@ class Checkpoint:
         return path, data_start + begin, end - begin, shape
 
     def _read(self, path: Path, offset: int, out: memoryview) -> None:
-        f = self._handles.get(path) or self._handles.setdefault(path, open(path, "rb", buffering=0))
+        f = self._handles.get(path)
+        if f is None:
+            f = self._handles[path] = open(path, "rb", buffering=0)  # unbuffered: readinto lands in `out` itself
         f.seek(offset)
         while out.nbytes:
             n = f.readinto(out)
@@ -280,7 +283,7 @@ def member_config(base, overrides: dict):
 def config_overrides(config, base) -> dict:
     """The fields of ``config`` that differ from ``base``, leaving out labels and provenance."""
     a, b = config.to_dict(), base.to_dict()
-    return {k: v for k, v in a.items() if k not in PROVENANCE_FIELDS and b.get(k) != v}
+    return {k: v for k, v in a.items() if k not in NOT_OVERRIDDEN and b.get(k) != v}
 
 
 def wide_config_section(wide, shared: Sequence[str]) -> dict:
