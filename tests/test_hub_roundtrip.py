@@ -73,6 +73,16 @@ def test_members_to_fused_repo_and_back(hub, published, tmp_path):
     assert not any(p.endswith(".bin") for p in downloads)
 
 
+def test_pipeline_on_a_fused_repo_id(hub, published, member_folders):
+    from hf_wide.pipelines import pipeline
+
+    wide = fuse()
+    wide.push_to_hub("alice/wide-pipe", token=TOKEN)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(member_folders[2])
+    expected = pipeline("text-classification", model=wide, tokenizer=tokenizer)("good bad good")
+    assert pipeline("text-classification", model="alice/wide-pipe")("good bad good") == expected
+
+
 def test_push_keeps_a_readme_and_replaces_stale_shards(hub, published):
     wide = fuse()
     hub.publish("alice/wide", {"README.md": "my own words"})
@@ -121,8 +131,8 @@ def test_interrupted_download_is_retried(hub, published):
 
 def test_offline_from_the_cache(hub, published, monkeypatch):
     members, _ = published
-    fuse().push_to_hub("alice/wide-offline", token=TOKEN)
     online = fuse()
+    online.push_to_hub("alice/wide-offline", token=TOKEN)
     WideModel.from_pretrained("alice/wide-offline")
     seen = len(hub.requests)
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
