@@ -54,11 +54,12 @@ def check_compatible(
                 "all members must be the same model class."
             )
         if hasattr(first, "config"):
-            _check_configs(first.config, model.config, names[0], name, allow_label_mismatch)
+            check_configs(first.config, model.config, names[0], name, allow_label_mismatch)
         _check_state_dicts(first, model, names[0], name)
 
 
-def _check_configs(a, b, name_a: str, name_b: str, allow_label_mismatch: bool) -> None:
+def check_configs(a, b, name_a: str, name_b: str, allow_label_mismatch: bool) -> None:
+    """Raise unless config ``b`` matches ``a`` in every field that shapes the graph (and labels, unless allowed)."""
     da, db = a.to_dict(), b.to_dict()
     for key in sorted(set(da) | set(db)):
         if key in METADATA_FIELDS:

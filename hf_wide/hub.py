@@ -30,7 +30,7 @@ from huggingface_hub.errors import RepositoryNotFoundError
 from huggingface_hub.utils import tqdm as hf_tqdm
 from torch import nn
 
-from .compat import IncompatibleMembersError, _check_configs
+from .compat import IncompatibleMembersError, check_configs
 from .planner import plan_members, tensor_aliases
 from .saving import (
     WEIGHTS_INDEX_NAME, Checkpoint, assemble, load_fused, member_config, model_class_for, read_section,
@@ -240,7 +240,7 @@ def _load_streaming(cls, ids, folders, names, dtype, device, trust_remote_code, 
                 f"{name} is a {klass.__name__}, but {names[0]} is a {classes[0].__name__}: "
                 "all members must be the same model class."
             )
-        _check_configs(raw[0], config, names[0], name, allow_label_mismatch)
+        check_configs(raw[0], config, names[0], name, allow_label_mismatch)
     checkpoints = [Checkpoint(folder) for folder in folders]
     try:
         template = _load_member(folders[0], names[0], dtype, device=None, use_safetensors=True,
