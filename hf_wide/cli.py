@@ -52,8 +52,9 @@ def _run(args: argparse.Namespace) -> int:
         for item, result in zip(inputs, results):
             print(json.dumps({"input": str(item), **result}))
     else:
+        names = [Path(item).name if args.task == "image-classification" else _short(item) for item in inputs]
         _print_table(["input", "ensemble", "members", "uncertainty"],
-                     [[_short(str(item)), *_cells(args.task, result)] for item, result in zip(inputs, results)])
+                     [[name, *_cells(args.task, result)] for name, result in zip(names, results)])
     print(f"{len(inputs)} input(s), {pipe.model.num_members} members: {seconds:.2f} s, "
           f"{len(inputs) / seconds:.1f} items/s", file=sys.stderr)
     return 0

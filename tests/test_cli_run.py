@@ -2,7 +2,11 @@
 
 import json
 
+import numpy as np
 import pytest
+import transformers
+from conftest import CASES
+from PIL import Image
 from pipelines.text_members import bert_tokenizer, build_members, decoder_tokenizer, save_members, sentences
 
 from hf_wide import cli
@@ -10,7 +14,7 @@ from hf_wide.benchmark.pipeline import run_pipeline_benchmark
 from hf_wide.pipelines import pipeline
 
 TEXTS = sentences(3, seed=31)
-CASES = {  # task -> (family case, tokenizer, labels)
+TASK_MEMBERS = {  # task -> (family case, tokenizer, labels)
     "text-classification": ("bert-seqcls", bert_tokenizer, None),
     "token-classification": ("bert-tokcls", bert_tokenizer, {0: "O", 1: "B-X", 2: "I-X"}),
     "feature-extraction": ("bert-base", bert_tokenizer, None),
@@ -22,7 +26,7 @@ CASES = {  # task -> (family case, tokenizer, labels)
 def saved(tmp_path_factory):
     """task -> two saved member folders, each with its tokenizer."""
     folders = {}
-    for task, (case, make_tokenizer, labels) in CASES.items():
+    for task, (case, make_tokenizer, labels) in TASK_MEMBERS.items():
         root = tmp_path_factory.mktemp(task)
         folders[task] = save_members(root, build_members(case, 2, labels), make_tokenizer(root))
     return folders
@@ -51,6 +55,20 @@ def test_a_file_gives_one_answer_per_line(saved, capsys, tmp_path, task):
     for line in lines:
         assert len(line["members"]) == 2
         assert {"entities", "embedding", "generated_text"} & set(line)
+
+
+def test_a_folder_of_images_gives_one_answer_per_image(capsys, tmp_path):
+    processor = transformers.ViTImageProcessor(size={"height": 32, "width": 32})
+    members = save_members(tmp_path, [CASES["vit-imgcls"].build(seed) for seed in range(2)], processor)
+    (tmp_path / "images").mkdir()
+    rng = np.random.default_rng(0)
+    for name in ("b.png", "a.jpg"):
+        Image.fromarray(rng.integers(0, 255, (40, 40, 3), dtype=np.uint8)).save(tmp_path / "images" / name)
+    (tmp_path / "images" / "notes.txt").write_text("not an image")
+    lines = run_json(capsys, "image-classification", "--model", *members, "--input", str(tmp_path / "images"))
+    assert [line["input"] for line in lines] == [str(tmp_path / "images" / n) for n in ("a.jpg", "b.png")]
+    expected = pipeline("image-classification", model=members)(str(tmp_path / "images" / "a.jpg"))
+    assert lines[0]["label"] == expected["label"] and lines[0]["score"] == pytest.approx(expected["score"])
 
 
 def test_the_plain_table_shows_ensemble_members_and_uncertainty(saved, capsys, monkeypatch):
@@ -92,9 +110,10 @@ def test_errors_are_reported_with_exit_code_2(saved, capsys, argv, message):
 def test_the_pipeline_benchmark_runs_and_checks_its_results(capsys, tmp_path):
     assert cli.build_parser().parse_args(["benchmark", "--pipeline"]).pipeline
     path = tmp_path / "bench.json"
-    records = run_pipeline_benchmark(texts=40, new_tokens=3, batches=(2,), unbatched=False, json_path=str(path))
+    records = run_pipeline_benchmark(texts=40, new_tokens=3, batches=(2,), unbatched=False, repeats=1,
+                                     json_path=str(path))
     classification, decoding = records
-    assert classification["member_labels_match"] == 1 and classification["speedup_vs_batched"] > 0
+    assert classification["member_labels_match"] == 1 and classification["ours_speedup_vs_batched"] > 0
     assert decoding["same_tokens"] and decoding["speedup"] > 0
     assert json.loads(path.read_text())["records"] == json.loads(json.dumps(records))
     assert "text-classification" in capsys.readouterr().out
