@@ -67,8 +67,9 @@ def _best_of(methods: dict, repeats: int) -> dict[str, tuple[float, object]]:
 # ---------------------------------------------------------------- 1. text classification
 def classification_benchmark(num_texts: int = 2000, num_members: int = 8, batch_size: int = 32, hidden: int = 64,
                              words: tuple[int, int] = (4, 32), repeats: int = 3, unbatched: bool = True) -> dict:
-    """``words``: the range of text lengths in words (4-32: about 18 on average, like SST-2's sentences).
-    Longer texts make both sides compute-bound and the speedup smaller."""
+    """Our pipeline against ``num_members`` transformers pipelines on ``num_texts`` texts whose lengths
+    span ``words`` words (4-32: about 18 on average, like SST-2's sentences; longer texts make both sides
+    compute-bound and the speedup smaller)."""
     with tempfile.TemporaryDirectory() as folder:
         tokenizer = make_tokenizer(folder)
     config = transformers.BertConfig(vocab_size=len(tokenizer), hidden_size=hidden, num_hidden_layers=2,
