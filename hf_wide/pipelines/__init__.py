@@ -45,7 +45,8 @@ def pipeline(
     """A pipeline for ``task`` on a WideModel, N member ids/folders, or a fused repo id.
 
     Options: ``combine`` (mean, logit_mean, vote, weighted, median, none), ``weights``, ``temperature``,
-    ``device``, ``batch_size``, ``compile``, ``buckets``, and the task's own (``top_k``, ...).
+    ``device``, ``batch_size``, ``compile``, ``buckets`` ("auto": powers of two when compiled, else each
+    batch's longest input; "pow2"; a list of lengths; None), and the task's own (``top_k``, ...).
     """
     if task not in TASKS:
         raise ValueError(f"Unknown task {task!r}: hf-wide has {', '.join(sorted(TASKS))}.")

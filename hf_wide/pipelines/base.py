@@ -39,7 +39,7 @@ class WidePipeline:
         weights: Sequence[float] | None = None,
         temperature: float = 1.0,
         compile: bool = False,
-        buckets: Sequence[int] | str | None = "pow2",
+        buckets: Sequence[int] | str | None = "auto",
         **kwargs,
     ):
         if not isinstance(model, WideModel):
@@ -60,7 +60,9 @@ class WidePipeline:
         if temperature <= 0:
             raise ValueError(f"temperature must be positive, got {temperature}.")
         self.temperature = temperature
-        self.buckets = buckets
+        # Length buckets bound the shapes a compiled model sees; eager runs pad only to each batch's longest
+        # input, since every padded position costs compute.
+        self.buckets = ("pow2" if compile else None) if buckets == "auto" else buckets
         if compile:
             self.model.compile()
         self._defaults = self._sanitize_parameters(**kwargs)
