@@ -4,7 +4,7 @@ from . import blocks, primitives  # noqa: F401  (fill the registries)
 from .compat import IncompatibleMembersError
 from .fold import PerMember
 from .model import WideModel, WideValidationError
-from .pipelines import pipeline
+from .pipelines import calibrate, pipeline
 from .plan import Kind, WidePlan
 from .registry import register_wide
 
@@ -17,6 +17,7 @@ __all__ = [
     "WideModel",
     "WidePlan",
     "WideValidationError",
+    "calibrate",
     "pipeline",
     "register_wide",
 ]
