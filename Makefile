@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 # torch first, pinned: 2.13.0 is the CPU wheel on this project's machines; a looser pin pulls CUDA builds.
 TORCH ?= torch==2.13.0
 
-.PHONY: demo test clean
+.PHONY: demo test browser clean
 
 $(VENV)/.dev: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -22,7 +22,16 @@ $(VENV)/.demo: pyproject.toml
 demo: $(VENV)/.demo
 	$(VENV)/bin/hf-wide demo
 
-test: $(VENV)/.dev
+# The Space's browser test drives Debian's chromium through playwright (no browser download): install it when
+# missing, as root or with sudo; where that is impossible the test says so and is skipped.
+browser:
+	@command -v chromium >/dev/null 2>&1 || { \
+	  echo "Installing Debian's chromium for the browser test ..."; \
+	  SUDO=$$([ "$$(id -u)" = 0 ] || echo sudo); \
+	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq chromium >/dev/null; \
+	} || echo "WARNING: chromium could not be installed: the browser test will be skipped."
+
+test: $(VENV)/.dev browser
 	$(PY) -m pytest
 
 clean:
