@@ -365,7 +365,7 @@ class DemoEnsemble:
             ids = [part.strip() for part in model_id.split(",") if part.strip()]
             try:
                 task = task_for_config(AutoConfig.from_pretrained(ids[0]))
-                return cls(pipeline(task, model=ids[0] if len(ids) == 1 else ids), source=model_id)
+                return cls(pipeline(task, model=ids[0] if len(ids) == 1 else ids), source=", ".join(ids))
             except Exception as exc:  # unreachable Hub, unknown repo, unsupported model: say so, go on
                 reason = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__
                 note = f"Could not use {model_id} ({reason}); showing the embedded default instead."
