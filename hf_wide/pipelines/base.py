@@ -65,6 +65,7 @@ class WidePipeline:
         self.buckets = ("pow2" if compile else None) if buckets == "auto" else buckets
         if compile:
             self.model.compile()
+        self._label_order = None
         self._defaults = self._sanitize_parameters(**kwargs)
 
     # ---------------------------------------------------------------- the four steps
@@ -76,6 +77,10 @@ class WidePipeline:
 
     def preprocess(self, item: Any, **params) -> dict[str, torch.Tensor]:
         raise NotImplementedError
+
+    def preprocess_many(self, items: list, **params) -> list[dict[str, torch.Tensor]]:
+        """All inputs of one call; override where the work batches (a fast tokenizer, say)."""
+        return [self.preprocess(item, **params) for item in items]
 
     def _forward(self, batch: dict[str, torch.Tensor], **params) -> dict[str, torch.Tensor]:
         raise NotImplementedError
@@ -93,7 +98,7 @@ class WidePipeline:
         if kwargs:
             extra = self._sanitize_parameters(**kwargs)
             pre, fwd, post = {**pre, **extra[0]}, {**fwd, **extra[1]}, {**post, **extra[2]}
-        features = [self.preprocess(item, **pre) for item in items]
+        features = self.preprocess_many(items, **pre)
         results: list[Any] = [None] * len(items)
         size = batch_size or self.batch_size
         # Similar lengths together: less padding, and few distinct shapes for a compiled model.
@@ -139,9 +144,12 @@ class WidePipeline:
         return [{int(k): v for k, v in c.id2label.items()} for c in configs]
 
     def label_order(self):
-        """(member 0's labels in order, per-member permutations onto them or None)."""
-        id2labels = self.member_id2labels()
-        return [id2labels[0][i] for i in range(len(id2labels[0]))], label_permutations(id2labels)
+        """(member 0's labels in order, per-member permutations onto them or None). Computed once: it is
+        read for every item, and the members' labels do not change."""
+        if self._label_order is None:
+            id2labels = self.member_id2labels()
+            self._label_order = [id2labels[0][i] for i in range(len(id2labels[0]))], label_permutations(id2labels)
+        return self._label_order
 
     def __repr__(self) -> str:
         return (f"{type(self).__name__}(task={self.task!r}, members={self.model.num_members}, "

@@ -9,7 +9,7 @@ import torch
 from .. import metrics
 from .base import WidePipeline
 from .combine import Combine, combine, member_probabilities, ranking, realign
-from .inputs import load_image, tokenize
+from .inputs import load_image, tokenize, tokenize_many
 
 
 class ClassificationPipeline(WidePipeline):
@@ -44,6 +44,7 @@ class ClassificationPipeline(WidePipeline):
         member_probs = member_probabilities(logits, multi_label, self.temperature)  # (N, B, C)
         scores = combine(logits, self.combine, self.weights, multi_label, self.temperature)  # (B, C)
         out = {"per_member_probs": member_probs, "scores": scores, "ranking": ranking(scores, member_probs)}
+        out["per_member_score"], out["per_member_label"] = member_probs.max(-1)  # (N, B) each
         if multi_label:  # each label a yes/no question: measures averaged over labels
             binary = torch.stack([member_probs, 1 - member_probs], -1)  # (N, B, C, 2)
             out["predictive_entropy"] = metrics.predictive_entropy(binary).mean(-1)
@@ -65,7 +66,8 @@ class ClassificationPipeline(WidePipeline):
         if self._multi_label(multi_label):
             members = [_labels_above(p, labels) for p in member_probs]
         else:
-            members = [{"label": labels[int(p.argmax())], "score": float(p.max())} for p in member_probs]
+            members = [{"label": labels[i], "score": p} for i, p in
+                       zip(outputs["per_member_label"].tolist(), outputs["per_member_score"].tolist())]
         if self.combine == Combine.NONE:
             return {"members": members}
         scores, order = outputs["scores"], outputs["ranking"].argsort(descending=True)
@@ -101,6 +103,9 @@ class TextClassificationPipeline(ClassificationPipeline):
 
     def preprocess(self, text, truncation: bool = True):
         return tokenize(self.tokenizer, self.model, text, truncation)
+
+    def preprocess_many(self, texts, truncation: bool = True):
+        return tokenize_many(self.tokenizer, self.model, texts, truncation)
 
 
 class ImageClassificationPipeline(ClassificationPipeline):

@@ -17,21 +17,30 @@ TOKENIZER_KEYS = ("input_ids", "attention_mask", "token_type_ids", "offset_mappi
 def tokenize(tokenizer, model, text, truncation: bool = True, **kwargs) -> dict[str, torch.Tensor]:
     """One text -> ``input_ids`` and ``attention_mask`` of shape (1, T). Over-long texts are truncated to
     the model's maximum length, or refused with ``truncation=False``."""
+    return tokenize_many(tokenizer, model, [text], truncation, **kwargs)[0]
+
+
+def tokenize_many(tokenizer, model, texts, truncation: bool = True, **kwargs) -> list[dict[str, torch.Tensor]]:
+    """Many texts in one tokenizer call (a fast tokenizer batches them in Rust), each -> (1, T) tensors."""
     if tokenizer is None:
         raise ValueError("This pipeline needs a tokenizer: pass tokenizer=, or load members that ship one.")
-    if not isinstance(text, str):
-        raise TypeError(f"Expected a text (str), got {type(text).__name__}.")
-    if not text.strip():
-        raise ValueError("Got an empty text: there is nothing to classify.")
+    for text in texts:
+        if not isinstance(text, str):
+            raise TypeError(f"Expected a text (str), got {type(text).__name__}.")
+        if not text.strip():
+            raise ValueError("Got an empty text: there is nothing to classify.")
     limit = _max_length(tokenizer, model)
-    encoded = tokenizer(text, return_tensors="pt", truncation=truncation, max_length=limit if truncation else None,
-                        **kwargs)
-    if encoded["input_ids"].shape[-1] > limit:
-        raise ValueError(
-            f"The text is {encoded['input_ids'].shape[-1]} tokens long, over the model's maximum of {limit}; "
-            "pass truncation=True to cut it."
-        )
-    return {k: v for k, v in encoded.items() if k in TOKENIZER_KEYS}
+    encoded = tokenizer(list(texts), truncation=truncation, max_length=limit if truncation else None, **kwargs)
+    keys = [k for k in encoded if k in TOKENIZER_KEYS]
+    features = []
+    for row in range(len(texts)):
+        length = len(encoded["input_ids"][row])
+        if length > limit:
+            raise ValueError(
+                f"The text is {length} tokens long, over the model's maximum of {limit}; pass truncation=True to cut it."
+            )
+        features.append({k: torch.tensor([encoded[k][row]]) for k in keys})
+    return features
 
 
 def load_image(image, channels: int):
