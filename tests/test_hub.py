@@ -120,15 +120,3 @@ def test_missing_repo_and_revision_name_the_member(hub, published):
         WideModel.from_pretrained(["alice/seed-0", "alice/nope"])
     with pytest.raises(MemberLoadError, match=r"member 0 \(alice/seed-0\) at revision 'v9'.*Revision"):
         WideModel.from_pretrained(["alice/seed-0"], revision="v9")
-
-
-def test_pickle_only_repo_is_refused(hub, saved_members, tmp_path):
-    members, _ = saved_members
-    folder = tmp_path / "pickled"
-    members[0].config.save_pretrained(folder)
-    torch.save(members[0].state_dict(), folder / "pytorch_model.bin")
-    hub.publish("alice/pickled", folder)
-    with pytest.raises(ValueError, match=r"alice/pickled.*only pickle weights"):
-        WideModel.from_pretrained(["alice/pickled"])
-    wide = WideModel.from_pretrained(["alice/pickled"], allow_pickle=True)
-    assert wide.num_members == 1

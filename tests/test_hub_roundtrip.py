@@ -152,6 +152,7 @@ def test_pickle_only_member_is_refused(hub, published, tmp_path):
     hub.publish("alice/pickled", folder)
     with pytest.raises(ValueError, match=r"alice/pickled.*only pickle weights"):
         WideModel.from_pretrained(["alice/seed-0", "alice/pickled"])
+    assert WideModel.from_pretrained(["alice/pickled"], allow_pickle=True).num_members == 1
 
 
 def test_push_members_back_as_ordinary_repos(hub, published):
