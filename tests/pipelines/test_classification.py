@@ -5,21 +5,21 @@ import pytest
 import torch
 import transformers
 from conftest import CASES
-from helpers import make_tokenizer, save_members, text
+from text_members import bert_tokenizer, save_members, sentences
 from PIL import Image
 
 from hf_wide import WideModel, pipeline
 
 N = 3
-TEXTS = [text(5, 17, 33), text(40, 41), text(*range(10, 30)), text(99)]
+TEXTS = [*sentences(2, seed=1), sentences(1, seed=2, min_words=20, max_words=20)[0], "cat"]
 
 
 @pytest.fixture(scope="module")
 def text_members(tmp_path_factory):
     root = tmp_path_factory.mktemp("text-members")
-    tokenizer = make_tokenizer(root / "tokenizer")
+    tokenizer = bert_tokenizer(root / "tokenizer")
     models = [CASES["bert-seqcls"].build(seed) for seed in range(N)]
-    return models, tokenizer, save_members(models, tokenizer, root)
+    return models, tokenizer, save_members(root, models, tokenizer)
 
 
 @pytest.fixture(scope="module")
@@ -143,7 +143,7 @@ def test_bad_input(pipe):
 
 
 def test_over_long_text_is_truncated_unless_refused(pipe):
-    long_text = text(*([7] * 500))
+    long_text = " ".join(["cat"] * 500)
     assert pipe(long_text)["label"] in pipe.model.config.id2label.values()
     with pytest.raises(ValueError, match="over the model's maximum of 64"):
         pipe(long_text, truncation=False)
