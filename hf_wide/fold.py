@@ -18,7 +18,6 @@ import dataclasses
 from typing import Any
 
 import torch
-from torch.utils import _pytree as pytree
 
 
 @dataclasses.dataclass

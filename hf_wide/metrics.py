@@ -48,7 +48,7 @@ def expected_calibration_error(probs: torch.Tensor, labels: torch.Tensor, bins: 
     correct = (predicted == labels).float()
     edges = torch.linspace(0, 1, bins + 1, device=probs.device)
     bin_index = torch.bucketize(confidence, edges[1:-1], right=True)  # (B,) in [0, bins)
-    counts = torch.zeros(bins, device=probs.device).index_add_(0, bin_index, torch.ones_like(confidence))
+    # Per bin, |sum of confidences - number correct| / B equals its size-weighted |confidence - accuracy|.
     conf_sum = torch.zeros(bins, device=probs.device).index_add_(0, bin_index, confidence)
     acc_sum = torch.zeros(bins, device=probs.device).index_add_(0, bin_index, correct)
     return (conf_sum - acc_sum).abs().sum() / probs.shape[0]

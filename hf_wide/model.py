@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from .compat import check_compatible, member_names
-from .fold import Fold, PerMember, fold_inputs, unfold_outputs
+from .fold import Fold, fold_inputs, unfold_outputs
 from .plan import Kind, WidePlan
 from .planner import plan_members, tensor_aliases
 from .tracer import sample_inputs as build_sample_inputs

@@ -14,19 +14,12 @@ and with ``torch.utils.flop_counter`` the FLOPs of every module. :func:`make_pla
 from __future__ import annotations
 
 import dataclasses
-import logging
-import warnings
 from collections import defaultdict
-from collections.abc import Sequence
 
 import torch
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
-from .plan import Kind, ModulePlan, WidePlan
-from .registry import find_wide
-
-logger = logging.getLogger(__name__)
 
 SAMPLE_BATCH, SAMPLE_SEQ = 2, 8
 
