@@ -2,6 +2,7 @@
 
 from . import blocks, primitives  # noqa: F401  (fill the registries)
 from .compat import IncompatibleMembersError
+from .cpu import tune_cpu_allocator
 from .fold import PerMember
 from .model import WideModel, WideValidationError
 from .pipelines import calibrate, pipeline
@@ -20,4 +21,5 @@ __all__ = [
     "calibrate",
     "pipeline",
     "register_wide",
+    "tune_cpu_allocator",
 ]

@@ -123,7 +123,7 @@ def fold_inputs(n: int, args: tuple, kwargs: dict) -> tuple[tuple, dict, int]:
         if isinstance(value, PerMember):
             return value.tensor.reshape(-1, *value.tensor.shape[2:])
         if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape[0] == batch:
-            return value.repeat(n, *([1] * (value.dim() - 1)))  # member-major and contiguous
+            return torch.cat([value] * n)  # member-major and contiguous (several times faster than repeat)
         return value
 
     return tuple(fold(a) for a in args), {k: fold(v) for k, v in kwargs.items()}, batch

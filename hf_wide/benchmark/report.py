@@ -13,6 +13,7 @@ from collections import defaultdict
 import torch
 import transformers
 
+from ..cpu import allocator_state
 from .methods import METHOD_NAMES
 
 SLOW_VS_IDEAL = 1.3  # wide more than this much slower than the ideal is worth optimising
@@ -66,6 +67,7 @@ def machine_info(matmul_gflops: float, others_before: float | None, others_durin
         "cpu": cpu_model(),
         "cpu_count": os.cpu_count(),
         "matmul_gflops": round(matmul_gflops, 1),
+        "cpu_allocator": allocator_state(),
         "other_cpus_before": None if others_before is None else round(others_before, 2),
         "other_cpus_during": None if others_during is None else round(others_during, 2),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -92,7 +94,8 @@ def _rows_to_text(header: list[str], rows: list[list[str]]) -> str:
 def format_table(records: list[dict], machine: dict, notes: list[str] = ()) -> str:
     """Milliseconds per method and the ratios, then GFLOP/s, compile seconds and output agreement."""
     head = (f"torch {machine['torch']}, {machine['threads']} threads, {machine['cpu']}, "
-            f"float32 matmul {machine['matmul_gflops']} GFLOP/s, {machine['date']}")
+            f"float32 matmul {machine['matmul_gflops']} GFLOP/s, {machine['date']}\n"
+            f"CPU allocator: {machine['cpu_allocator']}")
     key = ["config", "N", "B", "seq"]
     times = _rows_to_text(
         key + [f"{SHORT[m]} ms" for m in METHOD_NAMES] + ["seq/wide", "wide/ideal", "wide_c/ideal_c"],

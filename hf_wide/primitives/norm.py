@@ -23,18 +23,23 @@ class WideLayerNorm(WideModule):
     def setup(self, proto: nn.LayerNorm) -> None:
         self.normalized_shape = proto.normalized_shape
         self.eps = proto.eps
+        self.features = proto.weight.numel() if proto.weight is not None else 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: (N*B, ..., *normalized_shape)
-        n, d = self.num_members, self.weight[0].numel()
         y = F.layer_norm(x, self.normalized_shape, None, None, self.eps)
-        # Members' rows and features flattened: (N, rows, D), against weight/bias (N, 1, D). Few ops, as
-        # small models are bound by per-op overhead.
-        if y.shape[0] == 1 and n > 1:
+        if self.weight is None:
+            return y
+        n, d = self.num_members, self.features
+        if x.shape[0] == 1 and n > 1:  # broadcast: every member's affine on the one row
             y = y.expand(n, *y.shape[1:])
+        # Members' rows and features flattened: (N, rows, D) against weight/bias (N, 1, D). As few ops as
+        # possible: small models are bound by per-op overhead.
         ym = y.reshape(n, -1, d)
         weight = self.weight.view(n, 1, d)
         out = ym * weight if self.bias is None else torch.addcmul(self.bias.view(n, 1, d), ym, weight)
-        return self.fold.merge(out.view(n, -1, *x.shape[1:]))
+        if x.shape[0] == 1 and n > 1:
+            return self.fold.merge(out.view(n, 1, *x.shape[1:]))
+        return out.view(x.shape)
 
 
 def _llama_style_rms_norms() -> list[type[nn.Module]]:
@@ -60,11 +65,12 @@ class WideLlamaRMSNorm(WideModule):
         self.variance_epsilon = proto.variance_epsilon
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: (N*B, ..., D)
-        input_dtype = x.dtype
-        h = x.to(torch.float32)
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
-        hm = self.fold.split(h.to(input_dtype))  # (N, b, ..., D)
-        return self.fold.merge(affine(self.weight, hm.dim()) * hm)
+        # LlamaRMSNorm's float32 statistics, in one fused call: h * rsqrt(mean(h^2) + eps)
+        h = F.rms_norm(x.to(torch.float32), x.shape[-1:], None, self.variance_epsilon).to(x.dtype)
+        n, d = self.num_members, x.shape[-1]
+        if x.shape[0] == 1 and n > 1:  # broadcast: every member's weight on the one row
+            return self.fold.merge(self.weight.view(n, 1, *([1] * (x.dim() - 2)), d) * h)
+        return (self.weight.view(n, 1, d) * h.view(n, -1, d)).view(x.shape)  # weight (N, 1, D) * (N, rows, D)
 
 
 @register_wide(nn.RMSNorm)

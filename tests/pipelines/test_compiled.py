@@ -1,0 +1,78 @@
+"""compile=True: every task's pipeline runs the wide model under torch.compile and gives the eager results."""
+
+import math
+
+import pytest
+import torch
+import transformers
+from conftest import CASES
+from PIL import Image
+from text_members import bert_tokenizer, build_members, decoder_tokenizer, sentences
+
+from hf_wide import WideModel, pipeline
+
+TEXTS = [*sentences(4, seed=21), sentences(1, seed=22, min_words=14, max_words=14)[0]]
+
+
+def assert_same(a, b, path="result"):
+    """Equal structure and strings; floats within 1e-5."""
+    if isinstance(a, float) or isinstance(b, float):
+        assert math.isclose(a, b, abs_tol=1e-5), (path, a, b)
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys(), path
+        for key in a:
+            assert_same(a[key], b[key], f"{path}.{key}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), path
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_same(x, y, f"{path}[{i}]")
+    else:
+        assert a == b, (path, a, b)
+
+
+def eager_and_compiled(task, members, call, **options):
+    """The task's results from the eager and the compiled pipeline, and the frames dynamo compiled."""
+    results = []
+    torch._dynamo.reset()
+    for compile in (False, True):
+        pipe = pipeline(task, model=WideModel.from_models(members), compile=compile, **options)
+        frames = torch._dynamo.utils.counters["frames"]["ok"]
+        results.append(call(pipe))
+    return results[0], results[1], torch._dynamo.utils.counters["frames"]["ok"] - frames
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory):
+    return bert_tokenizer(tmp_path_factory.mktemp("tok"))
+
+
+@pytest.mark.parametrize("task, case, call", [
+    ("text-classification", "bert-seqcls", lambda pipe: pipe(TEXTS, batch_size=2, top_k=2)),
+    ("token-classification", "bert-tokcls", lambda pipe: pipe(TEXTS, batch_size=2)),
+    ("feature-extraction", "bert-base", lambda pipe: pipe(TEXTS, batch_size=2)),
+])
+def test_text_tasks_compiled_equal_eager(tokenizer, task, case, call):
+    eager, compiled, frames = eager_and_compiled(task, build_members(case, 3), call, tokenizer=tokenizer)
+    assert frames > 0  # the compiled pipeline really ran dynamo's frames
+    assert_same(compiled, eager)
+
+
+def test_image_classification_compiled_equals_eager():
+    processor = transformers.ViTImageProcessorPil(size={"height": 32, "width": 32}, image_mean=[0.5] * 3,
+                                                  image_std=[0.5] * 3)
+    members = [CASES["vit-imgcls"].build(seed) for seed in range(3)]
+    images = [Image.fromarray((torch.rand(20, 24, 3) * 255).byte().numpy()) for _ in range(3)]
+    eager, compiled, frames = eager_and_compiled("image-classification", members, lambda pipe: pipe(images),
+                                                 image_processor=processor)
+    assert frames > 0
+    assert_same(compiled, eager)
+
+
+def test_ensemble_decoding_compiled_equals_eager(tmp_path):
+    prompts = [sentences(1, seed=31, min_words=5, max_words=5)[0], sentences(1, seed=32, min_words=2, max_words=2)[0]]
+    eager, compiled, frames = eager_and_compiled(
+        "text-generation", build_members("llama-causallm", 3),
+        lambda pipe: pipe(prompts, max_new_tokens=5, batch_size=2, return_full_text=False),
+        tokenizer=decoder_tokenizer(tmp_path))
+    assert frames > 0
+    assert_same(compiled, eager)

@@ -1,0 +1,44 @@
+"""CPU allocator tuning: applied once on glibc, skipped where another allocator is preloaded, reported, and
+done by the command line unless --default-allocator. Run in subprocesses: the setting is process-wide."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+SCRIPT = """
+import hf_wide.cpu as cpu
+before = cpu.allocator_state()
+print(cpu.tune_cpu_allocator(), cpu.tune_cpu_allocator())
+print(before)
+print(cpu.allocator_state())
+"""
+
+
+def run(code: str, **env) -> list[str]:
+    out = subprocess.run([sys.executable, "-c", code], env={**os.environ, **env}, capture_output=True, text=True,
+                         check=True)
+    return out.stdout.strip().splitlines()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux") or os.confstr("CS_GNU_LIBC_VERSION") is None,
+                    reason="glibc only")
+def test_tuning_applies_once_on_glibc_and_is_reported():
+    applied, before, after = run(SCRIPT)
+    assert applied == "True True"
+    assert "defaults" in before and "tuned" in after
+
+
+def test_a_preloaded_allocator_is_left_alone():
+    applied, _, after = run(SCRIPT, LD_PRELOAD=os.environ.get("LD_PRELOAD", "") + " libjemalloc.so.2")
+    assert applied == "False False"
+    assert after == "jemalloc (LD_PRELOAD)"
+
+
+@pytest.mark.parametrize("flag, state", [([], "tuned"), (["--default-allocator"], "defaults")])
+def test_the_command_line_tunes_unless_asked_not_to(flag, state):
+    code = ("import sys, hf_wide.cli as cli, hf_wide.cpu as cpu\n"
+            "cli._trace = lambda args: print(cpu.allocator_state()) or 0\n"
+            f"sys.exit(cli.main({flag!r} + ['trace', 'unused']))")
+    assert state in run(code)[-1]
