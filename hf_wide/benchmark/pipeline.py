@@ -4,7 +4,7 @@
    (``batch_size=32``) against ``members`` ``transformers.pipeline("text-classification")`` run one after
    another over the same texts, batched like ours (``batch_size=32``) and as called by default (one text
    at a time). Ours is timed as it runs by default, eager (each length-sorted batch padded to its longest
-   text), and with ``compile=True`` (power-of-two length buckets; compiled in the untimed warm-up).
+   text), and with ``compile=True`` (dynamic shapes: one graph, compiled in the untimed warm-up).
    Target: at least 4x.
 2. Ensemble decoding: ``new_tokens`` greedy tokens with ``members`` tiny Llama members, our pipeline (one
    wide forward per token, a KV cache of N*B rows) against stepping the members separately with the same

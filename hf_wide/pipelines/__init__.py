@@ -45,8 +45,10 @@ def pipeline(
     """A pipeline for ``task`` on a WideModel, N member ids/folders, or a fused repo id.
 
     Options: ``combine`` (mean, logit_mean, vote, weighted, median, none), ``weights``, ``temperature``,
-    ``device``, ``batch_size``, ``compile``, ``buckets`` ("auto": powers of two when compiled, else each
-    batch's longest input; "pow2"; a list of lengths; None), and the task's own (``top_k``, ...).
+    ``device``, ``batch_size``, ``compile`` (True, or a dict of ``torch.compile`` options such as
+    ``{"mode": "max-autotune"}``), ``buckets`` (what batches are padded to: "auto" is each batch's longest
+    input, as the compiled wide model has dynamic shapes, and powers of two for static-shape compiles;
+    "pow2"; a list of lengths; None), and the task's own (``top_k``, ...).
     """
     if task not in TASKS:
         raise ValueError(f"Unknown task {task!r}: hf-wide has {', '.join(sorted(TASKS))}.")

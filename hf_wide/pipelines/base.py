@@ -38,7 +38,7 @@ class WidePipeline:
         combine: str | Combine = Combine.MEAN,
         weights: Sequence[float] | None = None,
         temperature: float = 1.0,
-        compile: bool = False,
+        compile: bool | dict = False,
         buckets: Sequence[int] | str | None = "auto",
         **kwargs,
     ):
@@ -60,11 +60,15 @@ class WidePipeline:
         if temperature <= 0:
             raise ValueError(f"temperature must be positive, got {temperature}.")
         self.temperature = temperature
-        # Length buckets bound the shapes a compiled model sees; eager runs pad only to each batch's longest
-        # input, since every padded position costs compute.
-        self.buckets = ("pow2" if compile else None) if buckets == "auto" else buckets
+        # Every padded position costs compute, so batches are padded to their longest input. The wide model
+        # compiles with dynamic shapes (one graph for every length), so only static-shape compiles (dynamic=False,
+        # or CUDA graphs: mode="reduce-overhead"/"max-autotune") are given power-of-two buckets, which bound the
+        # number of graphs they build.
+        options = dict(compile) if isinstance(compile, dict) else {}
+        static = options.get("dynamic", True) is False or options.get("mode") in ("reduce-overhead", "max-autotune")
+        self.buckets = ("pow2" if compile and static else None) if buckets == "auto" else buckets
         if compile:
-            self.model.compile()
+            self.model.compile(**options)
         self._label_order = None
         self._defaults = self._sanitize_parameters(**kwargs)
 

@@ -76,3 +76,35 @@ def test_ensemble_decoding_compiled_equals_eager(tmp_path):
         tokenizer=decoder_tokenizer(tmp_path))
     assert frames > 0
     assert_same(compiled, eager)
+
+
+def test_one_graph_serves_every_length_and_batch_size(tokenizer):
+    texts = [sentences(1, seed=40 + k, min_words=k, max_words=k)[0] for k in range(2, 30, 3)]  # 10 lengths
+    pipe = pipeline("text-classification", model=WideModel.from_models(build_members("bert-seqcls", 2)),
+                    tokenizer=tokenizer, compile={"backend": "eager"})
+    assert pipe.buckets is None  # dynamic shapes: batches are padded to their longest text only
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    for batch_size in (2, 4, 5):  # 10 texts: no batch of one (torch gives size-1 dims a graph of their own)
+        pipe(texts, batch_size=batch_size)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
+
+
+@pytest.mark.parametrize("compile, buckets, expected", [
+    (False, "auto", None),
+    ({"backend": "eager"}, "auto", None),
+    ({"backend": "eager", "dynamic": False}, "auto", "pow2"),
+    (False, "pow2", "pow2"),
+    (False, [16, 64], [16, 64]),
+])
+def test_length_buckets(tokenizer, compile, buckets, expected):
+    members = build_members("bert-seqcls", 2)
+    pipe = pipeline("text-classification", model=WideModel.from_models(members), tokenizer=tokenizer,
+                    compile=compile, buckets=buckets)
+    assert pipe.buckets == expected
+    key = tuple(expected) if isinstance(expected, list) else expected
+    padded = {None: [3, 9, 20, 99], "pow2": [8, 16, 32, 99], (16, 64): [16, 16, 64, 99]}[key]
+    assert [pipe.bucket(n) for n in (3, 9, 20, 99)] == padded  # never past the model's 64 positions
+    if not compile:  # padding changes no result
+        plain = pipeline("text-classification", model=WideModel.from_models(members), tokenizer=tokenizer)
+        assert_same(pipe(TEXTS, batch_size=2), plain(TEXTS, batch_size=2))
