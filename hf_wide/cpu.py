@@ -6,8 +6,8 @@ of its heap once enough is free at the end of it. A forward over large batches a
 activations of several MiB per op, so every call faults all of their pages in again: on the 2-core
 machine of the benchmark, elementwise ops over 12 MiB tensors ran 4-5x slower per element than over
 1.5 MiB ones. A wide model folds N members into one batch, so its activations are N times larger and it
-pays this more than N separate models do (measured at B=8 and B=16 x 64 tokens: wide 0.73-0.90x the
-speed of the members run one after another with glibc's defaults, 1.01-1.09x with this tuning).
+pays this more than N separate models do (measured at 1,024 tokens per member: wide 0.76-0.90x the
+speed of the members run one after another with glibc's defaults, 1.01-1.04x with this tuning).
 
 This is the advice of PyTorch's CPU performance guide (use jemalloc or tcmalloc) done with the allocator
 already loaded: it is process-wide, so the ``hf-wide`` command line calls :func:`tune_cpu_allocator` and
