@@ -10,6 +10,7 @@ compiled) and the ideal, one member on all N*B rows. ``hf-wide benchmark`` is th
 
 import argparse
 
+from hf_wide import tune_cpu_allocator
 from hf_wide.benchmark import run_benchmark
 
 
@@ -22,6 +23,7 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--json", help="write every record as JSON here")
     args = parser.parse_args(argv)
 
+    tune_cpu_allocator()  # as the hf-wide command line does: large CPU batches reuse freed memory
     records = run_benchmark(args.preset, models=args.models, batch=args.batch, seq=args.seq, json_path=args.json)
     for r in records:
         ratio = r["sequential_over_wide"]
