@@ -26,7 +26,8 @@ def test_trace_of_one_checkpoint_shows_the_architectures_plan(tmp_path, capsys):
     assert main(["trace", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert "shared" not in out.split("\n")[0]
-    assert "vit.embeddings" in out and "fallback" in out
+    assert "vit.embeddings" in out and "WideViTEmbeddings" in out
+    assert "fallback" not in out  # every module of ViT is fused
 
 
 def test_console_script_help():

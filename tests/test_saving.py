@@ -59,10 +59,17 @@ def test_stacked_layout_ties_and_fallbacks(fused, tmp_path):
     assert section["num_members"] == 3 and section["shared"] == []
     assert back.member_generation_configs[0] is not None
 
-    members, wide = fused("vit-imgcls")
+    members, wide = fused("vit-imgcls")  # a block's raw parameters are stacked under the member names
     wide.save_pretrained(tmp_path / "vit")
     assert stored_shapes(tmp_path / "vit")["vit.embeddings.cls_token"] == (3, 1, 1, 32)
-    assert WideModel.from_pretrained(str(tmp_path / "vit")).plan.fallbacks
+
+    members, wide = fused("deberta-v2-seqcls")  # so are a fallback's
+    assert wide.plan.fallbacks
+    wide.save_pretrained(tmp_path / "deberta")
+    rel = members[0].deberta.encoder.rel_embeddings.weight
+    assert stored_shapes(tmp_path / "deberta")["deberta.encoder.rel_embeddings.weight"] == (3, *rel.shape)
+    back = WideModel.from_pretrained(str(tmp_path / "deberta"))
+    assert [e.fqn for e in back.plan.fallbacks] == [e.fqn for e in wide.plan.fallbacks]
 
 
 @pytest.fixture(scope="module")

@@ -3,5 +3,6 @@
 from .attention import WideAttention
 from .base import WideBlock
 from .mlp import WideGatedMLP, WidePlainMLP
+from .vit_embeddings import WideViTEmbeddings
 
-__all__ = ["WideAttention", "WideBlock", "WideGatedMLP", "WidePlainMLP"]
+__all__ = ["WideAttention", "WideBlock", "WideGatedMLP", "WidePlainMLP", "WideViTEmbeddings"]

@@ -6,7 +6,7 @@ import torch
 from conftest import CASES
 
 from hf_wide import Kind, WideModel
-from hf_wide.blocks import WideAttention, WideGatedMLP, WidePlainMLP
+from hf_wide.blocks import WideAttention, WideGatedMLP, WidePlainMLP, WideViTEmbeddings
 
 BLOCKS = {
     "bert-seqcls": {"BertSelfAttention": WideAttention},
@@ -15,7 +15,7 @@ BLOCKS = {
     "llama-causallm": {"LlamaAttention": WideAttention, "LlamaMLP": WideGatedMLP},
     "mistral-causallm": {"MistralAttention": WideAttention, "MistralMLP": WideGatedMLP},
     "qwen2-causallm": {"Qwen2Attention": WideAttention, "Qwen2MLP": WideGatedMLP},
-    "vit-imgcls": {"ViTAttention": WideAttention, "ViTMLP": WidePlainMLP},
+    "vit-imgcls": {"ViTAttention": WideAttention, "ViTMLP": WidePlainMLP, "ViTEmbeddings": WideViTEmbeddings},
 }
 
 
