@@ -8,7 +8,7 @@ Rules, in order, for a module M with parameters or buffers of its own:
 2. **fallback** at the lowest common ancestor of M and the modules that read M's tensors, if some
    module other than M reads them (DeBERTa's relative embeddings are read by the encoder);
 3. **primitive** if a wide builder is registered for M's class;
-4. **fallback** at M otherwise (raw parameters such as ViT's ``cls_token``, unknown layers).
+4. **fallback** at M otherwise (raw parameters read outside a known block, unknown layers).
 
 A module whose own ops mix batch rows becomes a fallback too. The outermost fallback wins: its subtree
 runs per member as a whole.

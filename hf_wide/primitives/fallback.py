@@ -1,8 +1,8 @@
 """The per-member fallback: run each member's own module on its slice of the rows.
 
 Always correct, slower than a wide primitive, and reported by the plan. Used for modules no builder
-covers: raw ``nn.Parameter``s read in a forward (ViT's ``cls_token``), a module that mixes batch rows,
-or a weight used outside its own module (DeBERTa's relative embeddings).
+covers: raw ``nn.Parameter``s read in a forward that no block knows, a module that mixes batch rows, or
+a weight used outside its own module (DeBERTa's relative embeddings).
 """
 
 from __future__ import annotations
