@@ -38,8 +38,7 @@ def one_weight_set(members) -> WideModel:
     tables = {id(m.weight) for m in wide.modules() if isinstance(m, WideEmbedding)}  # a tied LM head stays
     with torch.no_grad():
         for module in wide.modules():
-            name = "weight" if isinstance(module, WideLinear) else "qkv_weight" if hasattr(module, "qkv_weight") else None
-            param = getattr(module, name) if name else None
+            param = module.weight if isinstance(module, WideLinear) else getattr(module, "qkv_weight", None)
             if param is not None and id(param) not in tables:
                 param.data = param.data[:1].expand(param.shape)  # (1, ...) -> (N, ...): a view, one set in memory
     return wide

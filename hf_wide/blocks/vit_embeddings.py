@@ -41,8 +41,8 @@ class _WidePatchEmbeddings(nn.Module):
 
 @register_block(ViTEmbeddings)
 class WideViTEmbeddings(WideBlock):
-    """``patch_embeddings.projection``: a WideConv of the members' patch convs; ``cls_token``, ``mask_token``: (N, 1, 1, D)
-    (``mask_token`` None without one); ``position_embeddings``: (N, 1, P+1, D)."""
+    """``patch_embeddings.projection``: a WideConv of the members' patch convs; ``cls_token`` and
+    ``mask_token`` (None without one): (N, 1, 1, D); ``position_embeddings``: (N, 1, P+1, D)."""
 
     def build(self, mods: Sequence[nn.Module]) -> None:
         projection = WideConv.from_modules([m.patch_embeddings.projection for m in mods], self.fold)
@@ -67,7 +67,8 @@ class WideViTEmbeddings(WideBlock):
                 "Make sure that the channel dimension of the pixel values match with the one set in the configuration."
                 f" Expected {self.patch_embeddings.num_channels} but got {num_channels}."
             )
-        patches = self.fold.split(self.patch_embeddings.projection(pixel_values).flatten(2).transpose(1, 2))  # (N, b, P, D)
+        patches = self.patch_embeddings.projection(pixel_values).flatten(2).transpose(1, 2)  # (N*B, P, D)
+        patches = self.fold.split(patches)  # (N, b, P, D)
         n, b, _, dim = patches.shape
         if bool_masked_pos is not None:
             mask = self.fold.split(bool_masked_pos).unsqueeze(-1).type_as(patches)  # (N, b, P, 1)
