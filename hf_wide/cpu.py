@@ -4,7 +4,7 @@ PyTorch allocates CPU tensors with the C library's ``malloc``. glibc serves larg
 threshold, which adapts up to 32 MiB) with fresh ``mmap``s and returns them on ``free``, and trims the top
 of its heap once enough is free at the end of it. A forward over large batches allocates and frees
 activations of several MiB per op, so every call faults all of their pages in again: on the 2-core
-machine of the benchmark, elementwise ops over 12 MiB tensors ran 4-5x slower per element than over
+machine of the benchmark, elementwise ops over 12 MiB tensors ran 3-6x slower per element than over
 1.5 MiB ones. A wide model folds N members into one batch, so its activations are N times larger and it
 pays this more than N separate models do (measured at 1,024 tokens per member: wide 0.76-0.90x the
 speed of the members run one after another with glibc's defaults, 1.01-1.04x with this tuning).
