@@ -27,7 +27,7 @@ class WideEmbedding(WideModule):
     def forward(self, ids: torch.Tensor) -> torch.Tensor:  # ids: (N*B, ...) or broadcast (1, ...)
         n = self.num_members
         if ids.shape[0] == 1 and n > 1:  # broadcast (e.g. position ids): every member's rows, then expand
-            out = self.weight[:, ids.reshape(-1)]  # (N, T, D): one gather over the (N, V, D) tables
+            out = self.weight.index_select(1, ids.reshape(-1))  # (N, T, D): one gather over the (N, V, D) tables
             return self.fold.merge(out.view(n, *ids.shape, self.embedding_dim))
         flat = ids.reshape(n, -1) + self.offsets  # (N, B*...): member m's ids index rows m*V.. of the table
         out = F.embedding(flat, self.weight.view(-1, self.embedding_dim))  # (N, B*..., D)
