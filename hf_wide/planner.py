@@ -6,7 +6,8 @@ Rules, in order, for a module M with parameters or buffers of its own:
    between members, and nothing outside the subtree reads its tensors: the whole subtree is fused;
 1. **shared** if its tensors are identical in every member: one copy serves all;
 2. **fallback** at the lowest common ancestor of M and the modules that read M's tensors, if some
-   module other than M reads them (DeBERTa's relative embeddings are read by the encoder);
+   module other than M reads them, unless an ancestor declares the read (``register_stacked_read``: DeBERTa's
+   encoder hands its relative embeddings to its attention blocks) and every consumer it names is fused;
 3. **primitive** if a wide builder is registered for M's class;
 4. **fallback** at M otherwise (raw parameters read outside a known block, unknown layers).
 
@@ -24,7 +25,7 @@ import torch
 from torch import nn
 
 from .plan import Kind, ModulePlan, WidePlan
-from .registry import find_block, find_wide
+from .registry import find_block, find_wide, stacked_read_consumers
 from .tracer import Trace, module_flops, sample_inputs, trace
 
 
@@ -77,8 +78,10 @@ def make_plan(
     flops = flops or {}
     member_modules = [dict(m.named_modules()) for m in members]
     aliases = tensor_aliases(template)
+    modules = dict(template.named_modules())
     entries: dict[str, ModulePlan] = {}
     fallback_roots: dict[str, str] = {}
+    stacked_reads: list[tuple[str, str, tuple[type[nn.Module], ...]]] = []  # (module, reader, consumers)
 
     blocks: list[str] = []
     for fqn, module in template.named_modules():
@@ -101,10 +104,15 @@ def make_plan(
             name for name in tensors
             if not share_identical or not _same([direct_tensors(mods[fqn])[name] for mods in member_modules])
         ]
+        outside = _outside_readers(fqn, list(tensors), aliases, trace)
+        declared = _declared_reader(fqn, outside, modules) if outside else None
+        if declared is not None:  # its reader expects it stacked, even where every member has the same one
+            stacked_reads.append((fqn, *declared))
+            differing, outside = list(tensors), []
         if not differing:
             entries[fqn] = ModulePlan(kind=Kind.SHARED, reason="identical in every member", **kind_args)
             continue
-        outside = _outside_readers(fqn, differing, aliases, trace)
+        outside = [(name, reader) for name, reader in outside if name in differing]
         wide_cls = find_wide(type(module))
         if outside:
             name, reader = outside[0]
@@ -116,6 +124,11 @@ def make_plan(
         else:
             entries[fqn] = ModulePlan(kind=Kind.PRIMITIVE, wide_class=wide_cls.__name__, **kind_args)
 
+    for fqn, reader, consumers in stacked_reads:
+        unfused = [p for p, m in modules.items() if _is_under(p, reader) and type(m) in consumers and p not in blocks]
+        if unfused:
+            fallback_roots.setdefault(reader, f"{fqn} is read stacked in {reader or '(model)'}, but {unfused[0]} "
+                                              "is not a fused block")
     for path, op in trace.mixing.items():
         fallback_roots.setdefault(path, f"{op} mixes batch rows")
     outermost = []
@@ -123,7 +136,6 @@ def make_plan(
         if not any(_is_under(root, kept) for kept in outermost):
             outermost.append(root)
     entries = {f: e for f, e in entries.items() if not any(_is_under(f, root) for root in outermost)}
-    modules = dict(template.named_modules())
     for root in outermost:
         module = modules[root]
         entries[root] = ModulePlan(
@@ -166,6 +178,18 @@ def _fusable(fqn: str, member_modules, aliases, trace: Trace, share_identical: b
             not _same([direct_tensors(subtree[path])[name] for subtree in subtrees]) for name in names
         )
     return differs and not any(_is_under(path, fqn) for path in trace.mixing)
+
+
+def _declared_reader(fqn: str, outside: list[tuple[str, str]], modules: dict[str, nn.Module]):
+    """(reader, consumer classes) when an ancestor of ``fqn`` declares every outside read of its tensors
+    (:func:`~hf_wide.registry.register_stacked_read`) and all of them happen inside that ancestor; else None."""
+    parts = fqn.split(".")
+    for depth in range(len(parts) - 1, -1, -1):
+        reader, path = ".".join(parts[:depth]), ".".join(parts[depth:])
+        declared = {stacked_read_consumers(modules[reader], f"{path}.{name}") for name, _ in outside}
+        if len(declared) == 1 and None not in declared and all(_is_under(r, reader) for _, r in outside):
+            return reader, declared.pop()
+    return None
 
 
 def _outside_readers(

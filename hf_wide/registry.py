@@ -19,6 +19,7 @@ from torch import nn
 
 _REGISTRY: dict[type[nn.Module], type] = {}
 _BLOCKS: dict[type[nn.Module], type] = {}
+_STACKED_READS: dict[type[nn.Module], dict[str, tuple[type[nn.Module], ...]]] = {}
 
 
 def _registrar(table: dict[type[nn.Module], type], module_classes: tuple[type[nn.Module], ...]):
@@ -41,6 +42,20 @@ def register_block(*module_classes: type[nn.Module]):
     (an attention or MLP block) instead of one leaf layer. Same contract as :func:`register_wide`, plus
     ``accepts(module) -> bool`` to decline instances it cannot fuse."""
     return _registrar(_BLOCKS, module_classes)
+
+
+def register_stacked_read(module_class: type[nn.Module], tensor: str, consumers: tuple[type[nn.Module], ...]) -> None:
+    """Declare that ``module_class``'s forward reads a descendant's tensor directly (``tensor``: its path from
+    the module, e.g. DeBERTa's encoder reads ``"rel_embeddings.weight"``) and hands it on only to row-wise
+    layers and to modules of the ``consumers`` classes. When every such consumer is a fused block that takes
+    the tensor stacked, ``(N, ...)``, the planner stacks the tensor's module like any other instead of
+    running the reader member by member."""
+    _STACKED_READS.setdefault(module_class, {})[tensor] = consumers
+
+
+def stacked_read_consumers(module: nn.Module, tensor: str) -> tuple[type[nn.Module], ...] | None:
+    """The consumer classes declared for ``module`` (exact class) reading ``tensor``, or None."""
+    return _STACKED_READS.get(type(module), {}).get(tensor)
 
 
 def find_block(module: nn.Module) -> type | None:

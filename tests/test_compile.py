@@ -1,4 +1,4 @@
-"""torch.compile: no graph breaks for the BERT and Llama families, outputs equal to eager, and one
+"""torch.compile: no graph breaks for the BERT, DeBERTa and Llama families, outputs equal to eager, and one
 graph for every batch size > 1 and sequence length."""
 
 import pytest
@@ -17,7 +17,7 @@ def fresh_dynamo():
     torch._dynamo.reset()
 
 
-@pytest.mark.parametrize("case_id", ["bert-seqcls", "roberta-tokcls", "llama-causallm", "qwen2-causallm"])
+@pytest.mark.parametrize("case_id", ["bert-seqcls", "roberta-tokcls", "deberta-v2-seqcls", "llama-causallm", "qwen2-causallm"])
 def test_no_graph_breaks(fused, case_id):
     _, wide = fused(case_id)
     inputs = CASES[case_id].inputs(2, padded=True)

@@ -63,8 +63,13 @@ def test_stacked_layout_ties_and_fallbacks(fused, tmp_path):
     wide.save_pretrained(tmp_path / "vit")
     assert stored_shapes(tmp_path / "vit")["vit.embeddings.cls_token"] == (3, 1, 1, 32)
 
-    members, wide = fused("deberta-v2-seqcls")  # so are a fallback's
-    assert wide.plan.fallbacks
+    case = CASES["deberta-v2-seqcls"]  # so are a fallback's: DeBERTa's encoder, with one attention shared
+    members = [case.build(seed) for seed in range(3)]
+    frozen = members[0].deberta.encoder.layer[0].attention.self.state_dict()
+    for member in members[1:]:
+        member.deberta.encoder.layer[0].attention.self.load_state_dict(frozen)
+    wide = WideModel.from_models(members)
+    assert [e.fqn for e in wide.plan.fallbacks] == ["deberta.encoder"]
     wide.save_pretrained(tmp_path / "deberta")
     rel = members[0].deberta.encoder.rel_embeddings.weight
     assert stored_shapes(tmp_path / "deberta")["deberta.encoder.rel_embeddings.weight"] == (3, *rel.shape)

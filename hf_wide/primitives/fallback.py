@@ -2,7 +2,8 @@
 
 Always correct, slower than a wide primitive, and reported by the plan. Used for modules no builder
 covers: raw ``nn.Parameter``s read in a forward that no block knows, a module that mixes batch rows, or
-a weight used outside its own module (DeBERTa's relative embeddings).
+a weight used outside its own module by code that expects one member's (DeBERTa's relative embeddings,
+when one of the attention blocks they feed is not fused).
 """
 
 from __future__ import annotations
