@@ -17,7 +17,9 @@ def fresh_dynamo():
     torch._dynamo.reset()
 
 
-@pytest.mark.parametrize("case_id", ["bert-seqcls", "roberta-tokcls", "deberta-v2-seqcls", "llama-causallm", "qwen2-causallm"])
+@pytest.mark.parametrize("case_id", [
+    "bert-seqcls", "roberta-tokcls", "deberta-v2-seqcls", "llama-causallm", "qwen2-causallm",
+])
 def test_no_graph_breaks(fused, case_id):
     _, wide = fused(case_id)
     inputs = CASES[case_id].inputs(2, padded=True)

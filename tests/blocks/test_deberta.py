@@ -1,8 +1,8 @@
 """WideDisentangledAttention: DeBERTa-v2/v3 fuse without a per-member fallback, and every member of the
 wide model equals its checkpoint run alone, over the attention's variants (shared keys, layer-normed and
 bucketed relative positions, c2p or p2c alone, the conv layer, no relative attention), a table identical
-in every member (stacked all the same) and returned attentions. Where a consumer of the stacked table is not fused, the encoder
-falls back, as before."""
+in every member (stacked all the same) and returned attentions. Where a consumer of the stacked table
+is not fused, the encoder falls back, as before."""
 
 import pytest
 import torch
