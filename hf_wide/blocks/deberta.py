@@ -22,6 +22,7 @@ from transformers.models.deberta_v2.modeling_deberta_v2 import (
     DisentangledSelfAttention,
     build_relative_position,
     build_rpos,
+    make_log_bucket_position,
     scaled_size_sqrt,
 )
 
@@ -116,10 +117,12 @@ class WideDisentangledAttention(WideBlock):
         n, heads = self.num_members, self.num_attention_heads
         if rel_embeddings.dim() == 2:  # one table shared by all members
             rel_embeddings = rel_embeddings.unsqueeze(0).expand(n, *rel_embeddings.shape)
-        rel_embeddings = rel_embeddings[:, : att_span * 2]  # (N, 2S, D)
+        # Only the rows this length's relative positions reach: the source projects all 2S of them.
+        first, last = self._rows_reached(max(query_layer.size(-2), key_layer.size(-2)), att_span)
+        rel_embeddings = rel_embeddings[:, first:last]  # (N, rows, D)
         batch = query_layer.size(0) // (n * heads)
 
-        def per_row(projected: torch.Tensor) -> torch.Tensor:  # (N, 2S, H*d) -> (N*B*H, 2S, d)
+        def per_row(projected: torch.Tensor) -> torch.Tensor:  # (N, rows, H*d) -> (N*B*H, rows, d)
             layer = _heads(projected, heads).view(n, 1, heads, *projected.shape[1:2], -1)
             return layer.expand(n, batch, *layer.shape[2:]).reshape(-1, *layer.shape[3:])
 
@@ -137,7 +140,7 @@ class WideDisentangledAttention(WideBlock):
         if "c2p" in self.pos_att_type:  # content -> position
             scale = scaled_size_sqrt(pos_key_layer, scale_factor)
             c2p_att = torch.bmm(query_layer, pos_key_layer.transpose(-1, -2))
-            c2p_pos = torch.clamp(relative_pos + att_span, 0, att_span * 2 - 1)
+            c2p_pos = torch.clamp(relative_pos + att_span, 0, att_span * 2 - 1) - first
             index = c2p_pos.squeeze(0).expand([query_layer.size(0), query_layer.size(1), relative_pos.size(-1)])
             score += torch.gather(c2p_att, dim=-1, index=index) / scale.to(dtype=c2p_att.dtype)
         if "p2c" in self.pos_att_type:  # position -> content
@@ -145,11 +148,25 @@ class WideDisentangledAttention(WideBlock):
             # The source passes these two in this order (to parameters named the other way round): kept.
             r_pos = build_rpos(query_layer, key_layer, relative_pos, self.max_relative_positions,
                                self.position_buckets)
-            p2c_pos = torch.clamp(-r_pos + att_span, 0, att_span * 2 - 1)
+            p2c_pos = torch.clamp(-r_pos + att_span, 0, att_span * 2 - 1) - first
             p2c_att = torch.bmm(key_layer, pos_query_layer.transpose(-1, -2))
             index = p2c_pos.squeeze(0).expand([query_layer.size(0), key_layer.size(-2), key_layer.size(-2)])
             score += torch.gather(p2c_att, dim=-1, index=index).transpose(-1, -2) / scale.to(dtype=p2c_att.dtype)
         return score
+
+    def _rows_reached(self, length: int, att_span: int) -> tuple[int, int]:
+        """[first, last): the rows of the (2S, D) table that relative positions between ``length`` tokens index
+        once shifted by S and clamped as the source does. The table is cut in eager mode only (the reach is
+        computed on the host); compiled graphs project the whole table, as the source does. A caller's own
+        relative positions beyond the reach fail in ``gather``'s bounds check rather than read wrong rows."""
+        if torch.compiler.is_compiling():
+            return 0, 2 * att_span
+        reach = length - 1
+        if self.position_buckets > 0 and self.max_relative_positions > 0:  # log buckets, as the source builds
+            distances = torch.arange(length, dtype=torch.long)
+            bucketed = make_log_bucket_position(distances, self.position_buckets, self.max_relative_positions)
+            reach = int(bucketed.abs().max()) + 1  # + 1: another device may round the bucket's log the other way
+        return max(0, att_span - reach), min(2 * att_span, att_span + reach + 1)
 
 
 register_stacked_read(DebertaV2Encoder, "rel_embeddings.weight", consumers=(DisentangledSelfAttention,))

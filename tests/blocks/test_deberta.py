@@ -38,9 +38,9 @@ def build(variant: str, model_class=tf.DebertaV2ForSequenceClassification, seeds
     return members
 
 
-def text_inputs(batch: int = 2, padded: bool = True) -> dict:
+def text_inputs(batch: int = 2, padded: bool = True, length: int = SEQ_LEN) -> dict:
     gen = torch.Generator().manual_seed(0)
-    ids = torch.randint(2, 100, (batch, SEQ_LEN), generator=gen)
+    ids = torch.randint(2, 100, (batch, length), generator=gen)
     mask = torch.ones_like(ids)
     if padded:
         mask[1:, -3:] = 0
@@ -56,6 +56,36 @@ def test_every_variant_fuses_and_equals_each_member(variant):
     assert blocks == ["WideDisentangledAttention"] * SMALL["num_hidden_layers"]
     for batch, padded in [(2, True), (1, False)]:
         assert max_member_error(wide, members, text_inputs(batch, padded)) < TOLERANCE
+
+
+@pytest.mark.parametrize("variant", ["v3", "c2p-only", "p2c-only"])
+def test_long_inputs_reach_the_log_buckets_and_the_clamp(variant):
+    members = build(variant)  # 50 tokens: past the buckets' linear range, and past c2p-only's span of 8
+    wide = WideModel.from_models(members).eval()
+    assert max_member_error(wide, members, text_inputs(length=50)) < TOLERANCE
+
+
+def test_only_the_reached_rows_of_the_table_are_projected():
+    wide = WideModel.from_models(build("c2p-only")).eval()  # no buckets, span 8: rows 8 +- (length - 1)
+    block = wide.model.deberta.encoder.layer[0].attention.self
+    assert block._rows_reached(3, 8) == (6, 11)
+    assert block._rows_reached(50, 8) == (0, 16)
+    wide = WideModel.from_models(build("v3")).eval()  # buckets of 8 (linear to 4), span 8
+    assert wide.model.deberta.encoder.layer[0].attention.self._rows_reached(3, 8) == (5, 12)  # + 1 of margin
+
+
+@torch.no_grad()
+def test_compiled_graphs_project_the_whole_table_and_agree():
+    members = build("v3")
+    wide = WideModel.from_models(members).eval()
+    inputs = text_inputs()
+    eager = wide(**inputs).logits
+    torch._dynamo.reset()
+    try:
+        compiled = wide.compile(backend="eager")(**inputs).logits
+    finally:
+        torch._dynamo.reset()
+    torch.testing.assert_close(compiled, eager, rtol=0, atol=TOLERANCE)
 
 
 def test_token_classification_and_returned_attentions():
