@@ -8,6 +8,10 @@ in one matmul, each member's relative keys and queries from its own table and we
 content-to-position and position-to-content scores on all N*B rows. The encoder declares the read
 (``register_stacked_read``), so with these blocks in place DeBERTa runs without a per-member fallback; its
 ``LayerNorm`` over the table is row-wise, so a wide (or shared) one normalises each member's rows alone.
+
+The source projects all 2S rows of the table (512 in DeBERTa-v3) in every layer, whatever the input's
+length; this block projects only the rows the input's relative positions reach: at short inputs that
+projection, done once per member, would otherwise be most of the forward.
 """
 
 from __future__ import annotations
@@ -155,14 +159,15 @@ class WideDisentangledAttention(WideBlock):
         return score
 
     def _rows_reached(self, length: int, att_span: int) -> tuple[int, int]:
-        """[first, last): the rows of the (2S, D) table that relative positions between ``length`` tokens index
-        once shifted by S and clamped as the source does. The table is cut in eager mode only (the reach is
-        computed on the host); compiled graphs project the whole table, as the source does. A caller's own
+        """[first, last): the rows of the (2S, D) table that relative positions between ``length`` tokens index,
+        once shifted by S and clamped as the source does. Within the buckets' linear range (or without
+        buckets) a distance is its own bucket; past it, the log-spaced buckets are computed on the host, in
+        eager mode only: compiled graphs then project the whole table, as the source does. A caller's own
         relative positions beyond the reach fail in ``gather``'s bounds check rather than read wrong rows."""
-        if torch.compiler.is_compiling():
-            return 0, 2 * att_span
         reach = length - 1
-        if self.position_buckets > 0 and self.max_relative_positions > 0:  # log buckets, as the source builds
+        if self.position_buckets > 0 and self.max_relative_positions > 0 and reach > self.position_buckets // 2:
+            if torch.compiler.is_compiling():
+                return 0, 2 * att_span
             distances = torch.arange(length, dtype=torch.long)
             bucketed = make_log_bucket_position(distances, self.position_buckets, self.max_relative_positions)
             reach = int(bucketed.abs().max()) + 1  # + 1: another device may round the bucket's log the other way

@@ -70,15 +70,18 @@ def test_only_the_reached_rows_of_the_table_are_projected():
     block = wide.model.deberta.encoder.layer[0].attention.self
     assert block._rows_reached(3, 8) == (6, 11)
     assert block._rows_reached(50, 8) == (0, 16)
-    wide = WideModel.from_models(build("v3")).eval()  # buckets of 8 (linear to 4), span 8
-    assert wide.model.deberta.encoder.layer[0].attention.self._rows_reached(3, 8) == (5, 12)  # + 1 of margin
+    block = WideModel.from_models(build("v3")).eval().model.deberta.encoder.layer[0].attention.self
+    assert block._rows_reached(5, 8) == (4, 13)  # buckets of 8: linear up to 4, each distance its own bucket
+    assert block._rows_reached(7, 8) == (2, 15)  # log-spaced past 4: 6 -> bucket 5, + 1 of margin
 
 
+@pytest.mark.parametrize("variant, length", [("v3", SEQ_LEN), ("v3", 3), ("c2p-only", SEQ_LEN)])
 @torch.no_grad()
-def test_compiled_graphs_project_the_whole_table_and_agree():
-    members = build("v3")
+def test_compiled_graphs_agree_with_eager(variant, length):
+    """v3 at 7 tokens is past its buckets' linear range: the compiled graph projects the whole table."""
+    members = build(variant)
     wide = WideModel.from_models(members).eval()
-    inputs = text_inputs()
+    inputs = text_inputs(length=length)
     eager = wide(**inputs).logits
     torch._dynamo.reset()
     try:
