@@ -140,15 +140,19 @@ def max_abs_diff(got: Outputs, reference: Outputs, same_weights: bool) -> float:
 
 
 def time_interleaved(runs: dict[str, Callable[[], Any]], target_s: float, min_runs: int = 5,
-                     max_runs: int = 1000, burst: int = 3) -> tuple[dict[str, tuple[float, int]], dict[str, str]]:
+                     max_runs: int = 1000, burst: int = 3, warm: int = 3,
+                     ) -> tuple[dict[str, tuple[float, int]], dict[str, str]]:
     """Median milliseconds of each ``runs[name]()`` and its number of runs, plus errors by name.
 
-    Runs go round-robin in bursts: each round calls every method ``burst + 1`` times back to back and
+    Runs go round-robin in bursts: each round calls every method ``warm + burst`` times back to back and
     times the last ``burst`` calls. Round-robin makes load from elsewhere on the machine slow every
-    method alike, so the ratios stay meaningful; the untimed first call of a burst brings the method's
-    own weights back into cache, so each is timed in its steady state, as it runs when served alone,
-    not in the cache left by the method before it. Rounds go on until ``target_s`` per method has
-    passed, with at least ``min_runs`` timed calls. The caller has made each first (slow) call already.
+    method alike, so the ratios stay meaningful; the untimed calls of a burst bring the method's own
+    weights and buffers back, so each is timed in its steady state, as it runs when served alone, not in
+    the caches and heap left by the method before it. One untimed call was not enough: after the members
+    in sequence and vmap, the wide model of 2 tiny Llama members (seq 16) measured 1.20-1.24x the ideal
+    with one, 1.12-1.15x with three, and 1.12-1.14x with the two timed alone. Rounds go on until
+    ``target_s`` per method has passed, with at least ``min_runs`` timed calls. The caller has made each
+    first (slow) call already.
     """
     runs, errors = dict(runs), {}
     times: dict[str, list[float]] = {name: [] for name in runs}
@@ -157,7 +161,8 @@ def time_interleaved(runs: dict[str, Callable[[], Any]], target_s: float, min_ru
                     or (time.perf_counter() - start < target_s * len(times) and rounds * burst < max_runs)):
         for name, fn in list(runs.items()):
             try:
-                fn()  # untimed: refills the cache with this method's weights
+                for _ in range(warm):  # untimed: back to this method's steady state
+                    fn()
                 for _ in range(burst):
                     t0 = time.perf_counter()
                     fn()
