@@ -54,6 +54,11 @@ def electra() -> PretrainedConfig:
     return tf.ElectraConfig(**_BERT_LIKE, embedding_size=16)
 
 
+def deberta() -> PretrainedConfig:
+    return tf.DebertaConfig(**_BERT_LIKE, relative_attention=True, pos_att_type=["p2c", "c2p"],
+                            max_relative_positions=16)
+
+
 def deberta_v2() -> PretrainedConfig:
     return tf.DebertaV2Config(**_BERT_LIKE, relative_attention=True, pos_att_type=["p2c", "c2p"],
                               position_buckets=8, max_relative_positions=16)
@@ -178,6 +183,7 @@ FAMILIES: list[FamilyCase] = [
     _case("albert-seqcls", "albert", tf.AlbertForSequenceClassification, albert),
     _case("electra-seqcls", "electra", tf.ElectraForSequenceClassification, electra),
     _case("electra-tokcls", "electra", tf.ElectraForTokenClassification, electra),
+    _case("deberta-seqcls", "deberta", tf.DebertaForSequenceClassification, deberta),
     _case("deberta-v2-seqcls", "deberta-v2", tf.DebertaV2ForSequenceClassification, deberta_v2),
     _case("deberta-v2-tokcls", "deberta-v2", tf.DebertaV2ForTokenClassification, deberta_v2),
     _case("gpt2-causallm", "gpt2", tf.GPT2LMHeadModel, gpt2, causal_lm=True),

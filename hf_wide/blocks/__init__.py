@@ -2,8 +2,12 @@
 
 from .attention import WideAttention
 from .base import WideBlock
-from .deberta import WideDisentangledAttention
+from .deberta import WideDebertaAttention
+from .deberta_v2 import WideDebertaV2Attention
 from .mlp import WideGatedMLP, WidePlainMLP
 from .vit_embeddings import WideViTEmbeddings
 
-__all__ = ["WideAttention", "WideBlock", "WideDisentangledAttention", "WideGatedMLP", "WidePlainMLP", "WideViTEmbeddings"]
+__all__ = [
+    "WideAttention", "WideBlock", "WideDebertaAttention", "WideDebertaV2Attention", "WideGatedMLP", "WidePlainMLP",
+    "WideViTEmbeddings",
+]

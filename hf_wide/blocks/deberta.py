@@ -1,17 +1,11 @@
-"""WideDisentangledAttention: DeBERTa-v2/v3's disentangled self-attention for N members at once.
+"""WideDebertaAttention: DeBERTa (v1)'s disentangled self-attention for N members at once.
 
-DeBERTa's encoder reads its relative-position table (``rel_embeddings.weight``) directly and hands it to
-every layer's attention, which projects it with its own key/query weights. So the table cannot be a plain
-primitive's: read by the encoder, a stacked ``(N, 2S, D)`` table would reach attention code written for one
-``(2S, D)`` table. This block is that attention, written for the stacked table: Q, K and V of every member
-in one matmul, each member's relative keys and queries from its own table and weights, then the source's
-content-to-position and position-to-content scores on all N*B rows. The encoder declares the read
-(``register_stacked_read``), so with these blocks in place DeBERTa runs without a per-member fallback; its
-``LayerNorm`` over the table is row-wise, so a wide (or shared) one normalises each member's rows alone.
-
-The source projects all 2S rows of the table (512 in DeBERTa-v3) in every layer, whatever the input's
-length; this block projects only the rows the input's relative positions reach: at short inputs that
-projection, done once per member, would otherwise be most of the forward.
+As in DeBERTa-v2 (see ``deberta_v2.py``), the encoder reads its relative-position table directly and hands
+it to every layer's attention; the encoder declares that read, so the table is stacked ``(N, 2M, D)`` and
+this block, written for the stacked table, gives each member its own relative keys and queries. The rest
+is the source's forward on all N*B rows: the fused ``in_proj`` (one matmul, no bias, q/k/v interleaved per
+head), the raw ``q_bias``/``v_bias``, content-to-position and position-to-content scores, and the
+talking-head projections.
 """
 
 from __future__ import annotations
@@ -21,157 +15,126 @@ from collections.abc import Sequence
 
 import torch
 from torch import nn
-from transformers.models.deberta_v2.modeling_deberta_v2 import (
-    DebertaV2Encoder,
+from transformers.models.deberta.modeling_deberta import (
+    DebertaEncoder,
     DisentangledSelfAttention,
     build_relative_position,
     build_rpos,
-    make_log_bucket_position,
+    c2p_dynamic_expand,
+    compute_attention_span,
+    p2c_dynamic_expand,
     scaled_size_sqrt,
+    uneven_size_corrected,
 )
 
-from ..primitives.linear import WideLinear, wide_linear
+from ..primitives.linear import WideLinear
 from ..registry import register_block, register_stacked_read
-from .base import WideBlock, member_slices, stack_cat
+from .base import WideBlock, member_slices
 
-QKV = ("query_proj", "key_proj", "value_proj")
-POSITION_PROJECTIONS = ("pos_key_proj", "pos_query_proj")  # absent with share_att_key
-
-
-def _heads(x: torch.Tensor, heads: int) -> torch.Tensor:
-    """DisentangledSelfAttention.transpose_for_scores: (rows, T, H*d) -> (rows*H, T, d)."""
-    x = x.view(*x.shape[:-1], heads, -1)
-    return x.permute(0, 2, 1, 3).contiguous().view(-1, x.size(1), x.size(-1))
+PROJECTIONS = ("in_proj", "pos_proj", "pos_q_proj", "head_logits_proj", "head_weights_proj")
 
 
 @register_block(DisentangledSelfAttention)
-class WideDisentangledAttention(WideBlock):
-    """``qkv_weight``: (N, 3*H*d, D) and ``qkv_bias``: (N, 3*H*d), each member's query, key and value
-    projections stacked along the outputs; ``pos_key_proj``/``pos_query_proj``: WideLinears (when the source
-    has them). ``rel_embeddings`` arrives stacked, (N, 2S, D), or shared by all members, (2S, D)."""
+class WideDebertaAttention(WideBlock):
+    """``in_proj``, ``pos_proj``, ``pos_q_proj``, ``head_logits_proj``, ``head_weights_proj``: WideLinears
+    (where the source has them); ``q_bias``, ``v_bias``: (N, H*d). ``rel_embeddings`` arrives stacked,
+    (N, 2M, D), or shared by all members, (2M, D)."""
 
     def build(self, mods: Sequence[nn.Module]) -> None:
-        self.sizes = [mods[0].get_submodule(n).out_features for n in QKV]
-        self.qkv_weight = nn.Parameter(stack_cat(mods, QKV, "weight"))
-        self.qkv_bias = nn.Parameter(stack_cat(mods, QKV, "bias"))  # the source's projections all have one
-        for name in POSITION_PROJECTIONS:
-            if hasattr(mods[0], name):
+        for name in PROJECTIONS:
+            if isinstance(getattr(mods[0], name, None), nn.Linear):
                 setattr(self, name, WideLinear.from_modules([getattr(m, name) for m in mods], self.fold))
+        self.q_bias = nn.Parameter(torch.stack([m.q_bias.detach() for m in mods]))
+        self.v_bias = nn.Parameter(torch.stack([m.v_bias.detach() for m in mods]))
         if self.relative_attention:
             self.pos_dropout = copy.deepcopy(mods[0].pos_dropout)
         self.dropout = copy.deepcopy(mods[0].dropout)
 
     def member_state_dict(self, i: int) -> dict[str, torch.Tensor]:
-        state = {}
-        weights, biases = self.qkv_weight[i].split(self.sizes), self.qkv_bias[i].split(self.sizes)
-        for name, weight, bias in zip(QKV, weights, biases):
-            state[f"{name}.weight"], state[f"{name}.bias"] = weight, bias
-        for name in POSITION_PROJECTIONS:
+        state = {"q_bias": self.q_bias[i], "v_bias": self.v_bias[i]}
+        for name in PROJECTIONS:
             if name in self._modules:
                 state.update(member_slices(name, self._modules[name], i))
         return state
 
-    def _project(self, x: torch.Tensor, part: slice) -> torch.Tensor:
-        """Rows of every member through the ``part`` of their fused q/k/v projections: (R, T, D) -> (R, T, P)."""
-        return wide_linear(self.fold, x, self.qkv_weight[:, part].transpose(1, 2), self.qkv_bias[:, part])
+    def _heads(self, x: torch.Tensor) -> torch.Tensor:
+        """DisentangledSelfAttention.transpose_for_scores: (rows, T, H*e) -> (rows, H, T, e)."""
+        return x.view(*x.shape[:-1], self.num_attention_heads, -1).permute(0, 2, 1, 3)
+
+    def _per_member(self, bias: torch.Tensor) -> torch.Tensor:
+        """A (N, H*d) bias as (N, 1, H, 1, d): against (N, B, H, T, d) activations."""
+        return bias.view(bias.shape[0], 1, self.num_attention_heads, 1, -1)
 
     def forward(self, hidden_states, attention_mask, output_attentions=False, query_states=None, relative_pos=None,
                 rel_embeddings=None):  # hidden_states: (N*B, T, D)
-        heads, q = self.num_attention_heads, self.sizes[0]
-        if query_states is None:
-            query, key, value = self._project(hidden_states, slice(None)).split(self.sizes, dim=-1)
-        else:  # the enhanced mask decoder's queries come from elsewhere
-            query = self._project(query_states, slice(0, q))
-            key, value = self._project(hidden_states, slice(q, None)).split(self.sizes[1:], dim=-1)
-        query_layer, key_layer, value_layer = (_heads(t, heads) for t in (query, key, value))  # (N*B*H, T, d)
+        if query_states is not None:
+            raise NotImplementedError("hf-wide's DeBERTa attention does not take separate query_states (the source's "
+                                      "path for them handles 2-d inputs only).")
+        n = self.num_members
+        query_layer, key_layer, value_layer = self._heads(self.in_proj(hidden_states)).chunk(3, dim=-1)
+        shape = query_layer.shape  # (N*B, H, T, d)
+        query_layer = (query_layer.view(n, -1, *shape[1:]) + self._per_member(self.q_bias)).view(shape)
+        value_layer = (value_layer.view(n, -1, *shape[1:]) + self._per_member(self.v_bias)).view(shape)
 
-        scale_factor = 1 + ("c2p" in self.pos_att_type) + ("p2c" in self.pos_att_type)
+        rel_att = 0
+        scale_factor = 1 + len(self.pos_att_type)
         scale = scaled_size_sqrt(query_layer, scale_factor)
-        attention_scores = torch.bmm(query_layer, key_layer.transpose(-1, -2) / scale.to(dtype=query_layer.dtype))
-        if self.relative_attention:
+        query_layer = query_layer / scale.to(dtype=query_layer.dtype)
+        attention_scores = torch.matmul(query_layer, key_layer.transpose(-1, -2))  # (N*B, H, T, T)
+        if self.relative_attention and rel_embeddings is not None and relative_pos is not None:
             rel_embeddings = self.pos_dropout(rel_embeddings)
-            attention_scores = attention_scores + self.disentangled_attention_bias(
-                query_layer, key_layer, relative_pos, rel_embeddings, scale_factor
-            )
-        attention_scores = attention_scores.view(-1, heads, attention_scores.size(-2), attention_scores.size(-1))
+            rel_att = self.disentangled_att_bias(query_layer, key_layer, relative_pos, rel_embeddings, scale_factor)
+        attention_scores = attention_scores + rel_att
+        if "head_logits_proj" in self._modules:
+            attention_scores = self.head_logits_proj(attention_scores.permute(0, 2, 3, 1)).permute(0, 3, 1, 2)
 
         attention_mask = attention_mask.bool()
         attention_scores = attention_scores.masked_fill(~attention_mask, torch.finfo(query_layer.dtype).min)
-        attention_probs = self.dropout(nn.functional.softmax(attention_scores, dim=-1))  # (N*B, H, T, T)
-        context = torch.bmm(attention_probs.view(-1, *attention_probs.shape[-2:]), value_layer)
-        context = context.view(-1, heads, *context.shape[-2:]).permute(0, 2, 1, 3).contiguous()
+        attention_probs = self.dropout(nn.functional.softmax(attention_scores, dim=-1))
+        if "head_weights_proj" in self._modules:
+            attention_probs = self.head_weights_proj(attention_probs.permute(0, 2, 3, 1)).permute(0, 3, 1, 2)
+        context = torch.matmul(attention_probs, value_layer).permute(0, 2, 1, 3).contiguous()
         context = context.view(*context.shape[:-2], -1)  # (N*B, T, H*d)
         return context, (attention_probs if output_attentions else None)
 
-    def disentangled_attention_bias(self, query_layer, key_layer, relative_pos, rel_embeddings, scale_factor):
-        """The source's content-to-position and position-to-content scores, each member's from its own table
-        and projections: (N*B*H, T, T)."""
+    def disentangled_att_bias(self, query_layer, key_layer, relative_pos, rel_embeddings, scale_factor):
+        """The source's scores, each member's from its own table and projections: (N*B, H, T, T)."""
         if relative_pos is None:
-            relative_pos = build_relative_position(query_layer, key_layer, bucket_size=self.position_buckets,
-                                                   max_position=self.max_relative_positions)
+            relative_pos = build_relative_position(query_layer, key_layer)
         if relative_pos.dim() == 2:
             relative_pos = relative_pos.unsqueeze(0).unsqueeze(0)
         elif relative_pos.dim() == 3:
             relative_pos = relative_pos.unsqueeze(1)
         elif relative_pos.dim() != 4:
             raise ValueError(f"Relative position ids must be of dim 2 or 3 or 4. {relative_pos.dim()}")
-        att_span = self.pos_ebd_size
-        relative_pos = relative_pos.to(device=query_layer.device, dtype=torch.long)
 
-        n, heads = self.num_members, self.num_attention_heads
+        n = self.num_members
+        att_span = compute_attention_span(query_layer, key_layer, self.max_relative_positions)
+        relative_pos = relative_pos.long()
         if rel_embeddings.dim() == 2:  # one table shared by all members
             rel_embeddings = rel_embeddings.unsqueeze(0).expand(n, *rel_embeddings.shape)
-        # Only the rows this length's relative positions reach: the source projects all 2S of them.
-        first, last = self._rows_reached(max(query_layer.size(-2), key_layer.size(-2)), att_span)
-        rel_embeddings = rel_embeddings[:, first:last]  # (N, rows, D)
-        batch = query_layer.size(0) // (n * heads)
+        middle = self.max_relative_positions
+        rel_embeddings = rel_embeddings[:, middle - att_span: middle + att_span]  # (N, 2s, D)
 
-        def per_row(projected: torch.Tensor) -> torch.Tensor:  # (N, rows, H*d) -> (N*B*H, rows, d)
-            layer = _heads(projected, heads).view(n, 1, heads, *projected.shape[1:2], -1)
-            return layer.expand(n, batch, *layer.shape[2:]).reshape(-1, *layer.shape[3:])
-
-        q, k, _ = self.sizes
-        if self.share_att_key:
-            pos_query_layer = per_row(self._project(rel_embeddings, slice(0, q)))
-            pos_key_layer = per_row(self._project(rel_embeddings, slice(q, q + k)))
-        else:
-            if "c2p" in self.pos_att_type:
-                pos_key_layer = per_row(self.pos_key_proj(rel_embeddings))
-            if "p2c" in self.pos_att_type:
-                pos_query_layer = per_row(self.pos_query_proj(rel_embeddings))
+        def per_member(x: torch.Tensor) -> torch.Tensor:  # (N*B, H, T, e) -> (N, B, H, T, e)
+            return x.view(n, -1, *x.shape[1:])
 
         score = 0
         if "c2p" in self.pos_att_type:  # content -> position
-            scale = scaled_size_sqrt(pos_key_layer, scale_factor)
-            c2p_att = torch.bmm(query_layer, pos_key_layer.transpose(-1, -2))
-            c2p_pos = torch.clamp(relative_pos + att_span, 0, att_span * 2 - 1) - first
-            index = c2p_pos.squeeze(0).expand([query_layer.size(0), query_layer.size(1), relative_pos.size(-1)])
-            score += torch.gather(c2p_att, dim=-1, index=index) / scale.to(dtype=c2p_att.dtype)
+            pos_key_layer = self._heads(self.pos_proj(rel_embeddings)).unsqueeze(1)  # (N, 1, H, 2s, d)
+            c2p_att = torch.matmul(per_member(query_layer), pos_key_layer.transpose(-1, -2)).flatten(0, 1)
+            c2p_pos = torch.clamp(relative_pos + att_span, 0, att_span * 2 - 1)
+            score += torch.gather(c2p_att, dim=-1, index=c2p_dynamic_expand(c2p_pos, query_layer, relative_pos))
         if "p2c" in self.pos_att_type:  # position -> content
-            scale = scaled_size_sqrt(pos_query_layer, scale_factor)
-            # The source passes these two in this order (to parameters named the other way round): kept.
-            r_pos = build_rpos(query_layer, key_layer, relative_pos, self.max_relative_positions,
-                               self.position_buckets)
-            p2c_pos = torch.clamp(-r_pos + att_span, 0, att_span * 2 - 1) - first
-            p2c_att = torch.bmm(key_layer, pos_query_layer.transpose(-1, -2))
-            index = p2c_pos.squeeze(0).expand([query_layer.size(0), key_layer.size(-2), key_layer.size(-2)])
-            score += torch.gather(p2c_att, dim=-1, index=index).transpose(-1, -2) / scale.to(dtype=p2c_att.dtype)
+            pos_query_layer = self._heads(self.pos_q_proj(rel_embeddings)).unsqueeze(1)  # (N, 1, H, 2s, d)
+            pos_query_layer = pos_query_layer / scaled_size_sqrt(pos_query_layer, scale_factor)
+            r_pos = build_rpos(query_layer, key_layer, relative_pos)
+            p2c_pos = torch.clamp(-r_pos + att_span, 0, att_span * 2 - 1)
+            p2c_att = torch.matmul(per_member(key_layer), pos_query_layer.transpose(-1, -2).to(dtype=key_layer.dtype))
+            p2c_att = torch.gather(p2c_att.flatten(0, 1), dim=-1,
+                                   index=p2c_dynamic_expand(p2c_pos, query_layer, key_layer)).transpose(-1, -2)
+            score += uneven_size_corrected(p2c_att, query_layer, key_layer, relative_pos)
         return score
 
-    def _rows_reached(self, length: int, att_span: int) -> tuple[int, int]:
-        """[first, last): the rows of the (2S, D) table that relative positions between ``length`` tokens index,
-        once shifted by S and clamped as the source does. Within the buckets' linear range (or without
-        buckets) a distance is its own bucket; past it, the log-spaced buckets are computed on the host, in
-        eager mode only: compiled graphs then project the whole table, as the source does. A caller's own
-        relative positions beyond the reach fail in ``gather``'s bounds check rather than read wrong rows."""
-        reach = length - 1
-        if self.position_buckets > 0 and self.max_relative_positions > 0 and reach > self.position_buckets // 2:
-            if torch.compiler.is_compiling():
-                return 0, 2 * att_span
-            distances = torch.arange(length, dtype=torch.long)
-            bucketed = make_log_bucket_position(distances, self.position_buckets, self.max_relative_positions)
-            reach = int(bucketed.abs().max()) + 1  # + 1: another device may round the bucket's log the other way
-        return max(0, att_span - reach), min(2 * att_span, att_span + reach + 1)
 
-
-register_stacked_read(DebertaV2Encoder, "rel_embeddings.weight", consumers=(DisentangledSelfAttention,))
+register_stacked_read(DebertaEncoder, "rel_embeddings.weight", consumers=(DisentangledSelfAttention,))

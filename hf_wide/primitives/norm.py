@@ -11,6 +11,7 @@ import importlib
 import torch
 import torch.nn.functional as F
 from torch import nn
+from transformers.models.deberta.modeling_deberta import DebertaLayerNorm
 
 from ..registry import register_wide
 from .base import WideModule, affine
@@ -78,6 +79,24 @@ class WideLlamaRMSNorm(WideModule):
         if x.shape[0] == 1 and n > 1:  # broadcast: every member's weight on the one row
             return self.fold.merge(self.weight.view(n, 1, *([1] * (x.dim() - 2)), d) * h)
         return (self.weight.view(n, 1, d) * h.view(n, -1, d)).view(x.shape)  # weight (N, 1, D) * (N, rows, D)
+
+
+@register_wide(DebertaLayerNorm)
+class WideDebertaLayerNorm(WideModule):
+    """N DeBERTa (v1) layer norms (float32 statistics, epsilon inside the square root): ``weight``/``bias``:
+    (N, D)."""
+
+    def setup(self, proto: nn.Module) -> None:
+        self.variance_epsilon = proto.variance_epsilon
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: (N*B, ..., D)
+        h = x.float()  # the source's ops, in its order
+        mean = h.mean(-1, keepdim=True)
+        variance = (h - mean).pow(2).mean(-1, keepdim=True)
+        h = ((h - mean) / torch.sqrt(variance + self.variance_epsilon)).to(x.dtype)
+        y = self.fold.split(h)  # (N, b, ..., D)
+        shape = (y.shape[0], *([1] * (y.dim() - 2)), y.shape[-1])
+        return self.fold.merge(self.weight.view(shape) * y + self.bias.view(shape))
 
 
 @register_wide(nn.RMSNorm)
