@@ -2,8 +2,9 @@
 
 Covers the attention modules whose forward is "project q/k/v, (rotary), (cache), attention interface,
 (output projection)": BERT, RoBERTa, ELECTRA (``query/key/value``, output projection in the next module),
-Llama, Mistral, Qwen2 (``q_proj/k_proj/v_proj/o_proj``, rotary, grouped KV heads) and ViT. The attention
-itself goes through transformers' attention interface (sdpa, eager, ...) exactly as the source does.
+Llama, Mistral, Qwen2 (``q_proj/k_proj/v_proj/o_proj``, rotary, grouped KV heads), ViT and DistilBERT
+(``q_lin/k_lin/v_lin/out_lin``). The attention itself goes through transformers' attention interface
+(sdpa, eager, ...) exactly as the source does.
 GPT-2 (``c_attn``) and Phi-3 (``qkv_proj``) already fuse their projections, so their primitives suffice.
 """
 
@@ -18,6 +19,7 @@ from torch import nn
 from transformers.cache_utils import EncoderDecoderCache
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.bert.modeling_bert import BertSelfAttention
+from transformers.models.distilbert.modeling_distilbert import DistilBertSelfAttention
 from transformers.models.electra.modeling_electra import ElectraSelfAttention
 from transformers.models.llama.modeling_llama import LlamaAttention
 from transformers.models.mistral.modeling_mistral import MistralAttention
@@ -48,10 +50,12 @@ LLAMA = AttentionLayout(("q_proj", "k_proj", "v_proj"), "o_proj", "head_dim", "a
                         ("hidden_states", "position_embeddings", "attention_mask", "past_key_values"), rotary=True)
 VIT = AttentionLayout(("q_proj", "k_proj", "v_proj"), "o_proj", "head_dim", "attention_dropout",
                       ("hidden_states", "attention_mask"))
+DISTILBERT = AttentionLayout(("q_lin", "k_lin", "v_lin"), "out_lin", "attention_head_size", "dropout.p",
+                             ("hidden_states", "attention_mask"))
 LAYOUTS = {
     BertSelfAttention: BERT, RobertaSelfAttention: BERT, ElectraSelfAttention: BERT,
     LlamaAttention: LLAMA, MistralAttention: LLAMA, Qwen2Attention: LLAMA,
-    ViTAttention: VIT,
+    ViTAttention: VIT, DistilBertSelfAttention: DISTILBERT,
 }
 
 

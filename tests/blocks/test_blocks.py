@@ -6,12 +6,22 @@ import torch
 from conftest import CASES
 
 from hf_wide import Kind, WideModel
-from hf_wide.blocks import WideAttention, WideGatedMLP, WidePlainMLP, WideViTEmbeddings
+from hf_wide.blocks import (
+    WideAttention,
+    WideDebertaAttention,
+    WideDebertaV2Attention,
+    WideGatedMLP,
+    WidePlainMLP,
+    WideViTEmbeddings,
+)
 
 BLOCKS = {
     "bert-seqcls": {"BertSelfAttention": WideAttention},
     "roberta-tokcls": {"RobertaSelfAttention": WideAttention},
     "electra-seqcls": {"ElectraSelfAttention": WideAttention},
+    "distilbert-seqcls": {"DistilBertSelfAttention": WideAttention},
+    "deberta-seqcls": {"DisentangledSelfAttention": WideDebertaAttention},
+    "deberta-v2-tokcls": {"DisentangledSelfAttention": WideDebertaV2Attention},
     "llama-causallm": {"LlamaAttention": WideAttention, "LlamaMLP": WideGatedMLP},
     "mistral-causallm": {"MistralAttention": WideAttention, "MistralMLP": WideGatedMLP},
     "qwen2-causallm": {"Qwen2Attention": WideAttention, "Qwen2MLP": WideGatedMLP},
