@@ -34,6 +34,17 @@ from .base import WideBlock, member_slices
 PROJECTIONS = ("in_proj", "pos_proj", "pos_q_proj", "head_logits_proj", "head_weights_proj")
 
 
+def four_dims(relative_pos: torch.Tensor) -> torch.Tensor:
+    """Relative positions (T, T), (B, T, T) or (B, H, T, T) as 4-d, as both DeBERTa sources take them."""
+    if relative_pos.dim() == 2:
+        return relative_pos.unsqueeze(0).unsqueeze(0)
+    if relative_pos.dim() == 3:
+        return relative_pos.unsqueeze(1)
+    if relative_pos.dim() != 4:
+        raise ValueError(f"Relative position ids must be of dim 2 or 3 or 4. {relative_pos.dim()}")
+    return relative_pos
+
+
 @register_block(DisentangledSelfAttention)
 class WideDebertaAttention(WideBlock):
     """``in_proj``, ``pos_proj``, ``pos_q_proj``, ``head_logits_proj``, ``head_weights_proj``: WideLinears
@@ -101,13 +112,7 @@ class WideDebertaAttention(WideBlock):
         """The source's scores, each member's from its own table and projections: (N*B, H, T, T)."""
         if relative_pos is None:
             relative_pos = build_relative_position(query_layer, key_layer)
-        if relative_pos.dim() == 2:
-            relative_pos = relative_pos.unsqueeze(0).unsqueeze(0)
-        elif relative_pos.dim() == 3:
-            relative_pos = relative_pos.unsqueeze(1)
-        elif relative_pos.dim() != 4:
-            raise ValueError(f"Relative position ids must be of dim 2 or 3 or 4. {relative_pos.dim()}")
-
+        relative_pos = four_dims(relative_pos)
         n = self.num_members
         att_span = compute_attention_span(query_layer, key_layer, self.max_relative_positions)
         relative_pos = relative_pos.long()

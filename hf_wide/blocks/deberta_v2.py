@@ -33,6 +33,7 @@ from transformers.models.deberta_v2.modeling_deberta_v2 import (
 from ..primitives.linear import WideLinear, wide_linear
 from ..registry import register_block, register_stacked_read
 from .base import WideBlock, member_slices, stack_cat
+from .deberta import four_dims
 
 QKV = ("query_proj", "key_proj", "value_proj")
 POSITION_PROJECTIONS = ("pos_key_proj", "pos_query_proj")  # absent with share_att_key
@@ -109,14 +110,8 @@ class WideDebertaV2Attention(WideBlock):
         if relative_pos is None:
             relative_pos = build_relative_position(query_layer, key_layer, bucket_size=self.position_buckets,
                                                    max_position=self.max_relative_positions)
-        if relative_pos.dim() == 2:
-            relative_pos = relative_pos.unsqueeze(0).unsqueeze(0)
-        elif relative_pos.dim() == 3:
-            relative_pos = relative_pos.unsqueeze(1)
-        elif relative_pos.dim() != 4:
-            raise ValueError(f"Relative position ids must be of dim 2 or 3 or 4. {relative_pos.dim()}")
         att_span = self.pos_ebd_size
-        relative_pos = relative_pos.to(device=query_layer.device, dtype=torch.long)
+        relative_pos = four_dims(relative_pos).to(device=query_layer.device, dtype=torch.long)
 
         n, heads = self.num_members, self.num_attention_heads
         if rel_embeddings.dim() == 2:  # one table shared by all members
