@@ -2,14 +2,16 @@
 
 Covers the attention modules whose forward is "project q/k/v, (rotary), (cache), attention interface,
 (output projection)": BERT, RoBERTa, ELECTRA (``query/key/value``, output projection in the next module),
-Llama, Mistral, Qwen2 (``q_proj/k_proj/v_proj/o_proj``, rotary, grouped KV heads), ViT and DistilBERT
-(``q_lin/k_lin/v_lin/out_lin``). The attention itself goes through transformers' attention interface
-(sdpa, eager, ...) exactly as the source does.
+Llama, Mistral, Qwen2 (``q_proj/k_proj/v_proj/o_proj``, rotary, grouped KV heads), ViT, DistilBERT
+(``q_lin/k_lin/v_lin/out_lin``) and ALBERT (output projection, dropout and residual layer norm inside).
+The attention itself goes through transformers' attention interface (sdpa, eager, ...) exactly as the
+source does.
 GPT-2 (``c_attn``) and Phi-3 (``qkv_proj``) already fuse their projections, so their primitives suffice.
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import sys
 from collections.abc import Sequence
@@ -18,6 +20,7 @@ import torch
 from torch import nn
 from transformers.cache_utils import EncoderDecoderCache
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+from transformers.models.albert.modeling_albert import AlbertAttention
 from transformers.models.bert.modeling_bert import BertSelfAttention
 from transformers.models.distilbert.modeling_distilbert import DistilBertSelfAttention
 from transformers.models.electra.modeling_electra import ElectraSelfAttention
@@ -28,6 +31,7 @@ from transformers.models.roberta.modeling_roberta import RobertaSelfAttention
 from transformers.models.vit.modeling_vit import ViTAttention
 
 from ..primitives.linear import WideLinear, wide_linear
+from ..primitives.norm import WideLayerNorm
 from ..registry import register_block
 from .base import WideBlock, member_slices, stack_cat
 
@@ -42,6 +46,7 @@ class AttentionLayout:
     dropout: str  # attribute holding the attention dropout probability ("dropout.p" for BERT)
     arg_names: tuple[str, ...]  # positional order of the source forward's arguments
     rotary: bool = False
+    residual_norm: tuple[str, str] | None = None  # (dropout, norm): ALBERT's norm(x + dropout(out)) inside
 
 
 BERT = AttentionLayout(("query", "key", "value"), None, "attention_head_size", "dropout.p",
@@ -52,10 +57,12 @@ VIT = AttentionLayout(("q_proj", "k_proj", "v_proj"), "o_proj", "head_dim", "att
                       ("hidden_states", "attention_mask"))
 DISTILBERT = AttentionLayout(("q_lin", "k_lin", "v_lin"), "out_lin", "attention_head_size", "dropout.p",
                              ("hidden_states", "attention_mask"))
+ALBERT = AttentionLayout(("query", "key", "value"), "dense", "attention_head_size", "attention_dropout.p",
+                         ("hidden_states", "attention_mask"), residual_norm=("output_dropout", "LayerNorm"))
 LAYOUTS = {
     BertSelfAttention: BERT, RobertaSelfAttention: BERT, ElectraSelfAttention: BERT,
     LlamaAttention: LLAMA, MistralAttention: LLAMA, Qwen2Attention: LLAMA,
-    ViTAttention: VIT, DistilBertSelfAttention: DISTILBERT,
+    ViTAttention: VIT, DistilBertSelfAttention: DISTILBERT, AlbertAttention: ALBERT,
 }
 
 
@@ -81,6 +88,10 @@ class WideAttention(WideBlock):
         self.qkv_bias = None if bias is None else nn.Parameter(bias)
         if layout.out is not None:
             self.o_proj = WideLinear.from_modules([m.get_submodule(layout.out) for m in mods], self.fold)
+        if layout.residual_norm is not None:
+            dropout, norm = layout.residual_norm
+            self.out_dropout = copy.deepcopy(getattr(mods[0], dropout))
+            self.post_norm = WideLayerNorm.from_modules([getattr(m, norm) for m in mods], self.fold)
         self._head_dim = getattr(mods[0], layout.head_dim)
         owner, _, attr = layout.dropout.rpartition(".")
         self._dropout_p = getattr(mods[0].get_submodule(owner), attr)
@@ -94,6 +105,8 @@ class WideAttention(WideBlock):
                 state[f"{name}.bias"] = bias
         if self.layout.out is not None:
             state.update(member_slices(self.layout.out, self.o_proj, i))
+        if self.layout.residual_norm is not None:
+            state.update(member_slices(self.layout.residual_norm[1], self.post_norm, i))
         return state
 
     def forward(self, *args, **kwargs):
@@ -130,4 +143,6 @@ class WideAttention(WideBlock):
         attn_output = attn_output.reshape(*input_shape, -1).contiguous()  # (N*B, T, H*hd)
         if self.layout.out is not None:
             attn_output = self.o_proj(attn_output)
+        if self.layout.residual_norm is not None:  # ALBERT: norm(x + dropout(out)) inside the attention
+            attn_output = self.post_norm(hidden_states + self.out_dropout(attn_output))
         return attn_output, attn_weights

@@ -72,7 +72,8 @@ class WideBlock(nn.Module):
 
 def member_slices(prefix: str, module: nn.Module, i: int) -> dict[str, torch.Tensor]:
     """Member i's views of a wide primitive's tensors, named as in the source block's state dict."""
-    tensors = {**module._parameters, **module._buffers}
+    buffers = {k: v for k, v in module._buffers.items() if k not in module._non_persistent_buffers_set}
+    tensors = {**module._parameters, **buffers}  # not the helpers a primitive derives (a norm's unit affine)
     return {f"{prefix}.{name}": t[i] for name, t in tensors.items() if t is not None}
 
 

@@ -20,6 +20,7 @@ BLOCKS = {
     "roberta-tokcls": {"RobertaSelfAttention": WideAttention},
     "electra-seqcls": {"ElectraSelfAttention": WideAttention},
     "distilbert-seqcls": {"DistilBertSelfAttention": WideAttention},
+    "albert-seqcls": {"AlbertAttention": WideAttention},
     "deberta-seqcls": {"DisentangledSelfAttention": WideDebertaAttention},
     "deberta-v2-tokcls": {"DisentangledSelfAttention": WideDebertaV2Attention},
     "llama-causallm": {"LlamaAttention": WideAttention, "LlamaMLP": WideGatedMLP},
