@@ -81,7 +81,7 @@ def make_plan(
     modules = dict(template.named_modules())
     entries: dict[str, ModulePlan] = {}
     fallback_roots: dict[str, str] = {}
-    stacked_reads: list[tuple[str, str, tuple[type[nn.Module], ...]]] = []  # (module, reader, consumers)
+    stacked_reads = []  # (module, its declared reader, consumer classes, differs between members, plan fields)
 
     blocks: list[str] = []
     for fqn, module in template.named_modules():
@@ -106,9 +106,9 @@ def make_plan(
         ]
         outside = _outside_readers(fqn, list(tensors), aliases, trace)
         declared = _declared_reader(fqn, outside, modules) if outside else None
-        if declared is not None:  # its reader expects it stacked, even where every member has the same one
-            stacked_reads.append((fqn, *declared))
-            differing, outside = list(tensors), []
+        if declared is not None:  # planned below, once the blocks its reader feeds are known
+            stacked_reads.append((fqn, *declared, bool(differing), kind_args))
+            continue
         if not differing:
             entries[fqn] = ModulePlan(kind=Kind.SHARED, reason="identical in every member", **kind_args)
             continue
@@ -124,11 +124,18 @@ def make_plan(
         else:
             entries[fqn] = ModulePlan(kind=Kind.PRIMITIVE, wide_class=wide_cls.__name__, **kind_args)
 
-    for fqn, reader, consumers in stacked_reads:
-        unfused = [p for p, m in modules.items() if _is_under(p, reader) and type(m) in consumers and p not in blocks]
-        if unfused:
-            fallback_roots.setdefault(reader, f"{fqn} is read stacked in {reader or '(model)'}, but {unfused[0]} "
-                                              "is not a fused block")
+    for fqn, reader, consumers, differs, kind_args in stacked_reads:
+        fed = [p for p, m in modules.items() if _is_under(p, reader) and type(m) in consumers]
+        unfused = [p for p in fed if p not in blocks]
+        if not differs and len(unfused) == len(fed):  # one copy, read by the source's own modules, as it expects
+            entries[fqn] = ModulePlan(kind=Kind.SHARED, reason="identical in every member", **kind_args)
+            continue
+        wide_cls = find_wide(type(modules[fqn]))  # stacked, even where identical: the fused blocks read it so
+        if unfused or wide_cls is None:
+            why = f"but {unfused[0]} is not a fused block" if unfused else "but it has no wide builder"
+            fallback_roots.setdefault(reader, f"{fqn} is read stacked in {reader or '(model)'}, {why}")
+        else:
+            entries[fqn] = ModulePlan(kind=Kind.PRIMITIVE, wide_class=wide_cls.__name__, **kind_args)
     for path, op in trace.mixing.items():
         fallback_roots.setdefault(path, f"{op} mixes batch rows")
     outermost = []

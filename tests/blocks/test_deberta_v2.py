@@ -114,6 +114,16 @@ def test_a_table_identical_in_every_member_is_stacked_all_the_same():
     assert max_member_error(wide, members, text_inputs()) < TOLERANCE
 
 
+def test_members_that_differ_only_in_their_heads_share_the_encoder():
+    members = build("v3")  # a frozen backbone: the encoder identical in every member
+    for member in members[1:]:
+        member.deberta.load_state_dict(members[0].deberta.state_dict())
+    wide = WideModel.from_models(members).eval()
+    assert wide.plan.fallbacks == [] and wide.plan.by_kind(Kind.BLOCK) == []
+    assert wide.plan.entries["deberta.encoder.rel_embeddings"].kind == Kind.SHARED
+    assert max_member_error(wide, members, text_inputs()) < TOLERANCE
+
+
 @torch.no_grad()
 def test_the_block_takes_one_table_for_all_members():
     members = build("v2")
