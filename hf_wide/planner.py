@@ -7,7 +7,8 @@ Rules, in order, for a module M with parameters or buffers of its own:
 1. **shared** if its tensors are identical in every member: one copy serves all;
 2. **fallback** at the lowest common ancestor of M and the modules that read M's tensors, if some
    module other than M reads them, unless an ancestor declares the read (``register_stacked_read``: DeBERTa's
-   encoder hands its relative embeddings to its attention blocks) and every consumer it names is fused;
+   encoder hands its relative embeddings to its attention blocks): then M is stacked where it differs or a
+   fused block reads it, shared where neither, and the reader falls back if only some consumers are fused;
 3. **primitive** if a wide builder is registered for M's class;
 4. **fallback** at M otherwise (raw parameters read outside a known block, unknown layers).
 
