@@ -108,7 +108,7 @@ def make_plan(
         outside = _outside_readers(fqn, list(tensors), aliases, trace)
         declared = _declared_reader(fqn, outside, modules) if outside else None
         if declared is not None:  # planned below, once the blocks its reader feeds are known
-            stacked_reads.append((fqn, *declared, bool(differing), kind_args))
+            stacked_reads.append((fqn, *declared, bool(differing), [r for _, r in outside], kind_args))
             continue
         if not differing:
             entries[fqn] = ModulePlan(kind=Kind.SHARED, reason="identical in every member", **kind_args)
@@ -125,10 +125,12 @@ def make_plan(
         else:
             entries[fqn] = ModulePlan(kind=Kind.PRIMITIVE, wide_class=wide_cls.__name__, **kind_args)
 
-    for fqn, reader, consumers, differs, kind_args in stacked_reads:
+    for fqn, reader, consumers, differs, direct, kind_args in stacked_reads:
         fed = [p for p, m in modules.items() if _is_under(p, reader) and type(m) in consumers]
         unfused = [p for p in fed if p not in blocks]
-        if not differs and len(unfused) == len(fed):  # one copy, read by the source's own modules, as it expects
+        wide_readers = [r for r in direct if r in entries and entries[r].kind != Kind.SHARED]
+        if not differs and len(unfused) == len(fed) and not wide_readers:
+            # one copy, read by the source's own modules, as they expect
             entries[fqn] = ModulePlan(kind=Kind.SHARED, reason="identical in every member", **kind_args)
             continue
         wide_cls = find_wide(type(modules[fqn]))  # stacked, even where identical: the fused blocks read it so

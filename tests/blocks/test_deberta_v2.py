@@ -124,6 +124,18 @@ def test_members_that_differ_only_in_their_heads_share_the_encoder():
     assert max_member_error(wide, members, text_inputs()) < TOLERANCE
 
 
+def test_a_shared_table_through_a_wide_norm_to_shared_attentions_falls_back():
+    members = build("v3")  # the backbone frozen but for the norm over the relative table
+    for member in members[1:]:
+        member.deberta.load_state_dict(members[0].deberta.state_dict())
+    with torch.no_grad():
+        for seed, member in enumerate(members):
+            member.deberta.encoder.LayerNorm.weight.add_(0.1 * seed)
+    wide = WideModel.from_models(members).eval()
+    assert [e.fqn for e in wide.plan.fallbacks] == ["deberta.encoder"]
+    assert max_member_error(wide, members, text_inputs()) < TOLERANCE
+
+
 @torch.no_grad()
 def test_the_block_takes_one_table_for_all_members():
     members = build("v2")
