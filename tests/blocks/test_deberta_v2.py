@@ -171,3 +171,21 @@ def test_members_round_trip_and_save_load(tmp_path):
     loaded = WideModel.from_pretrained(str(tmp_path)).eval()
     assert [e.wide_class for e in loaded.plan.by_kind(Kind.BLOCK)] == ["WideDebertaV2Attention"] * 2
     assert max_member_error(loaded, members, text_inputs()) < TOLERANCE
+
+
+@torch.no_grad()
+def test_separate_query_states_equal_each_member():
+    members = build("v2")
+    wide = WideModel.from_models(members).eval()
+    block = wide.model.deberta.encoder.layer[0].attention.self
+    hidden, queries = torch.randn(2, N * 2, SEQ_LEN, SMALL["hidden_size"])  # (N*B, T, D) each, B = 2
+    mask = torch.ones(N * 2, 1, SEQ_LEN, SEQ_LEN, dtype=torch.bool)
+    relative_pos = members[0].deberta.encoder.get_rel_pos(hidden[:2])
+    table = wide.model.deberta.encoder.get_rel_embedding()  # (N, 2S, D)
+    got, _ = block(hidden, mask, query_states=queries, relative_pos=relative_pos, rel_embeddings=table)
+    for i, member in enumerate(members):
+        rows = slice(2 * i, 2 * i + 2)
+        alone, _ = member.deberta.encoder.layer[0].attention.self(
+            hidden[rows], mask[rows], query_states=queries[rows], relative_pos=relative_pos,
+            rel_embeddings=member.deberta.encoder.get_rel_embedding())
+        torch.testing.assert_close(got[rows], alone, rtol=0, atol=TOLERANCE)
