@@ -168,6 +168,16 @@ class FamilyCase:
         return {"input_ids": ids, "attention_mask": mask}
 
 
+def text_batch(batch: int = 2, length: int = SEQ_LEN, padded: bool = True) -> dict[str, torch.Tensor]:
+    """Random ids (seed 0); with ``padded``, the last three positions of every row after the first are padding."""
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(FIRST_TOKEN, VOCAB, (batch, length), generator=gen)
+    mask = torch.ones_like(ids)
+    if padded:
+        mask[1:, -3:] = 0
+    return {"input_ids": ids, "attention_mask": mask}
+
+
 def _case(id: str, family: str, cls: type, make_config, input_kind: str = "text", causal_lm: bool = False):
     return FamilyCase(id, family, cls, make_config, input_kind, causal_lm)
 

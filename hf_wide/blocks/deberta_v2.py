@@ -17,6 +17,7 @@ projection, done once per member, would otherwise be most of the forward.
 from __future__ import annotations
 
 import copy
+import functools
 from collections.abc import Sequence
 
 import torch
@@ -37,6 +38,14 @@ from .deberta import four_dims
 
 QKV = ("query_proj", "key_proj", "value_proj")
 POSITION_PROJECTIONS = ("pos_key_proj", "pos_query_proj")  # absent with share_att_key
+
+
+@functools.lru_cache(maxsize=256)
+def _bucketed_reach(length: int, buckets: int, max_position: int) -> int:
+    """The largest log-spaced bucket among distances 0..length-1, + 1: another device may round the bucket's
+    log the other way. Cached: every layer of every forward asks it for the same few lengths."""
+    bucketed = make_log_bucket_position(torch.arange(length, dtype=torch.long), buckets, max_position)
+    return int(bucketed.abs().max()) + 1
 
 
 def _heads(x: torch.Tensor, heads: int) -> torch.Tensor:
@@ -163,9 +172,7 @@ class WideDebertaV2Attention(WideBlock):
         if self.position_buckets > 0 and self.max_relative_positions > 0 and reach > self.position_buckets // 2:
             if torch.compiler.is_compiling():
                 return 0, 2 * att_span
-            distances = torch.arange(length, dtype=torch.long)
-            bucketed = make_log_bucket_position(distances, self.position_buckets, self.max_relative_positions)
-            reach = int(bucketed.abs().max()) + 1  # + 1: another device may round the bucket's log the other way
+            reach = _bucketed_reach(length, self.position_buckets, self.max_relative_positions)
         return max(0, att_span - reach), min(2 * att_span, att_span + reach + 1)
 
 

@@ -7,7 +7,7 @@ not fused, the encoder falls back."""
 import pytest
 import torch
 import transformers as tf
-from families import SEQ_LEN, randomise_
+from families import SEQ_LEN, randomise_, text_batch
 from oracle import TOLERANCE, max_member_error
 
 from hf_wide import WideModel
@@ -36,12 +36,6 @@ def build(variant: str, model_class=tf.DebertaForSequenceClassification):
     return members
 
 
-def text_inputs(batch: int = 2, length: int = SEQ_LEN) -> dict:
-    gen = torch.Generator().manual_seed(0)
-    ids = torch.randint(2, 100, (batch, length), generator=gen)
-    mask = torch.ones_like(ids)
-    mask[1:, -3:] = 0
-    return {"input_ids": ids, "attention_mask": mask}
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
@@ -52,7 +46,7 @@ def test_every_variant_fuses_and_equals_each_member(variant):
     assert [e.wide_class for e in wide.plan.by_kind(Kind.BLOCK)] == ["WideDebertaAttention"] * 2
     norms = {e.wide_class for e in wide.plan.by_kind(Kind.PRIMITIVE) if e.module_class == "DebertaLayerNorm"}
     assert norms == {"WideDebertaLayerNorm"}
-    for inputs in (text_inputs(), text_inputs(batch=1), text_inputs(length=40)):  # 40 tokens: past the span
+    for inputs in (text_batch(), text_batch(batch=1), text_batch(length=40)):  # 40 tokens: past the span
         assert max_member_error(wide, members, inputs) < TOLERANCE
 
 
@@ -60,7 +54,7 @@ def test_every_variant_fuses_and_equals_each_member(variant):
 def test_token_classification_and_returned_attentions():
     members = build("talking-heads", tf.DebertaForTokenClassification)
     wide = WideModel.from_models(members).eval()
-    inputs = text_inputs()
+    inputs = text_batch()
     assert max_member_error(wide, members, inputs) < TOLERANCE
     got = wide(**inputs, output_attentions=True).attentions
     for i, member in enumerate(members):
@@ -75,7 +69,7 @@ def test_a_table_identical_in_every_member_is_stacked_all_the_same():
             member.deberta.encoder.rel_embeddings.weight.copy_(members[0].deberta.encoder.rel_embeddings.weight)
     wide = WideModel.from_models(members).eval()
     assert wide.plan.entries["deberta.encoder.rel_embeddings"].kind == Kind.PRIMITIVE
-    assert max_member_error(wide, members, text_inputs()) < TOLERANCE
+    assert max_member_error(wide, members, text_batch()) < TOLERANCE
 
 
 def test_an_unfused_consumer_falls_back_at_the_encoder():
@@ -85,7 +79,7 @@ def test_an_unfused_consumer_falls_back_at_the_encoder():
         member.deberta.encoder.layer[1].attention.self.load_state_dict(frozen)
     wide = WideModel.from_models(members).eval()
     assert [e.fqn for e in wide.plan.fallbacks] == ["deberta.encoder"]
-    assert max_member_error(wide, members, text_inputs()) < TOLERANCE
+    assert max_member_error(wide, members, text_batch()) < TOLERANCE
 
 
 def test_members_round_trip_and_separate_query_states_are_refused():

@@ -7,7 +7,7 @@ is not fused, the encoder falls back, as before."""
 import pytest
 import torch
 import transformers as tf
-from families import SEQ_LEN, randomise_
+from families import SEQ_LEN, randomise_, text_batch
 from oracle import TOLERANCE, max_member_error
 
 from hf_wide import WideModel
@@ -38,13 +38,6 @@ def build(variant: str, model_class=tf.DebertaV2ForSequenceClassification, seeds
     return members
 
 
-def text_inputs(batch: int = 2, padded: bool = True, length: int = SEQ_LEN) -> dict:
-    gen = torch.Generator().manual_seed(0)
-    ids = torch.randint(2, 100, (batch, length), generator=gen)
-    mask = torch.ones_like(ids)
-    if padded:
-        mask[1:, -3:] = 0
-    return {"input_ids": ids, "attention_mask": mask}
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
@@ -55,14 +48,14 @@ def test_every_variant_fuses_and_equals_each_member(variant):
     blocks = [e.wide_class for e in wide.plan.by_kind(Kind.BLOCK)]
     assert blocks == ["WideDebertaV2Attention"] * SMALL["num_hidden_layers"]
     for batch, padded in [(2, True), (1, False)]:
-        assert max_member_error(wide, members, text_inputs(batch, padded)) < TOLERANCE
+        assert max_member_error(wide, members, text_batch(batch, padded=padded)) < TOLERANCE
 
 
 @pytest.mark.parametrize("variant", ["v3", "c2p-only", "p2c-only"])
 def test_long_inputs_reach_the_log_buckets_and_the_clamp(variant):
     members = build(variant)  # 50 tokens: past the buckets' linear range, and past c2p-only's span of 8
     wide = WideModel.from_models(members).eval()
-    assert max_member_error(wide, members, text_inputs(length=50)) < TOLERANCE
+    assert max_member_error(wide, members, text_batch(length=50)) < TOLERANCE
 
 
 def test_only_the_reached_rows_of_the_table_are_projected():
@@ -81,7 +74,7 @@ def test_compiled_graphs_agree_with_eager(variant, length):
     """v3 at 7 tokens is past its buckets' linear range: the compiled graph projects the whole table."""
     members = build(variant)
     wide = WideModel.from_models(members).eval()
-    inputs = text_inputs(length=length)
+    inputs = text_batch(length=length)
     eager = wide(**inputs).logits
     torch._dynamo.reset()
     try:
@@ -94,7 +87,7 @@ def test_compiled_graphs_agree_with_eager(variant, length):
 def test_token_classification_and_returned_attentions():
     members = build("v3", tf.DebertaV2ForTokenClassification)
     wide = WideModel.from_models(members).eval()
-    inputs = text_inputs()
+    inputs = text_batch()
     assert max_member_error(wide, members, inputs) < TOLERANCE
     with torch.no_grad():
         got = wide(**inputs, output_attentions=True).attentions
@@ -111,7 +104,7 @@ def test_a_table_identical_in_every_member_is_stacked_all_the_same():
     wide = WideModel.from_models(members).eval()
     assert wide.plan.entries["deberta.encoder.rel_embeddings"].kind == Kind.PRIMITIVE  # not shared: read stacked
     assert wide.plan.fallbacks == []
-    assert max_member_error(wide, members, text_inputs()) < TOLERANCE
+    assert max_member_error(wide, members, text_batch()) < TOLERANCE
 
 
 def test_members_that_differ_only_in_their_heads_share_the_encoder():
@@ -121,7 +114,7 @@ def test_members_that_differ_only_in_their_heads_share_the_encoder():
     wide = WideModel.from_models(members).eval()
     assert wide.plan.fallbacks == [] and wide.plan.by_kind(Kind.BLOCK) == []
     assert wide.plan.entries["deberta.encoder.rel_embeddings"].kind == Kind.SHARED
-    assert max_member_error(wide, members, text_inputs()) < TOLERANCE
+    assert max_member_error(wide, members, text_batch()) < TOLERANCE
 
 
 def test_a_shared_table_through_a_wide_norm_to_shared_attentions_falls_back():
@@ -133,7 +126,7 @@ def test_a_shared_table_through_a_wide_norm_to_shared_attentions_falls_back():
             member.deberta.encoder.LayerNorm.weight.add_(0.1 * seed)
     wide = WideModel.from_models(members).eval()
     assert [e.fqn for e in wide.plan.fallbacks] == ["deberta.encoder"]
-    assert max_member_error(wide, members, text_inputs()) < TOLERANCE
+    assert max_member_error(wide, members, text_batch()) < TOLERANCE
 
 
 @torch.no_grad()
@@ -157,7 +150,7 @@ def test_an_unfused_consumer_falls_back_at_the_encoder():
     (entry,) = wide.plan.fallbacks
     assert entry.fqn == "deberta.encoder"
     assert "read stacked" in entry.reason and "layer.0.attention.self" in entry.reason
-    assert max_member_error(wide, members, text_inputs()) < TOLERANCE
+    assert max_member_error(wide, members, text_batch()) < TOLERANCE
 
 
 def test_members_round_trip_and_save_load(tmp_path):
@@ -170,7 +163,7 @@ def test_members_round_trip_and_save_load(tmp_path):
     wide.save_pretrained(tmp_path)
     loaded = WideModel.from_pretrained(str(tmp_path)).eval()
     assert [e.wide_class for e in loaded.plan.by_kind(Kind.BLOCK)] == ["WideDebertaV2Attention"] * 2
-    assert max_member_error(loaded, members, text_inputs()) < TOLERANCE
+    assert max_member_error(loaded, members, text_batch()) < TOLERANCE
 
 
 @torch.no_grad()
