@@ -36,8 +36,6 @@ def build(variant: str, model_class=tf.DebertaForSequenceClassification):
     return members
 
 
-
-
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_every_variant_fuses_and_equals_each_member(variant):
     members = build(variant)

@@ -38,8 +38,6 @@ def build(variant: str, model_class=tf.DebertaV2ForSequenceClassification, seeds
     return members
 
 
-
-
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_every_variant_fuses_and_equals_each_member(variant):
     members = build(variant)
