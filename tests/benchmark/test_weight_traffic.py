@@ -27,9 +27,36 @@ def test_measure_and_report(tmp_path, capsys, monkeypatch):
     assert record["max_abs_diff"] < 1e-5
     assert set(record["ms"]) == {"wide", "one_set", "ideal"} and min(record["ms"].values()) > 0
     assert record["wide_over_ideal"] == pytest.approx(record["fusion"] * record["weights"])
+    for name in ("wide", "one_set"):
+        assert record["matmul_ms"][name]["in_forward"] > 0 and record["matmul_ms"][name]["back_to_back"] > 0
     assert "weight traffic" in weight_traffic.format_record(record)
+    assert "back to back" in weight_traffic.format_record(record)
     monkeypatch.setattr(weight_traffic, "CONFIGS", [("bert", 64, 2, 1, 8)])
+    monkeypatch.setattr(weight_traffic, "RETENTION_GAPS_US", (0, 100))
     path = tmp_path / "wt.json"
     assert weight_traffic.main(["--no-compile", "--target-s", "0.01", "--json", str(path)]) == 0
-    assert json.loads(path.read_text())["records"][0]["n"] == 2
-    assert "fusion" in capsys.readouterr().out
+    written = json.loads(path.read_text())
+    assert written["records"][0]["n"] == 2
+    assert [(r["mb"], r["gap_us"]) for r in written["cache_retention"]] == [(1.6, 0), (1.6, 100), (13.0, 0), (13.0, 100)]
+    out = capsys.readouterr().out
+    assert "fusion" in out and "cache retention" in out
+
+
+def test_the_matmul_timer_sees_every_batched_matmul_of_a_forward():
+    members = [ModelSpec("bert", 64, 1).build(seed) for seed in range(2)]
+    wide = weight_traffic.WideModel.from_models(members).eval()
+    inputs = weight_traffic.make_inputs(members[0], 1, 8)
+    timer = weight_traffic._MatmulTimer()
+    with torch.inference_mode(), timer:
+        wide(**inputs)
+    linears = [m for m in wide.modules() if isinstance(m, WideLinear)] + [m for m in wide.modules() if hasattr(m, "qkv_weight")]
+    assert len(timer.calls) == len(linears) and timer.seconds > 0
+
+
+def test_cache_retention_times_every_size_after_every_gap_and_restores_the_threads():
+    threads = torch.get_num_threads()
+    records = weight_traffic.cache_retention(sizes_mb=(0.25, 1), gaps_us=(0, 50), reads=5)
+    assert [(r["mb"], r["gap_us"]) for r in records] == [(0.25, 0), (0.25, 50), (1, 0), (1, 50)]
+    assert all(r["gb_per_s"] > 0 and r["read_us"] > 0 for r in records)
+    assert torch.get_num_threads() == threads
+    assert "1 MB, GB/s after a gap of 0 ms: " in weight_traffic.format_retention(records)
