@@ -17,12 +17,13 @@ from typing import Any
 import torch
 from torch import nn
 
+from .capture import asks_for_capture, install_capture_hooks
 from .compat import check_compatible, member_names
 from .fold import Fold, fold_inputs, unfold_outputs
 from .plan import Kind, WidePlan
 from .planner import plan_members, tensor_aliases
-from .tracer import sample_inputs as build_sample_inputs
 from .swap import build_wide, member_copy
+from .tracer import sample_inputs as build_sample_inputs
 
 
 class WideValidationError(RuntimeError):
@@ -55,6 +56,7 @@ class WideModel(nn.Module):
         self.member_configs = list(member_configs) if member_configs is not None else None
         self.member_generation_configs = member_generation_configs
         self._aliases = aliases
+        self._capture_hooks = False  # installed on the first forward that asks for attentions or hidden states
 
     # ---------------------------------------------------------------- construction
     @classmethod
@@ -161,6 +163,8 @@ class WideModel(nn.Module):
     def forward(self, *args, **kwargs):
         """Run all members. Plain tensors ``(B, ...)`` are shared by every member; :class:`PerMember`
         tensors ``(N, B, ...)`` give each its own. Every output tensor gains a leading member dim."""
+        if not self._capture_hooks and asks_for_capture(kwargs, self.config):
+            self._install_capture_hooks()
         n = self.num_members
         args, kwargs, batch = fold_inputs(n, args, kwargs)
         self.fold.anchor = _first_tensor((*args, *kwargs.values())).new_empty(n * batch, 0)
@@ -169,6 +173,11 @@ class WideModel(nn.Module):
         finally:
             self.fold.reset()
         return unfold_outputs(outputs, n, batch)
+
+    @torch.compiler.disable
+    def _install_capture_hooks(self) -> None:
+        install_capture_hooks(self.model)  # see hf_wide.capture: fused attentions record theirs too
+        self._capture_hooks = True
 
     @torch.no_grad()
     def generate(self, *args, **kwargs) -> torch.Tensor:

@@ -10,7 +10,9 @@ A wide builder is a class with ``from_modules(mods, fold)`` (N ordinary modules 
         def to_modules(self): ...
 
 Lookup walks the module's MRO, so a subclass of ``nn.Linear`` finds ``WideLinear`` unless a more
-specific builder is registered for it.
+specific builder is registered for it, but only while the subclass keeps its ancestor's ``forward``:
+Gemma 3's ``Gemma3TextScaledWordEmbedding`` subclasses ``nn.Embedding`` and scales its output, which a
+``WideEmbedding`` would silently leave out (it has a builder of its own).
 """
 
 from __future__ import annotations
@@ -66,10 +68,11 @@ def find_block(module: nn.Module) -> type | None:
 
 
 def find_wide(module_class: type[nn.Module]) -> type | None:
-    """The wide builder for ``module_class`` (first match along its MRO), or None."""
+    """The wide builder for ``module_class`` (first match along its MRO, if ``module_class`` runs that
+    class's ``forward``), or None."""
     for klass in module_class.__mro__:
         if klass in _REGISTRY:
-            return _REGISTRY[klass]
+            return _REGISTRY[klass] if module_class.forward is klass.forward else None
     return None
 
 

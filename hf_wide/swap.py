@@ -13,6 +13,7 @@ from collections.abc import Sequence
 
 from torch import nn
 
+from .capture import reset_capture_hooks
 from .fold import Fold
 from .plan import Kind, WidePlan
 from .planner import tensor_aliases
@@ -37,7 +38,7 @@ def build_wide(members: Sequence[nn.Module], plan: WidePlan, fold: Fold) -> nn.M
     # If the whole model is one fallback, it is its own replacement.
     wide = memo[id(template)] if id(template) in memo else copy.deepcopy(template, memo)
     retie(wide, tensor_aliases(template))
-    return wide
+    return reset_capture_hooks(wide)  # hooks copied from members may sit inside wide modules
 
 
 def member_copy(
@@ -54,7 +55,7 @@ def member_copy(
             memo.update({id(sub): sub for sub in module.modules() if sub is not module})  # inside it: skip
     member = memo[id(wide)] if id(wide) in memo else copy.deepcopy(wide, memo)
     retie(member, aliases)
-    return member
+    return reset_capture_hooks(member)  # hooks copied from the wide model sit on wide modules
 
 
 def retie(model: nn.Module, aliases: dict[str, list[str]]) -> None:

@@ -24,7 +24,7 @@ NUM_LABELS = 3
 IMAGE_SIZE = 32
 
 # Decoder-only families pad on the left, so the last position is always a real token.
-DECODER_FAMILIES = frozenset({"gpt2", "llama", "mistral", "qwen2", "phi3"})
+DECODER_FAMILIES = frozenset({"gpt2", "llama", "mistral", "qwen2", "phi3", "gemma3"})
 
 _TEXT = dict(vocab_size=VOCAB, max_position_embeddings=64, num_hidden_layers=2, num_labels=NUM_LABELS)
 _BERT_LIKE = dict(_TEXT, hidden_size=32, num_attention_heads=4, intermediate_size=64)
@@ -84,6 +84,12 @@ def qwen2() -> PretrainedConfig:
 def phi3() -> PretrainedConfig:
     # Phi-3 defaults pad/eos to 32000, which would be out of range for a 100-token vocab.
     return tf.Phi3Config(**_DECODER, num_key_value_heads=4, original_max_position_embeddings=64)
+
+
+def gemma3() -> PretrainedConfig:
+    # Scaled word embeddings, (1 + w) RMSNorms on hidden states, queries and keys; a sliding-window layer.
+    return tf.Gemma3TextConfig(**_DECODER, num_key_value_heads=2, head_dim=8, sliding_window=4,
+                               layer_types=["sliding_attention", "full_attention"])
 
 
 def vit() -> PretrainedConfig:
@@ -203,6 +209,7 @@ FAMILIES: list[FamilyCase] = [
     _case("mistral-causallm", "mistral", tf.MistralForCausalLM, mistral, causal_lm=True),
     _case("qwen2-causallm", "qwen2", tf.Qwen2ForCausalLM, qwen2, causal_lm=True),
     _case("phi3-causallm", "phi3", tf.Phi3ForCausalLM, phi3, causal_lm=True),
+    _case("gemma3-causallm", "gemma3", tf.Gemma3ForCausalLM, gemma3, causal_lm=True),
     _case("vit-imgcls", "vit", tf.ViTForImageClassification, vit, input_kind="image"),
     _case("resnet-imgcls", "resnet", tf.ResNetForImageClassification, resnet, input_kind="image"),
 ]

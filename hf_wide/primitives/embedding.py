@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -32,3 +34,27 @@ class WideEmbedding(WideModule):
         flat = ids.reshape(n, -1) + self.offsets  # (N, B*...): member m's ids index rows m*V.. of the table
         out = F.embedding(flat, self.weight.view(-1, self.embedding_dim))  # (N, B*..., D)
         return out.view(*ids.shape, self.embedding_dim)
+
+
+def _scaled_word_embeddings() -> list[type[nn.Module]]:
+    """Gemma's word embeddings: an ``nn.Embedding`` whose forward multiplies the lookup by ``embed_scale``
+    (sqrt(hidden), a non-persistent buffer) in the weight's dtype."""
+    found = []
+    for module_name, class_name in [
+        ("gemma", "GemmaTextScaledWordEmbedding"),
+        ("gemma2", "Gemma2TextScaledWordEmbedding"),
+        ("gemma3", "Gemma3TextScaledWordEmbedding"),
+    ]:
+        module = importlib.import_module(f"transformers.models.{module_name}.modeling_{module_name}")
+        found.append(getattr(module, class_name))
+    return found
+
+
+@register_wide(*_scaled_word_embeddings())
+class WideScaledWordEmbedding(WideEmbedding):
+    """N scaled word embeddings: ``weight``: (N, V, D); ``embed_scale``: (N,), the members' own scales."""
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:  # ids: (N*B, ...) or broadcast (1, ...)
+        y = self.fold.split(super().forward(ids))  # (N, b, ..., D)
+        scale = self.embed_scale.to(self.weight.dtype)  # (N,)
+        return self.fold.merge(y * scale.view(-1, *([1] * (y.dim() - 1))))

@@ -81,6 +81,29 @@ class WideLlamaRMSNorm(WideModule):
         return (self.weight.view(n, 1, d) * h.view(n, -1, d)).view(x.shape)  # weight (N, 1, D) * (N, rows, D)
 
 
+def _gemma_rms_norms() -> list[type[nn.Module]]:
+    """Gemma's RMSNorms: float32 statistics, a ``(1 + weight)`` scale, eps in ``eps``."""
+    return [getattr(importlib.import_module(f"transformers.models.{name}.modeling_{name}"), cls)
+            for name, cls in [("gemma", "GemmaRMSNorm"), ("gemma2", "Gemma2RMSNorm"), ("gemma3", "Gemma3RMSNorm")]]
+
+
+@register_wide(*_gemma_rms_norms())
+class WideGemmaRMSNorm(WideModule):
+    """N Gemma RMSNorms (on hidden states, and on queries and keys per head): ``weight``: (N, D)."""
+
+    def setup(self, proto: nn.Module) -> None:
+        self.eps = proto.eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: (N*B, ..., D)
+        h = x.float()  # the source's ops, in its order
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        n, d = self.num_members, x.shape[-1]
+        scale = 1.0 + self.weight.float()  # (N, D)
+        if x.shape[0] == 1 and n > 1:  # broadcast: every member's weight on the one row
+            return self.fold.merge((h * scale.view(n, 1, *([1] * (x.dim() - 2)), d)).type_as(x))
+        return (h.reshape(n, -1, d) * scale.view(n, 1, d)).view(x.shape).type_as(x)  # (N, rows, D) * (N, 1, D)
+
+
 @register_wide(DebertaLayerNorm)
 class WideDebertaLayerNorm(WideModule):
     """N DeBERTa (v1) layer norms (float32 statistics, epsilon inside the square root): ``weight``/``bias``:

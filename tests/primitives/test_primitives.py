@@ -4,6 +4,10 @@ trip, and broadcast inputs with a leading dim of 1 yield all N*B rows."""
 import pytest
 import torch
 from torch import nn
+from transformers.models.gemma3.modeling_gemma3 import (
+    Gemma3RMSNorm,
+    Gemma3TextScaledWordEmbedding,
+)
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 from transformers.pytorch_utils import Conv1D
 
@@ -18,10 +22,12 @@ PRIMITIVES = {
     "linear-nobias": (lambda: nn.Linear(6, 5, bias=False), (B, 6)),
     "conv1d-gpt2": (lambda: Conv1D(5, 6), (B, 4, 6)),
     "embedding": (lambda: nn.Embedding(11, 4, padding_idx=0), (B, 5)),
+    "embedding-gemma-scaled": (lambda: Gemma3TextScaledWordEmbedding(11, 4, padding_idx=0, embed_scale=2.0), (B, 5)),
     "layernorm": (lambda: nn.LayerNorm(6), (B, 4, 6)),
     "layernorm-nobias": (lambda: nn.LayerNorm(6, bias=False), (B, 6)),
     "rmsnorm-llama": (lambda: LlamaRMSNorm(6, eps=1e-5), (B, 4, 6)),
     "rmsnorm-torch": (lambda: nn.RMSNorm(6), (B, 4, 6)),
+    "rmsnorm-gemma": (lambda: Gemma3RMSNorm(6, eps=1e-5), (B, 4, 6)),
     "groupnorm": (lambda: nn.GroupNorm(2, 4), (B, 4, 5, 5)),
     "batchnorm2d": (lambda: nn.BatchNorm2d(4), (B, 4, 5, 5)),
     "batchnorm1d": (lambda: nn.BatchNorm1d(4), (B, 4)),
@@ -47,7 +53,7 @@ def randomised(factory, seed):
 
 def sample(name, shape, seed=0):
     torch.manual_seed(100 + seed)
-    if name == "embedding":
+    if name.startswith("embedding"):
         return torch.randint(0, 11, shape)
     return torch.randn(shape)
 
