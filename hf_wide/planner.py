@@ -12,8 +12,10 @@ Rules, in order, for a module M with parameters or buffers of its own:
 3. **primitive** if a wide builder is registered for M's class;
 4. **fallback** at M otherwise (raw parameters read outside a known block, unknown layers).
 
-A module whose own ops mix batch rows becomes a fallback too. The outermost fallback wins: its subtree
-runs per member as a whole.
+A module whose own ops mix batch rows becomes a fallback too, and so does a module that runs its tensors
+on an input without the batch dim (T5's relative position bias), together with the modules that use the
+result until it has the batch dim again. The outermost fallback wins: its subtree runs per member as a
+whole.
 """
 
 from __future__ import annotations
@@ -26,7 +28,12 @@ import torch
 from torch import nn
 
 from .plan import Kind, ModulePlan, WidePlan
-from .registry import find_block, find_wide, stacked_read_consumers
+from .registry import (
+    declares_stacked_reads,
+    find_block,
+    find_wide,
+    stacked_read_consumers,
+)
 from .tracer import Trace, module_flops, sample_inputs, trace
 
 
@@ -141,6 +148,19 @@ def make_plan(
             entries[fqn] = ModulePlan(kind=Kind.PRIMITIVE, wide_class=wide_cls.__name__, **kind_args)
     for path, op in trace.mixing.items():
         fallback_roots.setdefault(path, f"{op} mixes batch rows")
+    for path, (op, uses) in trace.unbatched.items():
+        shared = path in entries and entries[path].kind == Kind.SHARED  # one copy: every member sees the same
+        handled = any(_is_under(path, b) for b in blocks) or any(  # a block or a declared reader feeds it stacked
+            declares_stacked_reads(modules[p]) for p in modules if p and _is_under(path, p))
+        if not (shared or handled):
+            root = _common_ancestor([path, *uses])
+            fallback_roots.setdefault(root, f"{op} runs {path or '(model)'} on an input without the batch dim")
+    for root in list(fallback_roots):  # a ModuleList has no forward of its own: its parent runs it
+        runnable = root
+        while runnable and isinstance(modules[runnable], (nn.ModuleList, nn.ModuleDict)):
+            runnable = runnable.rpartition(".")[0]
+        if runnable != root:
+            fallback_roots.setdefault(runnable, fallback_roots.pop(root))
     outermost = []
     for root in sorted(fallback_roots, key=lambda p: (p.count(".") + bool(p), p)):
         if not any(_is_under(root, kept) for kept in outermost):

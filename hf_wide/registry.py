@@ -60,6 +60,11 @@ def stacked_read_consumers(module: nn.Module, tensor: str) -> tuple[type[nn.Modu
     return _STACKED_READS.get(type(module), {}).get(tensor)
 
 
+def declares_stacked_reads(module: nn.Module) -> bool:
+    """Whether ``module``'s exact class declared a stacked read (its forward hands a table to its blocks)."""
+    return type(module) in _STACKED_READS
+
+
 def find_block(module: nn.Module) -> type | None:
     """The fused block for this exact module class, if one is registered and accepts the instance.
     Exact class, not MRO: a subclass may change the forward the block reimplements."""

@@ -6,6 +6,9 @@ op, which module called it (``nn_module_stack``); from that we learn
 
 - which module uses each parameter (a weight read outside its own module cannot become a primitive),
 - which ops mix rows of the batch (a reduction that drops the batch dim, BatchNorm in training),
+- which modules run their own tensors on inputs without the batch dim (T5's and MPNet's relative
+  position bias: an embedding looked up with a (query, key) table of buckets), and where that unbatched
+  result is used, up to the first op whose output has the batch dim again,
 
 and with ``torch.utils.flop_counter`` the FLOPs of every module. :func:`make_plan` turns this into a
 :class:`~hf_wide.plan.WidePlan`. If export fails we plan from the module tree alone, loudly.
@@ -52,6 +55,9 @@ class Trace:
     users: dict[str, set[str]]  # tensor fqn -> paths of the modules whose ops read it
     mixing: dict[str, str]  # module path -> the first op in it that mixes batch rows
     warnings: list[str]
+    # module path -> (the first op running its tensors on an input without the batch dim, the paths of the
+    # modules that use the result until it has the batch dim again)
+    unbatched: dict[str, tuple[str, set[str]]] = dataclasses.field(default_factory=dict)
 
 
 def _module_path(node: torch.fx.Node) -> str:
@@ -74,6 +80,36 @@ def _mixes_rows(node: torch.fx.Node, batch_symbol) -> bool:
         return False
     inputs = [a.meta.get("val") for a in node.all_input_nodes]
     return any(isinstance(t, torch.Tensor) and batch_symbol in _batch_symbols(t.shape) for t in inputs)
+
+
+def _unbatched_input(node: torch.fx.Node, params: set[str], batch_symbol) -> bool:
+    """An op on a parameter whose other tensor inputs lead with a dim that is neither 1 nor the batch:
+    a wide layer would split those rows into members."""
+    for arg in node.all_input_nodes:
+        val = arg.meta.get("val")
+        if arg.name in params or not isinstance(val, torch.Tensor) or val.dim() == 0:
+            continue
+        first = val.shape[0]
+        if not (isinstance(first, int) and first == 1) and batch_symbol not in _batch_symbols(val.shape[:1]):
+            return True
+    return False
+
+
+def _unbatched_uses(node: torch.fx.Node, batch_symbol) -> set[str]:
+    """Module paths of the ops that use ``node``'s result while it lacks the batch dim, and of the first
+    ops after which it has it again (the model's output counts as the root module)."""
+    paths, seen, frontier = set(), set(), [node]
+    while frontier:
+        current = frontier.pop()
+        for user in current.users:
+            if user in seen:
+                continue
+            seen.add(user)
+            paths.add(_module_path(user).removeprefix("model").removeprefix(".") if user.op != "output" else "")
+            val = user.meta.get("val")
+            if not (isinstance(val, torch.Tensor) and batch_symbol in _batch_symbols(val.shape)):
+                frontier.append(user)
+    return paths
 
 
 def trace(model: nn.Module, args: tuple = (), kwargs: dict | None = None) -> Trace:
@@ -108,18 +144,24 @@ def trace(model: nn.Module, args: tuple = (), kwargs: dict | None = None) -> Tra
     if method == "export (dynamic batch)":
         first_input = next(n for n in program.graph.nodes if n.op == "placeholder" and n.name not in placeholders)
         batch_symbol = next(iter(_batch_symbols(first_input.meta["val"].shape)), None)
+    unbatched: dict[str, tuple[str, set[str]]] = {}
     for node in program.graph.nodes:
         if node.op == "placeholder" and node.name in placeholders:
             fqn = placeholders[node.name].removeprefix("model.")
             for user in node.users:
-                users[fqn].add(_module_path(user).removeprefix("model").removeprefix("."))
+                path = _module_path(user).removeprefix("model").removeprefix(".")
+                users[fqn].add(path)
+                own = path == (fqn.rsplit(".", 1)[0] if "." in fqn else "")
+                if (own and batch_symbol is not None and path not in unbatched
+                        and _unbatched_input(user, set(placeholders), batch_symbol)):
+                    unbatched[path] = (str(user.target), _unbatched_uses(user, batch_symbol))
         elif node.op == "call_function" and batch_symbol is not None and _mixes_rows(node, batch_symbol):
             path = _module_path(node).removeprefix("model").removeprefix(".")
             mixing.setdefault(path, str(node.target))
     if batch_symbol is None:
         method = "export (static batch)"
         notes.append("the batch dim was specialised by export, so ops that mix batch rows were not checked")
-    return Trace(method, dict(users), mixing, notes)
+    return Trace(method, dict(users), mixing, notes, unbatched)
 
 
 class _KwargsWrapper(nn.Module):

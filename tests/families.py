@@ -64,6 +64,16 @@ def deberta_v2() -> PretrainedConfig:
                               position_buckets=8, max_relative_positions=16)
 
 
+def mpnet() -> PretrainedConfig:
+    return tf.MPNetConfig(**_BERT_LIKE)
+
+
+def t5() -> PretrainedConfig:
+    # Relative position bias from an embedding looked up with a (query, key) table: no batch dim.
+    return tf.T5Config(vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4,
+                       relative_attention_num_buckets=8, pad_token_id=PAD_ID)
+
+
 def gpt2() -> PretrainedConfig:
     return tf.GPT2Config(vocab_size=VOCAB, n_positions=64, n_embd=32, n_layer=2, n_head=4, n_inner=64,
                          num_labels=NUM_LABELS, pad_token_id=PAD_ID, bos_token_id=1, eos_token_id=1)
@@ -199,6 +209,8 @@ FAMILIES: list[FamilyCase] = [
     _case("albert-seqcls", "albert", tf.AlbertForSequenceClassification, albert),
     _case("electra-seqcls", "electra", tf.ElectraForSequenceClassification, electra),
     _case("electra-tokcls", "electra", tf.ElectraForTokenClassification, electra),
+    _case("mpnet-seqcls", "mpnet", tf.MPNetForSequenceClassification, mpnet),
+    _case("t5-encoder", "t5", tf.T5EncoderModel, t5),
     _case("deberta-seqcls", "deberta", tf.DebertaForSequenceClassification, deberta),
     _case("deberta-v2-seqcls", "deberta-v2", tf.DebertaV2ForSequenceClassification, deberta_v2),
     _case("deberta-v2-tokcls", "deberta-v2", tf.DebertaV2ForTokenClassification, deberta_v2),

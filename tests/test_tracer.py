@@ -98,6 +98,29 @@ def test_row_mixing_op_is_caught_and_runs_per_member():
     assert exact(wide, members, torch.randn(3, 4)) <= 1e-6
 
 
+class RelativeBias(nn.Module):
+    """Scores plus a bias looked up with a (T, T) table of relative positions: no batch dim (T5, MPNet)."""
+
+    def __init__(self, dim: int):
+        super().__init__()
+        self.proj = nn.Linear(dim, dim)
+        self.bias = nn.Embedding(16, 1)
+
+    def forward(self, x):  # (B, T, D)
+        pos = torch.arange(x.shape[1], device=x.device)
+        buckets = (pos[None, :] - pos[:, None]).clamp(-7, 8) + 7  # (T, T)
+        return self.proj(x) @ x.transpose(1, 2) + self.bias(buckets).squeeze(-1)  # (B, T, T)
+
+
+def test_a_layer_run_on_an_unbatched_input_falls_back_with_its_users():
+    members = members_of(lambda: nn.Sequential(nn.Linear(4, 4), RelativeBias(4)))
+    wide = WideModel.from_models(members, torch.randn(2, 6, 4))
+    (entry,) = wide.plan.fallbacks
+    assert entry.fqn == "1" and "without the batch dim" in entry.reason
+    assert wide.plan.entries["0"].kind == Kind.PRIMITIVE
+    assert exact(wide, members, torch.randn(2, 6, 4)) <= 1e-5  # 6 positions, 3 members: no shape error to warn
+
+
 def test_export_failure_plans_from_the_module_tree_loudly():
     members = members_of(lambda: DataDependent(4))
     with pytest.warns(UserWarning, match="module tree"):
