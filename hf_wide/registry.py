@@ -17,6 +17,8 @@ Gemma 3's ``Gemma3TextScaledWordEmbedding`` subclasses ``nn.Embedding`` and scal
 
 from __future__ import annotations
 
+import importlib
+
 from torch import nn
 
 _REGISTRY: dict[type[nn.Module], type] = {}
@@ -32,6 +34,17 @@ def _registrar(table: dict[type[nn.Module], type], module_classes: tuple[type[nn
         return wide_cls
 
     return decorator
+
+
+def transformers_classes(*names: str) -> list[type[nn.Module]]:
+    """Module classes of transformers families, named ``"family.ClassName"`` (from
+    ``transformers.models.<family>.modeling_<family>``), for registering builders of families that share
+    one forward."""
+    found = []
+    for name in names:
+        family, class_name = name.split(".")
+        found.append(getattr(importlib.import_module(f"transformers.models.{family}.modeling_{family}"), class_name))
+    return found
 
 
 def register_wide(*module_classes: type[nn.Module]):

@@ -225,3 +225,28 @@ FAMILIES: list[FamilyCase] = [
     _case("vit-imgcls", "vit", tf.ViTForImageClassification, vit, input_kind="image"),
     _case("resnet-imgcls", "resnet", tf.ResNetForImageClassification, resnet, input_kind="image"),
 ]
+
+
+def with_gain(attention_class: type[nn.Module]) -> type[nn.Module]:
+    """A subclass of a decoder's attention that reads a raw parameter in its forward: no block knows it,
+    so it falls back per member."""
+
+    class GainAttention(attention_class):
+        def __init__(self, config, layer_idx):
+            super().__init__(config, layer_idx)
+            self.gain = nn.Parameter(torch.ones(()))
+
+        def forward(self, hidden_states, *args, **kwargs):
+            return super().forward(hidden_states * self.gain, *args, **kwargs)
+
+    return GainAttention
+
+
+def fall_back_attention_(members: list[PreTrainedModel], layer: int, attention_class: type[nn.Module]) -> None:
+    """Give layer ``layer`` of every decoder member a :func:`with_gain` attention, gain 1 + 0.1 * i."""
+    for i, member in enumerate(members):
+        decoder_layer = member.model.layers[layer]
+        attention = with_gain(attention_class)(member.config, layer)
+        attention.load_state_dict(decoder_layer.self_attn.state_dict(), strict=False)
+        attention.gain.data.fill_(1.0 + 0.1 * i)
+        decoder_layer.self_attn = attention

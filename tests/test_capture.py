@@ -4,6 +4,7 @@ whether the module that records them was fused, kept, or fell back per member.""
 import pytest
 import torch
 from conftest import CASES, NUM_MEMBERS
+from families import fall_back_attention_
 from oracle import TOLERANCE
 from torch import nn
 from transformers.models.llama.modeling_llama import LlamaAttention
@@ -57,25 +58,9 @@ def test_members_that_recorded_before_fusion_and_the_members_copied_out():
     assert_outputs_equal_members(wide, [wide.member(i) for i in range(NUM_MEMBERS)], inputs)
 
 
-class GainAttention(LlamaAttention):
-    """A LlamaAttention that reads a raw parameter in its forward: no block knows it, so it falls back."""
-
-    def __init__(self, config, layer_idx):
-        super().__init__(config, layer_idx)
-        self.gain = nn.Parameter(torch.ones(()))
-
-    def forward(self, hidden_states, *args, **kwargs):
-        return super().forward(hidden_states * self.gain, *args, **kwargs)
-
-
 def test_a_fallback_records_once_for_all_members():
     members = eager_members("llama-causallm")
-    for seed, member in enumerate(members):
-        layer = member.model.layers[0]
-        attention = GainAttention(member.config, 0)
-        attention.load_state_dict(layer.self_attn.state_dict(), strict=False)
-        attention.gain.data.fill_(1.0 + 0.1 * seed)
-        layer.self_attn = attention
+    fall_back_attention_(members, 0, LlamaAttention)
     wide = WideModel.from_models(members)
     assert [e.fqn for e in wide.plan.fallbacks] == ["model.layers.0.self_attn"]
     assert_outputs_equal_members(wide, members, CASES["llama-causallm"].inputs(2, padded=True))

@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import importlib
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..registry import register_wide
+from ..registry import register_wide, transformers_classes
 from .base import WideModule
 
 
@@ -36,23 +34,12 @@ class WideEmbedding(WideModule):
         return out.view(*ids.shape, self.embedding_dim)
 
 
-def _scaled_word_embeddings() -> list[type[nn.Module]]:
-    """Gemma's word embeddings: an ``nn.Embedding`` whose forward multiplies the lookup by ``embed_scale``
-    (sqrt(hidden), a non-persistent buffer) in the weight's dtype."""
-    found = []
-    for module_name, class_name in [
-        ("gemma", "GemmaTextScaledWordEmbedding"),
-        ("gemma2", "Gemma2TextScaledWordEmbedding"),
-        ("gemma3", "Gemma3TextScaledWordEmbedding"),
-    ]:
-        module = importlib.import_module(f"transformers.models.{module_name}.modeling_{module_name}")
-        found.append(getattr(module, class_name))
-    return found
-
-
-@register_wide(*_scaled_word_embeddings())
+@register_wide(*transformers_classes("gemma.GemmaTextScaledWordEmbedding", "gemma2.Gemma2TextScaledWordEmbedding",
+                                     "gemma3.Gemma3TextScaledWordEmbedding"))
 class WideScaledWordEmbedding(WideEmbedding):
-    """N scaled word embeddings: ``weight``: (N, V, D); ``embed_scale``: (N,), the members' own scales."""
+    """N Gemma word embeddings, an ``nn.Embedding`` whose forward multiplies the lookup by ``embed_scale``
+    (sqrt(hidden), a non-persistent buffer) in the weight's dtype: ``weight``: (N, V, D); ``embed_scale``:
+    (N,), the members' own scales."""
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:  # ids: (N*B, ...) or broadcast (1, ...)
         y = self.fold.split(super().forward(ids))  # (N, b, ..., D)

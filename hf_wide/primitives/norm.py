@@ -6,14 +6,12 @@ in eval mode uses each member's running statistics, and in training mode each me
 
 from __future__ import annotations
 
-import importlib
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers.models.deberta.modeling_deberta import DebertaLayerNorm
 
-from ..registry import register_wide
+from ..registry import register_wide, transformers_classes
 from .base import WideModule, affine
 
 
@@ -50,24 +48,11 @@ class WideLayerNorm(WideModule):
         return out.view(x.shape)
 
 
-def _llama_style_rms_norms() -> list[type[nn.Module]]:
-    """The RMSNorm classes of transformers families that share LlamaRMSNorm's forward
-    (float32 statistics, ``weight * normed.to(input_dtype)``, eps in ``variance_epsilon``)."""
-    found = []
-    for module_name, class_name in [
-        ("llama", "LlamaRMSNorm"),
-        ("mistral", "MistralRMSNorm"),
-        ("qwen2", "Qwen2RMSNorm"),
-        ("phi3", "Phi3RMSNorm"),
-    ]:
-        module = importlib.import_module(f"transformers.models.{module_name}.modeling_{module_name}")
-        found.append(getattr(module, class_name))
-    return found
-
-
-@register_wide(*_llama_style_rms_norms())
+@register_wide(*transformers_classes("llama.LlamaRMSNorm", "mistral.MistralRMSNorm", "qwen2.Qwen2RMSNorm",
+                                     "phi3.Phi3RMSNorm"))
 class WideLlamaRMSNorm(WideModule):
-    """N Llama-style RMSNorms: ``weight``: (N, D)."""
+    """N Llama-style RMSNorms (float32 statistics, ``weight * normed.to(input_dtype)``, eps in
+    ``variance_epsilon``): ``weight``: (N, D)."""
 
     def setup(self, proto: nn.Module) -> None:
         self.variance_epsilon = proto.variance_epsilon
@@ -81,15 +66,10 @@ class WideLlamaRMSNorm(WideModule):
         return (self.weight.view(n, 1, d) * h.view(n, -1, d)).view(x.shape)  # weight (N, 1, D) * (N, rows, D)
 
 
-def _gemma_rms_norms() -> list[type[nn.Module]]:
-    """Gemma's RMSNorms: float32 statistics, a ``(1 + weight)`` scale, eps in ``eps``."""
-    return [getattr(importlib.import_module(f"transformers.models.{name}.modeling_{name}"), cls)
-            for name, cls in [("gemma", "GemmaRMSNorm"), ("gemma2", "Gemma2RMSNorm"), ("gemma3", "Gemma3RMSNorm")]]
-
-
-@register_wide(*_gemma_rms_norms())
+@register_wide(*transformers_classes("gemma.GemmaRMSNorm", "gemma2.Gemma2RMSNorm", "gemma3.Gemma3RMSNorm"))
 class WideGemmaRMSNorm(WideModule):
-    """N Gemma RMSNorms (on hidden states, and on queries and keys per head): ``weight``: (N, D)."""
+    """N Gemma RMSNorms (float32 statistics, a ``(1 + weight)`` scale, eps in ``eps``; on hidden states, and
+    on queries and keys per head): ``weight``: (N, D)."""
 
     def setup(self, proto: nn.Module) -> None:
         self.eps = proto.eps

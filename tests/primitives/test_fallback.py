@@ -4,8 +4,8 @@ wide model's cache, so forwards and generation equal every member's own."""
 import pytest
 import torch
 from conftest import CASES, NUM_MEMBERS
+from families import fall_back_attention_
 from oracle import TOLERANCE
-from torch import nn
 from transformers import StaticCache
 from transformers.models.llama.modeling_llama import LlamaAttention
 from transformers.models.mistral.modeling_mistral import MistralAttention
@@ -13,31 +13,11 @@ from transformers.models.mistral.modeling_mistral import MistralAttention
 from hf_wide import WideModel
 
 
-def with_gain(attention_class):
-    class GainAttention(attention_class):
-        """Reads a raw parameter in its forward: no block knows it, so it falls back per member."""
-
-        def __init__(self, config, layer_idx):
-            super().__init__(config, layer_idx)
-            self.gain = nn.Parameter(torch.ones(()))
-
-        def forward(self, hidden_states, *args, **kwargs):
-            return super().forward(hidden_states * self.gain, *args, **kwargs)
-
-    return GainAttention
-
-
 def members_with_a_fallen_back_attention(case_id: str, attention_class, **config):
-    members = []
-    for seed in range(NUM_MEMBERS):
-        member = CASES[case_id].build(seed)
+    members = [CASES[case_id].build(seed) for seed in range(NUM_MEMBERS)]
+    for member in members:
         member.config.update(config)
-        layer = member.model.layers[1]
-        attention = with_gain(attention_class)(member.config, 1)
-        attention.load_state_dict(layer.self_attn.state_dict(), strict=False)
-        attention.gain.data.fill_(1.0 + 0.1 * seed)
-        layer.self_attn = attention
-        members.append(member)
+    fall_back_attention_(members, 1, attention_class)
     return members
 
 
