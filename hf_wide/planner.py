@@ -155,12 +155,10 @@ def make_plan(
         if not (shared or handled):
             root = _common_ancestor([path, *uses])
             fallback_roots.setdefault(root, f"{op} runs {path or '(model)'} on an input without the batch dim")
-    for root in list(fallback_roots):  # a ModuleList has no forward of its own: its parent runs it
-        runnable = root
-        while runnable and isinstance(modules[runnable], (nn.ModuleList, nn.ModuleDict)):
-            runnable = runnable.rpartition(".")[0]
-        if runnable != root:
-            fallback_roots.setdefault(runnable, fallback_roots.pop(root))
+    for root in list(fallback_roots):
+        settled = _settle(root, modules, trace.callers)
+        if settled != root:
+            fallback_roots.setdefault(settled, fallback_roots.pop(root))
     outermost = []
     for root in sorted(fallback_roots, key=lambda p: (p.count(".") + bool(p), p)):
         if not any(_is_under(root, kept) for kept in outermost):
@@ -193,6 +191,22 @@ def make_plan(
         total_flops=flops.get("", 0),
         warnings=notes,
     )
+
+
+def _settle(root: str, modules: dict[str, nn.Module], callers: dict[str, set[str]]) -> str:
+    """Where a fallback planned at ``root`` can run: a ModuleList has no forward of its own (its parent runs
+    it), and a module whose submodules are also called from outside it (XMOD's layer calls
+    ``self.output.LayerNorm`` itself) must fall back together with those callers: a fallback runs its
+    members only where it is called itself."""
+    while True:
+        outside = {c for path, cs in callers.items() if path != root and _is_under(path, root)
+                   for c in cs if not _is_under(c, root)}
+        settled = _common_ancestor([root, *outside]) if outside else root
+        while settled and isinstance(modules[settled], (nn.ModuleList, nn.ModuleDict)):
+            settled = settled.rpartition(".")[0]
+        if settled == root:
+            return root
+        root = settled
 
 
 def _fusable(fqn: str, member_modules, aliases, trace: Trace, share_identical: bool) -> bool:

@@ -17,12 +17,12 @@ and with ``torch.utils.flop_counter`` the FLOPs of every module. :func:`make_pla
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from collections import defaultdict
 
 import torch
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
-
 
 SAMPLE_BATCH, SAMPLE_SEQ = 2, 8
 
@@ -58,11 +58,19 @@ class Trace:
     # module path -> (the first op running its tensors on an input without the batch dim, the paths of the
     # modules that use the result until it has the batch dim again)
     unbatched: dict[str, tuple[str, set[str]]] = dataclasses.field(default_factory=dict)
+    # module path -> the paths of the modules that call it (XMOD's layer calls ``self.output.LayerNorm``
+    # itself, not only through ``self.output``)
+    callers: dict[str, set[str]] = dataclasses.field(default_factory=dict)
 
 
 def _module_path(node: torch.fx.Node) -> str:
     stack = node.meta.get("nn_module_stack") or {}
     return list(stack.values())[-1][0] if stack else ""
+
+
+def _module_stack(node: torch.fx.Node) -> list[str]:
+    """The paths of the modules an op was called in, outermost first (the exported wrapper's prefix cut)."""
+    return [path.removeprefix("model").removeprefix(".") for path, _ in (node.meta.get("nn_module_stack") or {}).values()]
 
 
 def _batch_symbols(shape) -> set:
@@ -145,7 +153,11 @@ def trace(model: nn.Module, args: tuple = (), kwargs: dict | None = None) -> Tra
         first_input = next(n for n in program.graph.nodes if n.op == "placeholder" and n.name not in placeholders)
         batch_symbol = next(iter(_batch_symbols(first_input.meta["val"].shape)), None)
     unbatched: dict[str, tuple[str, set[str]]] = {}
+    callers: dict[str, set[str]] = defaultdict(set)
     for node in program.graph.nodes:
+        stack = _module_stack(node)
+        for caller, callee in itertools.pairwise(stack):
+            callers[callee].add(caller)
         if node.op == "placeholder" and node.name in placeholders:
             fqn = placeholders[node.name].removeprefix("model.")
             for user in node.users:
@@ -161,7 +173,7 @@ def trace(model: nn.Module, args: tuple = (), kwargs: dict | None = None) -> Tra
     if batch_symbol is None:
         method = "export (static batch)"
         notes.append("the batch dim was specialised by export, so ops that mix batch rows were not checked")
-    return Trace(method, dict(users), mixing, notes, unbatched)
+    return Trace(method, dict(users), mixing, notes, unbatched, dict(callers))
 
 
 class _KwargsWrapper(nn.Module):

@@ -64,6 +64,12 @@ def deberta_v2() -> PretrainedConfig:
                               position_buckets=8, max_relative_positions=16)
 
 
+def xmod() -> PretrainedConfig:
+    # Language adapters picked by boolean masks over the batch (a per-member fallback), and a layer that calls
+    # its output's LayerNorm itself.
+    return tf.XmodConfig(**_BERT_LIKE, languages=["en_XX", "de_DE"], default_language="en_XX")
+
+
 def mpnet() -> PretrainedConfig:
     return tf.MPNetConfig(**_BERT_LIKE)
 
@@ -209,6 +215,7 @@ FAMILIES: list[FamilyCase] = [
     _case("albert-seqcls", "albert", tf.AlbertForSequenceClassification, albert),
     _case("electra-seqcls", "electra", tf.ElectraForSequenceClassification, electra),
     _case("electra-tokcls", "electra", tf.ElectraForTokenClassification, electra),
+    _case("xmod-seqcls", "xmod", tf.XmodForSequenceClassification, xmod),
     _case("mpnet-seqcls", "mpnet", tf.MPNetForSequenceClassification, mpnet),
     _case("t5-encoder", "t5", tf.T5EncoderModel, t5),
     _case("deberta-seqcls", "deberta", tf.DebertaForSequenceClassification, deberta),

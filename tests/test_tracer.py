@@ -121,6 +121,37 @@ def test_a_layer_run_on_an_unbatched_input_falls_back_with_its_users():
     assert exact(wide, members, torch.randn(2, 6, 4)) <= 1e-5  # 6 positions, 3 members: no shape error to warn
 
 
+class CentredWithNorm(nn.Module):
+    """Mixes batch rows (so it falls back), and owns a norm that its parent calls directly (XMOD does this)."""
+
+    def __init__(self, dim: int):
+        super().__init__()
+        self.lin = nn.Linear(dim, dim)
+        self.norm = nn.LayerNorm(dim)
+
+    def forward(self, x):
+        y = self.lin(x)
+        return y - y.mean(0, keepdim=True)
+
+
+class CallsAGrandchild(nn.Module):
+    def __init__(self, dim: int):
+        super().__init__()
+        self.inner = CentredWithNorm(dim)
+        self.head = nn.Linear(dim, 2)
+
+    def forward(self, x):
+        return self.head(self.inner.norm(self.inner(x)))
+
+
+def test_a_fallback_whose_submodule_is_called_from_outside_takes_its_caller_along():
+    members = members_of(lambda: CallsAGrandchild(4))
+    wide = WideModel.from_models(members, torch.randn(2, 4))
+    (entry,) = wide.plan.fallbacks
+    assert entry.fqn == ""  # not "inner": the parent calls inner.norm itself, which "inner" cannot run per member
+    assert exact(wide, members, torch.randn(3, 4)) <= 1e-6
+
+
 def test_export_failure_plans_from_the_module_tree_loudly():
     members = members_of(lambda: DataDependent(4))
     with pytest.warns(UserWarning, match="module tree"):
