@@ -35,13 +35,23 @@ class WideEmbedding(WideModule):
 
 
 @register_wide(*transformers_classes("gemma.GemmaTextScaledWordEmbedding", "gemma2.Gemma2TextScaledWordEmbedding",
-                                     "gemma3.Gemma3TextScaledWordEmbedding"))
+                                     "gemma3.Gemma3TextScaledWordEmbedding", "bart.BartScaledWordEmbedding",
+                                     "mbart.MBartScaledWordEmbedding", "m2m_100.M2M100ScaledWordEmbedding",
+                                     "biogpt.BioGptScaledWordEmbedding", "xglm.XGLMScaledWordEmbedding"))
 class WideScaledWordEmbedding(WideEmbedding):
-    """N Gemma word embeddings, an ``nn.Embedding`` whose forward multiplies the lookup by ``embed_scale``
-    (sqrt(hidden), a non-persistent buffer) in the weight's dtype: ``weight``: (N, V, D); ``embed_scale``:
-    (N,), the members' own scales."""
+    """N scaled word embeddings: an ``nn.Embedding`` whose forward multiplies the lookup by ``embed_scale``,
+    sqrt(hidden) or 1. ``weight``: (N, V, D). Gemma's scale is a non-persistent buffer, applied in the
+    weight's dtype: ``embed_scale`` (N,), each member's own; BART's is a float, the same in every member
+    (its config's)."""
+
+    def setup(self, proto: nn.Embedding) -> None:
+        super().setup(proto)
+        if "embed_scale" not in self._buffers:
+            self.embed_scale = proto.embed_scale
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:  # ids: (N*B, ...) or broadcast (1, ...)
         y = self.fold.split(super().forward(ids))  # (N, b, ..., D)
-        scale = self.embed_scale.to(self.weight.dtype)  # (N,)
-        return self.fold.merge(y * scale.view(-1, *([1] * (y.dim() - 1))))
+        scale = self.embed_scale
+        if isinstance(scale, torch.Tensor):
+            scale = scale.to(self.weight.dtype).view(-1, *([1] * (y.dim() - 1)))  # (N, 1, ...)
+        return self.fold.merge(y * scale)

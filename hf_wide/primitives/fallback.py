@@ -52,11 +52,20 @@ class PerMemberFallback(nn.Module):
     def __getattr__(self, name: str):
         # Model code reads attributes of its submodules (ViT checks
         # ``embeddings.patch_embeddings.projection.weight.dtype``): members share an architecture, so
-        # member 0 answers for all.
+        # member 0 answers for all. A submodule answers as a fallback of its own over every member's, so
+        # that calling it (XMOD calls ``self.output.LayerNorm``) runs each member's on its rows; the
+        # planner moves a fallback up to such callers where the trace sees them.
         try:
             return super().__getattr__(name)
         except AttributeError:
-            return getattr(self._modules["members"][0], name)
+            members = self._modules["members"]
+            value = getattr(members[0], name)
+            if not isinstance(value, nn.Module):
+                return value
+            views = self.__dict__.setdefault("_submodule_views", {})  # not children: no second state dict
+            if name not in views:
+                views[name] = PerMemberFallback([getattr(m, name) for m in members], self.fold)
+            return views[name]
 
     def forward(self, *args, **kwargs):
         n = self.num_members

@@ -1,16 +1,20 @@
-"""The per-member fallback with a KV cache: a fallen-back attention reads and extends its own rows of the
-wide model's cache, so forwards and generation equal every member's own."""
+"""The per-member fallback: with a KV cache, a fallen-back attention reads and extends its own rows of the
+wide model's cache, so forwards and generation equal every member's own; a submodule that model code calls
+through the fallback runs per member too."""
 
 import pytest
 import torch
 from conftest import CASES, NUM_MEMBERS
 from families import fall_back_attention_
 from oracle import TOLERANCE
+from torch import nn
 from transformers import StaticCache
 from transformers.models.llama.modeling_llama import LlamaAttention
 from transformers.models.mistral.modeling_mistral import MistralAttention
 
 from hf_wide import WideModel
+from hf_wide.fold import Fold
+from hf_wide.primitives.fallback import PerMemberFallback
 
 
 def members_with_a_fallen_back_attention(case_id: str, attention_class, **config):
@@ -46,3 +50,20 @@ def test_a_static_cache_is_refused_clearly():
     cache = StaticCache(config=members[0].config, max_cache_len=32)
     with pytest.raises(NotImplementedError, match="DynamicCache"), torch.no_grad():
         wide(**inputs, past_key_values=cache)
+
+
+def test_a_submodule_called_through_the_fallback_runs_per_member():
+    class Holder(nn.Module):
+        def __init__(self, scale: float):
+            super().__init__()
+            self.norm = nn.LayerNorm(3)
+            with torch.no_grad():
+                self.norm.weight.fill_(scale)
+
+    holders = [Holder(1.0 + i) for i in range(NUM_MEMBERS)]
+    fallback = PerMemberFallback(holders, Fold(NUM_MEMBERS))
+    x = torch.randn(NUM_MEMBERS * 2, 3)  # B = 2 rows per member
+    got = fallback.norm(x)  # model code calling a fallback's child itself (XMOD's layers do)
+    for i, holder in enumerate(holders):
+        assert torch.equal(got[2 * i : 2 * i + 2], holder.norm(x[2 * i : 2 * i + 2]))
+    assert len(fallback.state_dict()) == 2 * NUM_MEMBERS  # the per-member view is not a child

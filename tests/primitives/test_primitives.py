@@ -4,6 +4,7 @@ trip, and broadcast inputs with a leading dim of 1 yield all N*B rows."""
 import pytest
 import torch
 from torch import nn
+from transformers.models.bart.modeling_bart import BartScaledWordEmbedding
 from transformers.models.gemma3.modeling_gemma3 import (
     Gemma3RMSNorm,
     Gemma3TextScaledWordEmbedding,
@@ -23,6 +24,7 @@ PRIMITIVES = {
     "conv1d-gpt2": (lambda: Conv1D(5, 6), (B, 4, 6)),
     "embedding": (lambda: nn.Embedding(11, 4, padding_idx=0), (B, 5)),
     "embedding-gemma-scaled": (lambda: Gemma3TextScaledWordEmbedding(11, 4, padding_idx=0, embed_scale=2.0), (B, 5)),
+    "embedding-bart-scaled": (lambda: BartScaledWordEmbedding(11, 4, padding_idx=0, embed_scale=2.0), (B, 5)),
     "layernorm": (lambda: nn.LayerNorm(6), (B, 4, 6)),
     "layernorm-nobias": (lambda: nn.LayerNorm(6, bias=False), (B, 6)),
     "rmsnorm-llama": (lambda: LlamaRMSNorm(6, eps=1e-5), (B, 4, 6)),
