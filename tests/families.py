@@ -24,7 +24,7 @@ NUM_LABELS = 3
 IMAGE_SIZE = 32
 
 # Decoder-only families pad on the left, so the last position is always a real token.
-DECODER_FAMILIES = frozenset({"gpt2", "llama", "mistral", "qwen2", "phi3", "gemma3"})
+DECODER_FAMILIES = frozenset({"gpt2", "llama", "mistral", "mixtral", "qwen2", "phi3", "gemma3"})
 
 _TEXT = dict(vocab_size=VOCAB, max_position_embeddings=64, num_hidden_layers=2, num_labels=NUM_LABELS)
 _BERT_LIKE = dict(_TEXT, hidden_size=32, num_attention_heads=4, intermediate_size=64)
@@ -91,6 +91,11 @@ def llama() -> PretrainedConfig:
 
 def mistral() -> PretrainedConfig:
     return tf.MistralConfig(**_DECODER, num_key_value_heads=2)
+
+
+def mixtral() -> PretrainedConfig:
+    # Router and experts see (N*B*T, D) tokens: per-member fallbacks over token rows.
+    return tf.MixtralConfig(**_DECODER, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2)
 
 
 def qwen2() -> PretrainedConfig:
@@ -226,6 +231,7 @@ FAMILIES: list[FamilyCase] = [
     _case("llama-causallm", "llama", tf.LlamaForCausalLM, llama, causal_lm=True),
     _case("llama-seqcls", "llama", tf.LlamaForSequenceClassification, llama),
     _case("mistral-causallm", "mistral", tf.MistralForCausalLM, mistral, causal_lm=True),
+    _case("mixtral-causallm", "mixtral", tf.MixtralForCausalLM, mixtral, causal_lm=True),
     _case("qwen2-causallm", "qwen2", tf.Qwen2ForCausalLM, qwen2, causal_lm=True),
     _case("phi3-causallm", "phi3", tf.Phi3ForCausalLM, phi3, causal_lm=True),
     _case("gemma3-causallm", "gemma3", tf.Gemma3ForCausalLM, gemma3, causal_lm=True),

@@ -7,6 +7,10 @@ when one of the attention blocks they feed is not fused).
 
 A fallen-back attention that is handed the model's KV cache gets a view of its own rows of it
 (:class:`MemberCacheRows`): the members must not each append their B rows to the one cache of N*B.
+
+Some modules take token rows, not batch rows: a mixture of experts flattens its input to (N*B*T, D)
+before its router and experts see it. For the classes in ``TOKEN_ROWS`` every tensor whose leading dim
+splits into N blocks is split so, member-major, and the outputs are concatenated whatever their rows.
 """
 
 from __future__ import annotations
@@ -25,6 +29,12 @@ from transformers.cache_utils import (
 )
 
 from ..fold import Fold
+from ..registry import transformers_classes
+
+# MoE routers and experts: called on (N*B*T, D) tokens, member-major, with (N*B*T, k) expert choices.
+TOKEN_ROWS = tuple(transformers_classes(*(f"{family}.{prefix}{part}" for family, prefix in [
+    ("mixtral", "Mixtral"), ("olmoe", "Olmoe"), ("qwen2_moe", "Qwen2Moe"), ("qwen3_moe", "Qwen3Moe")
+] for part in ("TopKRouter", "Experts"))))
 
 
 class PerMemberFallback(nn.Module):
@@ -34,6 +44,7 @@ class PerMemberFallback(nn.Module):
         super().__init__()
         self.fold = fold
         self.members = nn.ModuleList(mods)
+        self.token_rows = type(mods[0]) in TOKEN_ROWS
 
     @classmethod
     def from_modules(cls, mods: Sequence[nn.Module], fold: Fold) -> "PerMemberFallback":
@@ -76,8 +87,13 @@ class PerMemberFallback(nn.Module):
         batch = rows // n
 
         def member_slice(t, m):
-            if isinstance(t, torch.Tensor) and t.dim() > 0 and t.shape[0] == rows:
+            if not isinstance(t, torch.Tensor) or t.dim() == 0:
+                return t
+            if t.shape[0] == rows:
                 return t[m * batch : (m + 1) * batch]  # (B, ...)
+            if self.token_rows and t.shape[0] % n == 0:
+                block = t.shape[0] // n
+                return t[m * block : (m + 1) * block]  # (B*T, ...): member m's tokens
             return t  # broadcast (1, ...) inputs, scalars and non-tensors are the same for every member
 
         caches = [t for t in leaves if isinstance(t, Cache)]
@@ -92,6 +108,9 @@ class PerMemberFallback(nn.Module):
             outputs.append(module(*m_args, **m_kwargs))
         for cache in caches:
             MemberCacheRows.commit(cache, [v[id(cache)] for v in views])
+        if self.token_rows:
+            return pytree.tree_map(lambda *parts: torch.cat(parts) if isinstance(parts[0], torch.Tensor) else parts[0],
+                                   *outputs)
         return _concat_members(outputs, batch)
 
 

@@ -48,8 +48,10 @@ class WideLayerNorm(WideModule):
         return out.view(x.shape)
 
 
-@register_wide(*transformers_classes("llama.LlamaRMSNorm", "mistral.MistralRMSNorm", "qwen2.Qwen2RMSNorm",
-                                     "phi3.Phi3RMSNorm"))
+@register_wide(*transformers_classes("llama.LlamaRMSNorm", "mistral.MistralRMSNorm", "mixtral.MixtralRMSNorm",
+                                     "qwen2.Qwen2RMSNorm", "qwen2_moe.Qwen2MoeRMSNorm", "qwen3.Qwen3RMSNorm",
+                                     "qwen3_moe.Qwen3MoeRMSNorm", "phi3.Phi3RMSNorm", "granite.GraniteRMSNorm",
+                                     "smollm3.SmolLM3RMSNorm"))
 class WideLlamaRMSNorm(WideModule):
     """N Llama-style RMSNorms (float32 statistics, ``weight * normed.to(input_dtype)``, eps in
     ``variance_epsilon``): ``weight``: (N, D)."""
@@ -63,7 +65,7 @@ class WideLlamaRMSNorm(WideModule):
         n, d = self.num_members, x.shape[-1]
         if x.shape[0] == 1 and n > 1:  # broadcast: every member's weight on the one row
             return self.fold.merge(self.weight.view(n, 1, *([1] * (x.dim() - 2)), d) * h)
-        return (self.weight.view(n, 1, d) * h.view(n, -1, d)).view(x.shape)  # weight (N, 1, D) * (N, rows, D)
+        return (self.weight.view(n, 1, d) * h.reshape(n, -1, d)).view(x.shape)  # (N, 1, D) * (N, rows, D)
 
 
 @register_wide(*transformers_classes("gemma.GemmaRMSNorm", "gemma2.Gemma2RMSNorm", "gemma3.Gemma3RMSNorm"))
