@@ -37,7 +37,7 @@ from torch import nn
 from .fold import Fold
 from .plan import Kind, ModulePlan, WidePlan
 from .planner import tensor_aliases
-from .primitives import WideModule
+from .primitives import PerMemberFallback, WideModule
 from .swap import build_wide, member_copy
 
 FORMAT_VERSION = 1
@@ -237,9 +237,15 @@ def fill_(model: nn.Module, aliases: dict[str, list[str]], num_members: int,
     into ``dst``, a view into the wide model's storage (``member(i, share=True)`` gives those views). A tensor
     that all members share (a shared module's) is read once. Returns the number of elements written."""
     done: dict[int, torch.Tensor] = {}  # keeps the tensors alive, so their ids stay unique
+    fallbacks = [(path, m) for path, m in model.named_modules() if isinstance(m, PerMemberFallback)]
     for i in range(num_members):
         view = member_copy(model, i, aliases, share=True)
-        for name, t in state_tensors(view).items():
+        tensors = list(state_tensors(view).items())
+        # A fallback's own copy of a tensor tied to one outside it (T5's encoder embeddings and the model's
+        # shared table) is not reached through the member's view, whose ties lead outside: read it as well.
+        tensors += [(f"{path}.{name}" if path else name, t) for path, fallback in fallbacks
+                    for name, t in state_tensors(fallback.members[i]).items()]
+        for name, t in tensors:
             if id(t) not in done:
                 done[id(t)] = t
                 read(i, name, t)
@@ -450,7 +456,8 @@ def load_fused(cls, folder: str | Path, *, name: str, dtype: torch.dtype | str |
 
 
 def _check_layout(ckpt: Checkpoint, template: nn.Module, shared: set[str], n: int, name: str) -> dict[str, str]:
-    """Map every state-dict name of the template to its key in the fused file, checking the stored shapes."""
+    """Map every state-dict name of the template (tied tensors' every name) to its key in the fused file,
+    checking the stored shapes."""
     aliases = tensor_aliases(template)
     keys = {}
     for key, t in state_tensors(template).items():
@@ -461,7 +468,7 @@ def _check_layout(ckpt: Checkpoint, template: nn.Module, shared: set[str], n: in
         if ckpt.shape(found) != expected:
             raise FusedRepoError(f"{name}: the fused repo stores {found!r} with shape {ckpt.shape(found)}, but "
                                  f"{n} members of {type(template).__name__} need {expected}.")
-        keys[key] = found
+        keys.update(dict.fromkeys(aliases.get(key, [key]), found))  # every name of a tied tensor
     return keys
 
 

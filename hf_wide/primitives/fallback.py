@@ -51,7 +51,13 @@ class PerMemberFallback(nn.Module):
         return cls(mods, fold)
 
     def to_module(self, i: int, share: bool = False) -> nn.Module:
-        return self.members[i] if share else copy.deepcopy(self.members[i])
+        """Member i's module: a copy, or (``share=True``) a copy of its structure holding the same tensors, so
+        that re-tying the copy's weights leaves the fallback's own module as it is."""
+        member = self.members[i]
+        if not share:
+            return copy.deepcopy(member)
+        tensors = {id(t): t for t in (*member.parameters(), *member.buffers())}
+        return copy.deepcopy(member, tensors)
 
     def to_modules(self) -> list[nn.Module]:
         return list(self.members)
