@@ -7,7 +7,7 @@ from torch import nn
 from transformers.pytorch_utils import Conv1D
 
 from ..fold import Fold
-from ..registry import register_wide
+from ..registry import register_wide, transformers_classes
 from .base import WideModule
 
 
@@ -32,7 +32,7 @@ def wide_linear(fold: Fold, x: torch.Tensor, weight_t: torch.Tensor, bias: torch
     return y.view(*x.shape[:-1], y.shape[-1])
 
 
-@register_wide(nn.Linear)
+@register_wide(nn.Linear, *transformers_classes("falcon.FalconLinear"))  # Falcon's: x @ W.T (+ b), the same map
 class WideLinear(WideModule):
     """N ``nn.Linear`` layers. ``weight``: (N, D_out, D_in), the members' own layout, so a weight tied to a
     ``WideEmbedding`` table (N, V, D) stays one tensor. ``bias``: (N, D_out)."""

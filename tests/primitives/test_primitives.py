@@ -5,6 +5,7 @@ import pytest
 import torch
 from torch import nn
 from transformers.models.bart.modeling_bart import BartScaledWordEmbedding
+from transformers.models.falcon.modeling_falcon import FalconLinear
 from transformers.models.gemma3.modeling_gemma3 import (
     Gemma3RMSNorm,
     Gemma3TextScaledWordEmbedding,
@@ -21,6 +22,7 @@ N, B = 3, 2
 PRIMITIVES = {
     "linear": (lambda: nn.Linear(6, 5), (B, 4, 6)),
     "linear-nobias": (lambda: nn.Linear(6, 5, bias=False), (B, 6)),
+    "linear-falcon": (lambda: FalconLinear(6, 5), (B, 4, 6)),  # forward overridden, the same map: registered
     "conv1d-gpt2": (lambda: Conv1D(5, 6), (B, 4, 6)),
     "embedding": (lambda: nn.Embedding(11, 4, padding_idx=0), (B, 5)),
     "embedding-gemma-scaled": (lambda: Gemma3TextScaledWordEmbedding(11, 4, padding_idx=0, embed_scale=2.0), (B, 5)),
