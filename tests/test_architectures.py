@@ -1,0 +1,158 @@
+"""The central oracle over a wider sweep of transformers architectures than the family table: three members
+with different random weights, one forward (and greedy generation for decoders), member i against checkpoint i.
+
+Each architecture is tiny and tested once; the family table (``families.py``) tests its families in depth. Most of
+these run partly per member (fallbacks); what matters here is that none is silently wrong.
+"""
+
+import contextlib
+import io
+
+import pytest
+import torch
+import transformers as tf
+
+from hf_wide import WideModel
+
+V = 100
+TEXT = {"vocab_size": V, "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4, "intermediate_size": 64,
+        "max_position_embeddings": 64}
+DECODER = {**TEXT, "num_key_value_heads": 2, "pad_token_id": 0}
+
+DECODERS = {
+    "qwen3": lambda: tf.Qwen3ForCausalLM(tf.Qwen3Config(**DECODER, head_dim=8)),
+    "gemma2": lambda: tf.Gemma2ForCausalLM(tf.Gemma2Config(**DECODER, head_dim=8, sliding_window=4)),
+    "phi": lambda: tf.PhiForCausalLM(tf.PhiConfig(**TEXT, pad_token_id=0)),
+    "stablelm": lambda: tf.StableLmForCausalLM(tf.StableLmConfig(**DECODER)),
+    "gpt_neox": lambda: tf.GPTNeoXForCausalLM(tf.GPTNeoXConfig(**TEXT, pad_token_id=0)),
+    "gptj": lambda: tf.GPTJForCausalLM(tf.GPTJConfig(vocab_size=V, n_embd=32, n_layer=2, n_head=4, rotary_dim=4,
+                                                     n_positions=64, pad_token_id=0)),
+    "bloom": lambda: tf.BloomForCausalLM(tf.BloomConfig(vocab_size=V, hidden_size=32, n_layer=2, n_head=4,
+                                                        pad_token_id=0)),
+    "falcon": lambda: tf.FalconForCausalLM(tf.FalconConfig(vocab_size=V, hidden_size=32, num_hidden_layers=2,
+                                                           num_attention_heads=4, pad_token_id=0)),
+    "olmo2": lambda: tf.Olmo2ForCausalLM(tf.Olmo2Config(**DECODER)),
+    "olmoe": lambda: tf.OlmoeForCausalLM(tf.OlmoeConfig(**DECODER, num_experts=4, num_experts_per_tok=2)),
+    "granite": lambda: tf.GraniteForCausalLM(tf.GraniteConfig(**DECODER)),
+    "cohere": lambda: tf.CohereForCausalLM(tf.CohereConfig(**DECODER)),
+    "opt": lambda: tf.OPTForCausalLM(tf.OPTConfig(vocab_size=V, hidden_size=32, num_hidden_layers=2,
+                                                  num_attention_heads=4, ffn_dim=64, max_position_embeddings=64,
+                                                  word_embed_proj_dim=32, pad_token_id=1)),
+}
+ENCODERS = {
+    "xlm-roberta": lambda: tf.XLMRobertaForSequenceClassification(tf.XLMRobertaConfig(**TEXT, num_labels=3)),
+    "modernbert": lambda: tf.ModernBertForSequenceClassification(tf.ModernBertConfig(**TEXT, num_labels=3,
+                                                                                      pad_token_id=0)),
+    "funnel": lambda: tf.FunnelForSequenceClassification(tf.FunnelConfig(vocab_size=V, d_model=32, n_head=4,
+                                                                         d_head=8, d_inner=64, block_sizes=[1, 1],
+                                                                         num_labels=3)),
+    "convbert": lambda: tf.ConvBertForSequenceClassification(tf.ConvBertConfig(**TEXT, num_labels=3,
+                                                                               embedding_size=32)),
+    "squeezebert": lambda: tf.SqueezeBertForSequenceClassification(tf.SqueezeBertConfig(
+        **TEXT, embedding_size=32, num_labels=3, q_groups=1, k_groups=1, v_groups=1, post_attention_groups=1,
+        intermediate_groups=1, output_groups=1)),
+    "bigbird": lambda: tf.BigBirdForSequenceClassification(tf.BigBirdConfig(**TEXT, attention_type="original_full",
+                                                                            num_labels=3)),
+    "esm": lambda: tf.EsmForSequenceClassification(tf.EsmConfig(**TEXT, num_labels=3, pad_token_id=1,
+                                                                 position_embedding_type="rotary")),
+    "xlm": lambda: tf.XLMForSequenceClassification(tf.XLMConfig(vocab_size=V, emb_dim=32, n_layers=2, n_heads=4,
+                                                                num_labels=3, max_position_embeddings=64)),
+    "fnet": lambda: tf.FNetForSequenceClassification(tf.FNetConfig(vocab_size=V, hidden_size=32, num_hidden_layers=2,
+                                                                   intermediate_size=64, max_position_embeddings=64,
+                                                                   num_labels=3)),
+    "rembert": lambda: tf.RemBertForSequenceClassification(tf.RemBertConfig(
+        vocab_size=V, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+        input_embedding_size=16, output_embedding_size=16, max_position_embeddings=64, num_labels=3)),
+    "ibert": lambda: tf.IBertForSequenceClassification(tf.IBertConfig(**TEXT, num_labels=3)),
+    "bert-mlm": lambda: tf.BertForMaskedLM(tf.BertConfig(**TEXT)),
+}
+IMAGES = {
+    "dinov2": lambda: tf.Dinov2Model(tf.Dinov2Config(hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                                     intermediate_size=64, image_size=32, patch_size=8)),
+    "clip-vision": lambda: tf.CLIPVisionModel(tf.CLIPVisionConfig(hidden_size=32, num_hidden_layers=2,
+                                                                   num_attention_heads=4, intermediate_size=64,
+                                                                   image_size=32, patch_size=8)),
+    "convnext": lambda: tf.ConvNextForImageClassification(tf.ConvNextConfig(hidden_sizes=[8, 16], depths=[1, 1],
+                                                                            num_stages=2, num_labels=3,
+                                                                            image_size=32)),
+}
+SEQ2SEQ = {
+    "bart": lambda: tf.BartForConditionalGeneration(tf.BartConfig(
+        vocab_size=V, d_model=32, encoder_layers=1, decoder_layers=1, encoder_attention_heads=4,
+        decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=64)),
+    "t5": lambda: tf.T5ForConditionalGeneration(tf.T5Config(vocab_size=V, d_model=32, d_kv=8, d_ff=64, num_layers=2,
+                                                             num_heads=4, decoder_start_token_id=0, pad_token_id=0)),
+}
+
+
+def members(factory) -> list[torch.nn.Module]:
+    """Three members: one architecture's initial weights, every parameter perturbed from a seed of its own."""
+    built = []
+    for seed in range(3):
+        torch.manual_seed(0)
+        model = factory().eval()
+        gen = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for param in model.parameters():
+                param.add_(0.05 * torch.randn(param.shape, generator=gen))
+        built.append(model)
+    return built
+
+
+def fuse(models, sample=None) -> WideModel:
+    with contextlib.redirect_stdout(io.StringIO()):  # some exports print their graph when they fail
+        return WideModel.from_models(models, sample)
+
+
+def text_batch(pad_id: int) -> dict:
+    torch.manual_seed(1)
+    ids = torch.randint(5, V, (2, 9))  # 9 tokens: not a multiple of the 3 members
+    mask = torch.ones_like(ids)
+    ids[1, :2], mask[1, :2] = pad_id, 0  # left padding on row 1
+    return {"input_ids": ids, "attention_mask": mask}
+
+
+@torch.no_grad()
+def worst(wide, models, inputs, key="logits", where=None) -> float:
+    got = wide(**inputs)[key]
+    return max(((got[i] - m(**inputs)[key])[where] if where is not None else got[i] - m(**inputs)[key])
+               .abs().max().item() for i, m in enumerate(models))
+
+
+@pytest.mark.parametrize("name", list(DECODERS))
+def test_decoder(name):
+    models = members(DECODERS[name])
+    wide = fuse(models)
+    inputs = text_batch(models[0].config.pad_token_id)
+    assert worst(wide, models, inputs, where=inputs["attention_mask"].bool()) <= 1e-5
+    tokens = wide.generate(**inputs, max_new_tokens=4, do_sample=False)
+    for i, model in enumerate(models):
+        assert torch.equal(tokens[i], model.generate(**inputs, max_new_tokens=4, do_sample=False))
+
+
+@pytest.mark.parametrize("name", list(ENCODERS))
+def test_encoder(name):
+    models = members(ENCODERS[name])
+    wide = fuse(models)
+    assert worst(wide, models, {"input_ids": text_batch(0)["input_ids"].clamp(min=5)}) <= 1e-5
+
+
+@pytest.mark.parametrize("name", list(IMAGES))
+def test_image(name):
+    models = members(IMAGES[name])
+    wide = fuse(models)
+    key = "logits" if hasattr(models[0], "classifier") else "last_hidden_state"
+    assert worst(wide, models, {"pixel_values": torch.randn(2, 3, 32, 32)}, key) <= 1e-5
+
+
+@pytest.mark.parametrize("name", list(SEQ2SEQ))
+def test_seq2seq(name):
+    models = members(SEQ2SEQ[name])
+    ids = text_batch(0)["input_ids"].clamp(min=5)
+    ids[:, -1] = 2  # BART's classification heads want an end-of-sequence token
+    inputs = {"input_ids": ids, "decoder_input_ids": torch.randint(5, V, (2, 5)), "use_cache": False}
+    wide = fuse(models, inputs)
+    assert worst(wide, models, inputs) <= 1e-5
+    tokens = wide.generate(input_ids=ids, max_new_tokens=4, do_sample=False, use_cache=False)
+    for i, model in enumerate(models):
+        assert torch.equal(tokens[i], model.generate(input_ids=ids, max_new_tokens=4, do_sample=False))
