@@ -63,14 +63,16 @@ class Trace:
     callers: dict[str, set[str]] = dataclasses.field(default_factory=dict)
 
 
-def _module_path(node: torch.fx.Node) -> str:
-    stack = node.meta.get("nn_module_stack") or {}
-    return list(stack.values())[-1][0] if stack else ""
-
-
 def _module_stack(node: torch.fx.Node) -> list[str]:
     """The paths of the modules an op was called in, outermost first (the exported wrapper's prefix cut)."""
-    return [path.removeprefix("model").removeprefix(".") for path, _ in (node.meta.get("nn_module_stack") or {}).values()]
+    stack = node.meta.get("nn_module_stack") or {}
+    return [path.removeprefix("model").removeprefix(".") for path, _ in stack.values()]
+
+
+def _module_path(node: torch.fx.Node) -> str:
+    """The path of the innermost module an op was called in ("" for the model itself)."""
+    stack = _module_stack(node)
+    return stack[-1] if stack else ""
 
 
 def _batch_symbols(shape) -> set:
@@ -113,7 +115,7 @@ def _unbatched_uses(node: torch.fx.Node, batch_symbol) -> set[str]:
             if user in seen:
                 continue
             seen.add(user)
-            paths.add(_module_path(user).removeprefix("model").removeprefix(".") if user.op != "output" else "")
+            paths.add(_module_path(user) if user.op != "output" else "")
             val = user.meta.get("val")
             if not (isinstance(val, torch.Tensor) and batch_symbol in _batch_symbols(val.shape)):
                 frontier.append(user)
@@ -154,6 +156,7 @@ def trace(model: nn.Module, args: tuple = (), kwargs: dict | None = None) -> Tra
         batch_symbol = next(iter(_batch_symbols(first_input.meta["val"].shape)), None)
     unbatched: dict[str, tuple[str, set[str]]] = {}
     callers: dict[str, set[str]] = defaultdict(set)
+    param_names = set(placeholders)
     for node in program.graph.nodes:
         stack = _module_stack(node)
         for caller, callee in itertools.pairwise(stack):
@@ -161,14 +164,14 @@ def trace(model: nn.Module, args: tuple = (), kwargs: dict | None = None) -> Tra
         if node.op == "placeholder" and node.name in placeholders:
             fqn = placeholders[node.name].removeprefix("model.")
             for user in node.users:
-                path = _module_path(user).removeprefix("model").removeprefix(".")
+                path = _module_path(user)
                 users[fqn].add(path)
                 own = path == (fqn.rsplit(".", 1)[0] if "." in fqn else "")
                 if (own and batch_symbol is not None and path not in unbatched
-                        and _unbatched_input(user, set(placeholders), batch_symbol)):
+                        and _unbatched_input(user, param_names, batch_symbol)):
                     unbatched[path] = (str(user.target), _unbatched_uses(user, batch_symbol))
         elif node.op == "call_function" and batch_symbol is not None and _mixes_rows(node, batch_symbol):
-            path = _module_path(node).removeprefix("model").removeprefix(".")
+            path = _module_path(node)
             mixing.setdefault(path, str(node.target))
     if batch_symbol is None:
         method = "export (static batch)"

@@ -123,6 +123,16 @@ def resnet() -> PretrainedConfig:
                            layer_type="basic", num_labels=NUM_LABELS)
 
 
+def members_from(model_class: type, config: PretrainedConfig, seeds) -> list[PreTrainedModel]:
+    """One model of ``model_class`` per seed, every parameter randomised from it, in eval mode."""
+    members = []
+    for seed in seeds:
+        model = model_class(config)
+        randomise_(model, seed)  # the norms too: they become wide, not shared
+        members.append(model.eval())
+    return members
+
+
 @torch.no_grad()
 def randomise_(model: nn.Module, seed: int) -> None:
     """Overwrite every parameter and BatchNorm running stat in place from `seed`.

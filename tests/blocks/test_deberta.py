@@ -7,7 +7,7 @@ not fused, the encoder falls back."""
 import pytest
 import torch
 import transformers as tf
-from families import SEQ_LEN, randomise_, text_batch
+from families import SEQ_LEN, members_from, text_batch
 from oracle import TOLERANCE, max_member_error
 
 from hf_wide import WideModel
@@ -27,13 +27,7 @@ VARIANTS = {
 
 
 def build(variant: str, model_class=tf.DebertaForSequenceClassification):
-    config = tf.DebertaConfig(**SMALL, **VARIANTS[variant])
-    members = []
-    for seed in range(N):
-        model = model_class(config)
-        randomise_(model, seed)  # the layer norms too: they are wide, not shared
-        members.append(model.eval())
-    return members
+    return members_from(model_class, tf.DebertaConfig(**SMALL, **VARIANTS[variant]), range(N))
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))

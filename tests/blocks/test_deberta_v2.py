@@ -7,7 +7,7 @@ is not fused, the encoder falls back, as before."""
 import pytest
 import torch
 import transformers as tf
-from families import SEQ_LEN, randomise_, text_batch
+from families import SEQ_LEN, members_from, text_batch
 from oracle import TOLERANCE, max_member_error
 
 from hf_wide import WideModel
@@ -29,13 +29,7 @@ VARIANTS = {
 
 
 def build(variant: str, model_class=tf.DebertaV2ForSequenceClassification, seeds=range(N)):
-    config = tf.DebertaV2Config(**SMALL, **VARIANTS[variant])
-    members = []
-    for seed in seeds:
-        model = model_class(config)
-        randomise_(model, seed)
-        members.append(model.eval())
-    return members
+    return members_from(model_class, tf.DebertaV2Config(**SMALL, **VARIANTS[variant]), seeds)
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
