@@ -6,7 +6,8 @@ This module holds the bookkeeping for that layout:
 
 - :class:`Fold` is shared by every wide module of one model. It knows N and, during a forward, the
   number of rows, so a wide module fed a tensor with a leading dim of 1 (a broadcast input such as
-  BERT's ``position_ids`` of shape ``(1, T)``) can still produce all ``N*B`` rows.
+  BERT's ``position_ids`` of shape ``(1, T)``) can still produce all ``N*B`` rows. The rows are per-call
+  state: each thread sees only those of its own forward, so one wide model serves several threads.
 - :class:`PerMember` marks an input that already has a leading member dim ``(N, B, ...)``.
 - :func:`fold_inputs` / :func:`unfold_outputs` move between the user's ``(B, ...)`` / ``(N, B, ...)``
   tensors and the folded ``(N*B, ...)`` rows.
@@ -15,22 +16,60 @@ This module holds the bookkeeping for that layout:
 from __future__ import annotations
 
 import dataclasses
+import threading
 from typing import Any
 
 import torch
 
 
+class _Calls(threading.local):
+    """Per-thread state of one wide model's calls. ``threading.local`` runs ``__init__`` anew in every thread
+    that reads it, so each thread's dict holds both names from the start (dynamo guards on their presence)."""
+
+    def __init__(self):
+        self.anchor: torch.Tensor | None = None
+        self.recording = False
+
+
 @dataclasses.dataclass
 class Fold:
-    """N, and the rows of the forward in flight. Also the forward pre-hook that records them.
+    """N, and the rows of the forward in flight in this thread. Also the forward pre-hook that records them.
 
     The rows are held as the shape of an empty ``(N*B, 0)`` tensor, not as an int: ``torch.compile``
     would bake an int attribute into its guards and recompile for every batch size, while a tensor's
-    size stays symbolic.
+    size stays symbolic. They live in a ``threading.local`` (which dynamo reads without a graph break):
+    two threads in one wide model each fold their own batch.
     """
 
     num_members: int
-    anchor: torch.Tensor | None = None  # (N*B, 0) during a forward, else None
+    _calls: _Calls = dataclasses.field(default_factory=_Calls, init=False, repr=False, compare=False)
+
+    @property
+    def anchor(self) -> torch.Tensor | None:
+        """(N*B, 0) during a forward in this thread, else None."""
+        return self._calls.anchor
+
+    @anchor.setter
+    def anchor(self, value: torch.Tensor | None) -> None:
+        self._calls.anchor = value
+
+    @property
+    def recording(self) -> bool:
+        """Whether the pre-hook records rows in this thread (during ``generate``, whose forwards it calls)."""
+        return self._calls.recording
+
+    @recording.setter
+    def recording(self, value: bool) -> None:
+        self._calls.recording = value
+
+    def __deepcopy__(self, memo) -> "Fold":
+        return Fold(self.num_members)  # per-call state is never copied
+
+    def __getstate__(self) -> dict:
+        return {"num_members": self.num_members}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__(state["num_members"])
 
     @property
     def rows(self) -> int | None:
@@ -42,6 +81,7 @@ class Fold:
 
     def reset(self) -> None:
         self.anchor = None
+        self.recording = False
 
     def split(self, x: torch.Tensor) -> torch.Tensor:
         """(N*B, *rest) -> (N, B, *rest); a broadcast (1, *rest) -> (N, 1, *rest) without a copy."""
@@ -62,7 +102,10 @@ class Fold:
         return y.reshape(-1, *y.shape[2:])
 
     def __call__(self, module, args, kwargs):
-        """Forward pre-hook on the folded model during ``generate``: record the rows of each forward."""
+        """Forward pre-hook on the folded model, installed once: while this thread is in ``generate``
+        (``recording``), record the rows of each forward that ``generate`` makes."""
+        if not self.recording:
+            return None
         for value in (*args, *kwargs.values()):
             if isinstance(value, torch.Tensor) and value.dim() > 0:
                 self.anchor = value.new_empty(value.shape[0], 0)

@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import copy
+import threading
 import warnings
 from collections.abc import Sequence
 from typing import Any
@@ -57,6 +58,10 @@ class WideModel(nn.Module):
         self.member_generation_configs = member_generation_configs
         self._aliases = aliases
         self._capture_hooks = False  # installed on the first forward that asks for attentions or hidden states
+        self._capture_lock = threading.Lock()
+        # generate() calls the model's forward itself, with rows it may expand (beams, several sequences per
+        # input): this pre-hook records the rows of each call, in the thread that is generating only.
+        self.model.register_forward_pre_hook(fold, with_kwargs=True)
 
     # ---------------------------------------------------------------- construction
     @classmethod
@@ -176,8 +181,10 @@ class WideModel(nn.Module):
 
     @torch.compiler.disable
     def _install_capture_hooks(self) -> None:
-        install_capture_hooks(self.model)  # see hf_wide.capture: fused attentions record theirs too
-        self._capture_hooks = True
+        with self._capture_lock:  # once, whichever thread asks first
+            if not self._capture_hooks:
+                install_capture_hooks(self.model)  # see hf_wide.capture: fused attentions record theirs too
+                self._capture_hooks = True
 
     @torch.no_grad()
     def generate(self, *args, **kwargs) -> torch.Tensor:
@@ -188,13 +195,10 @@ class WideModel(nn.Module):
             raise TypeError(f"{type(self.model).__name__} cannot generate.")
         n = self.num_members
         args, kwargs, batch = fold_inputs(n, args, kwargs)
-        # generate() calls the model's forward itself, with rows it may expand (beams, several sequences
-        # per input): a pre-hook records the rows of each call.
-        hook = self.model.register_forward_pre_hook(self.fold, with_kwargs=True)
+        self.fold.recording = True  # the pre-hook records the rows of every forward generate() makes
         try:
             out = self.model.generate(*args, **kwargs)
         finally:
-            hook.remove()
             self.fold.reset()
         sequences = out if isinstance(out, torch.Tensor) else out.sequences
         return sequences.view(n, -1, sequences.shape[-1])

@@ -54,6 +54,10 @@ def member_copy(
             memo[id(module)] = module.to_module(i, share=share)
             memo.update({id(sub): sub for sub in module.modules() if sub is not module})  # inside it: skip
     member = memo[id(wide)] if id(wide) in memo else copy.deepcopy(wide, memo)
+    for key, hook in list(member._forward_pre_hooks.items()):
+        if isinstance(hook, Fold):  # the wide model's row recorder: nothing to record in one member
+            del member._forward_pre_hooks[key]
+            member._forward_pre_hooks_with_kwargs.pop(key, None)
     retie(member, aliases)
     return reset_capture_hooks(member)  # hooks copied from the wide model sit on wide modules
 
