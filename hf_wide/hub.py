@@ -32,6 +32,7 @@ from torch import nn
 
 from .compat import IncompatibleMembersError, check_configs
 from .planner import plan_members, tensor_aliases
+from .verify import check_whole, verify_modules, wide_paths
 from .saving import (
     WEIGHTS_INDEX_NAME, Checkpoint, assemble, load_fused, member_config, model_class_for, read_section,
     same_bytes, save_member, save_wide, skeleton_like, state_tensors,
@@ -195,6 +196,7 @@ def load_wide(
     allow_label_mismatch: bool = False,
     share_identical: bool = True,
     validate: bool = False,
+    verify: bool = True,
     **hub_kwargs,
 ):
     """``cls.from_pretrained``: one fused repo (its config.json has an ``hf_wide`` section), or N member
@@ -215,10 +217,12 @@ def load_wide(
         if all(_weights_format(folder, name, allow_pickle) for folder, name in zip(folders, names)):
             wide = _load_streaming(cls, ids, folders, names, torch_dtype, device, trust_remote_code,
                                    allow_label_mismatch, share_identical)
+            if wide is not None and verify:
+                wide = verified(wide, share_identical)
         if wide is None:  # pickle weights, or tensor names that transformers converts on load
             models = _load_models(ids, folders, torch_dtype, device, allow_pickle, trust_remote_code)
             wide = cls.from_models(models, validate=validate, allow_label_mismatch=allow_label_mismatch,
-                                   member_ids=ids, share_identical=share_identical)
+                                   member_ids=ids, share_identical=share_identical, verify=verify)
             wide._source_dirs = folders
             validate = False  # done against the models themselves
         wide.member_revisions = [commit_sha(folder) for folder in folders]
@@ -267,6 +271,22 @@ def _load_streaming(cls, ids, folders, names, dtype, device, trust_remote_code, 
     wide = cls(model, plan, fold, aliases, ids, configs, generation_configs)
     wide._source_dirs = list(folders)
     return wide.eval()
+
+
+def verified(wide, share_identical: bool):
+    """``wide`` if every block and primitive agrees with its members (each member a view of the wide model's
+    tensors in its own classes: checkpoint i as transformers would run it); else the same members fused anew
+    by :meth:`WideModel.from_models`, which moves each module that disagrees one strategy down."""
+    members = [wide.member(i, share=True) for i in range(wide.num_members)]
+    kwargs = sample_inputs(members[0])
+    failures, recorded = verify_modules(wide, wide_paths(wide.plan), members, (), kwargs)
+    if not failures and check_whole(wide, recorded, (), kwargs) is None:
+        return wide
+    logger.warning("hf-wide: %s; fusing the members again with it moved down", "; ".join(
+        f"{path or '(model)'} {reason}" for path, reason in failures.items()) or "the whole output disagreed")
+    fused = type(wide).from_models(members, member_ids=wide.member_ids, share_identical=share_identical)
+    fused._source_dirs = wide._source_dirs
+    return fused
 
 
 def _checkpoint_keys(template: nn.Module, checkpoints: Sequence[Checkpoint], names: Sequence[str]):

@@ -22,9 +22,12 @@ from .capture import asks_for_capture, install_capture_hooks
 from .compat import check_compatible, member_names
 from .fold import Fold, fold_inputs, unfold_outputs
 from .plan import Kind, WidePlan
-from .planner import plan_members, tensor_aliases
+from .planner import make_plan, tensor_aliases, trace_members
 from .swap import build_wide, member_copy
 from .tracer import sample_inputs as build_sample_inputs
+from .verify import check_whole, innermost, kept_paths, verify_modules, wide_paths
+
+MAX_VERIFY_ROUNDS = 8  # each round moves every module that disagreed one strategy down
 
 
 class WideValidationError(RuntimeError):
@@ -74,6 +77,7 @@ class WideModel(nn.Module):
         allow_label_mismatch: bool = False,
         member_ids: Sequence[str] | None = None,
         share_identical: bool = True,
+        verify: bool = True,
         atol: float = 1e-4,
     ) -> "WideModel":
         """Fuse ``models`` (same class and architecture). The models are left untouched.
@@ -81,6 +85,9 @@ class WideModel(nn.Module):
         ``sample_inputs`` (a dict of kwargs or a tuple of args, batch first) drives the trace; transformers
         models get one built from their config when it is omitted. ``validate=True`` runs every member
         alone on it and refuses a fused model whose outputs differ by more than ``atol``.
+        ``verify`` (on by default) checks every fused block and primitive against its members on the inputs the
+        sample gives it (:mod:`hf_wide.verify`: one forward per member) and runs a module that disagrees one
+        strategy further down, with the reason in the plan.
         Modules identical in every member are kept once (``share_identical``); pass False to train the
         members independently, since a shared module's parameters would stay one tensor.
         """
@@ -88,27 +95,47 @@ class WideModel(nn.Module):
         check_compatible(models, member_ids, allow_label_mismatch)
         template = models[0]
         args, kwargs = _as_args_kwargs(sample_inputs if sample_inputs is not None else build_sample_inputs(template))
+        ids = member_ids or [getattr(getattr(m, "config", None), "_name_or_path", "") or f"member-{i}"
+                             for i, m in enumerate(models)]
         was_training = [m.training for m in models]
         for m in models:
             m.eval()
         try:
-            plan = plan_members(models, args, kwargs, share_identical=share_identical)
-            fold = Fold(len(models))
-            wide_model = build_wide(models, plan, fold)
+            traced = trace_members(template, args, kwargs)
+            wide, demoted, fallbacks, recorded = None, {}, {}, None
+            for _ in range(MAX_VERIFY_ROUNDS):
+                plan = make_plan(models, *traced, share_identical=share_identical, demoted=demoted, fallbacks=fallbacks)
+                fold = Fold(len(models))
+                wide = cls(
+                    build_wide(models, plan, fold),
+                    plan,
+                    fold,
+                    tensor_aliases(template),
+                    ids,
+                    [copy.deepcopy(m.config) for m in models] if hasattr(template, "config") else None,
+                    [copy.deepcopy(getattr(m, "generation_config", None)) for m in models],
+                ).eval()
+                if not verify:
+                    break
+                failures, recorded = verify_modules(wide, wide_paths(plan), models, args, kwargs, recorded)
+                if not failures and check_whole(wide, recorded, args, kwargs) is None:
+                    break
+                if failures:  # a block is planned by its parts, a primitive runs per member
+                    demoted.update(failures)
+                else:  # every wide module agrees: the template's own code differs (mixes rows, say) somewhere
+                    failures, recorded = verify_modules(wide, kept_paths(wide), models, args, kwargs, recorded)
+                    if not failures or failures.keys() <= fallbacks.keys():
+                        raise WideValidationError(
+                            f"hf-wide cannot fuse these members exactly: the fused model's output "
+                            f"{check_whole(wide, recorded, args, kwargs)} on the sample input, and no module can "
+                            f"be blamed. Plan:\n{plan}"
+                        )
+                    fallbacks.update(innermost(failures))
+            else:
+                raise WideValidationError(f"hf-wide could not verify a plan in {MAX_VERIFY_ROUNDS} rounds:\n{plan}")
         finally:
             for m, training in zip(models, was_training):
                 m.train(training)
-        ids = member_ids or [getattr(getattr(m, "config", None), "_name_or_path", "") or f"member-{i}"
-                             for i, m in enumerate(models)]
-        wide = cls(
-            wide_model,
-            plan,
-            fold,
-            tensor_aliases(template),
-            ids,
-            [copy.deepcopy(m.config) for m in models] if hasattr(template, "config") else None,
-            [copy.deepcopy(getattr(m, "generation_config", None)) for m in models],
-        )
         wide.train(was_training[0])
         if validate:
             wide.validate(models, args, kwargs, atol=atol)

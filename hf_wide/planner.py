@@ -1,9 +1,12 @@
 """Planning: decide, for every module of the template that owns tensors, what it becomes.
 
-Rules, in order, for a module M with parameters or buffers of its own:
+First, whatever its tensors: a module that must run as each member's own code (a forward hook, a
+parametrization, a plain attribute that differs between members: :mod:`hf_wide.structure`) is a **fallback**.
+Then rules, in order, for a module M with parameters or buffers of its own:
 
-0. **block** if M's exact class has a fused block (attention, MLP) that accepts it, M's subtree differs
-   between members, and nothing outside the subtree reads its tensors: the whole subtree is fused;
+0. **block** if M's exact class has a fused block (attention, MLP) that accepts it, everything inside it is a
+   module the block knows (:func:`~hf_wide.structure.block_structure_known`), M's subtree differs between
+   members, and nothing outside the subtree reads its tensors: the whole subtree is fused;
 1. **shared** if its tensors are identical in every member: one copy serves all;
 2. **fallback** at the lowest common ancestor of M and the modules that read M's tensors, if some
    module other than M reads them, unless an ancestor declares the read (``register_stacked_read``: DeBERTa's
@@ -28,6 +31,7 @@ import torch
 from torch import nn
 
 from .plan import Kind, ModulePlan, WidePlan
+from .structure import block_structure_known, opaque_modules
 from .registry import (
     declares_stacked_reads,
     find_block,
@@ -79,23 +83,39 @@ def make_plan(
     flops: dict[str, int] | None = None,
     sample_shape: str = "",
     share_identical: bool = True,
+    demoted: dict[str, str] | None = None,
+    fallbacks: dict[str, str] | None = None,
 ) -> WidePlan:
     """The WidePlan for fusing ``members`` (same architecture, already checked). With
-    ``share_identical=False`` no module is shared: the plan of the architecture, whatever the weights."""
+    ``share_identical=False`` no module is shared: the plan of the architecture, whatever the weights.
+    ``demoted`` (fqn -> reason) names blocks and primitives that disagreed with their members when verified:
+    a block is planned by its parts instead, a primitive runs per member. ``fallbacks`` (fqn -> reason) are
+    modules, kept ones included, that must run per member."""
     template = members[0]
     flops = flops or {}
+    demoted = demoted or {}
     member_modules = [dict(m.named_modules()) for m in members]
     aliases = tensor_aliases(template)
     modules = dict(template.named_modules())
     entries: dict[str, ModulePlan] = {}
-    fallback_roots: dict[str, str] = {}
+    opaque = opaque_modules(members)
+    fallback_roots: dict[str, str] = {**opaque, **(fallbacks or {})}
     stacked_reads = []  # (module, its declared reader, consumer classes, differs between members, plan fields)
+    notes = list(trace.warnings)
 
     blocks: list[str] = []
     for fqn, module in template.named_modules():
         if any(_is_under(fqn, root) for root in blocks):
             continue
         block_cls = find_block(module)
+        if block_cls is not None and fqn in demoted:
+            notes.append(f"{fqn or '(model)'}: {block_cls.__name__} {demoted[fqn]}; planned by its parts")
+            block_cls = None
+        if block_cls is not None:
+            refusal = _block_refusal(fqn, block_cls, member_modules, fallback_roots)
+            if refusal is not None:
+                notes.append(f"{fqn or '(model)'}: not a {block_cls.__name__} block: {refusal}")
+                block_cls = None
         if block_cls is not None and _fusable(fqn, member_modules, aliases, trace, share_identical):
             blocks.append(fqn)
             entries[fqn] = ModulePlan(
@@ -122,7 +142,9 @@ def make_plan(
             continue
         outside = [(name, reader) for name, reader in outside if name in differing]
         wide_cls = find_wide(type(module))
-        if outside:
+        if fqn in demoted:
+            fallback_roots.setdefault(fqn, f"{wide_cls.__name__ if wide_cls else 'its wide module'} {demoted[fqn]}")
+        elif outside:
             name, reader = outside[0]
             root = _common_ancestor([fqn] + [r for _, r in outside])
             fallback_roots.setdefault(root, f"{fqn}.{name} is read in {reader or '(model)'}")
@@ -151,7 +173,8 @@ def make_plan(
     for path, (op, uses) in trace.unbatched.items():
         shared = path in entries and entries[path].kind == Kind.SHARED  # one copy: every member sees the same
         handled = any(_is_under(path, b) for b in blocks) or any(  # a block or a declared reader feeds it stacked
-            declares_stacked_reads(modules[p]) for p in modules if p and _is_under(path, p))
+            declares_stacked_reads(modules[p]) for p in modules if p and _is_under(path, p)) or any(
+            all(_is_under(p, root) for p in (path, *uses)) for root in opaque)  # all inside a module run per member
         if not (shared or handled):
             root = _common_ancestor([path, *uses])
             fallback_roots.setdefault(root, f"{op} runs {path or '(model)'} on an input without the batch dim")
@@ -178,7 +201,6 @@ def make_plan(
     order = {name: i for i, name in enumerate(modules)}
     entries = dict(sorted(entries.items(), key=lambda item: order[item[0]]))
 
-    notes = list(trace.warnings)
     if trace.method == "module tree":
         notes.append("export failed: this plan comes from the module tree alone; check it with validate=True")
         warnings.warn(f"hf-wide could not export {type(template).__name__}; planning from the module tree.")
@@ -207,6 +229,21 @@ def _settle(root: str, modules: dict[str, nn.Module], callers: dict[str, set[str
         if settled == root:
             return root
         root = settled
+
+
+def _block_refusal(fqn: str, block_cls: type, member_modules, fallback_roots: dict[str, str]) -> str | None:
+    """Why the block cannot take the members' modules at ``fqn``, or None: something inside must run per member,
+    holds a module the block does not know, or the block declines the instance."""
+    inside = next((path for path in fallback_roots if _is_under(path, fqn)), None)
+    if inside is not None:
+        return f"{inside or '(model)'} {fallback_roots[inside]}"
+    for modules in member_modules:
+        reason = block_structure_known(modules[fqn])
+        if reason is not None:
+            return reason
+    if not block_cls.accepts(member_modules[0][fqn]):
+        return f"{block_cls.__name__} declines this configuration"
+    return None
 
 
 def _fusable(fqn: str, member_modules, aliases, trace: Trace, share_identical: bool) -> bool:
@@ -253,15 +290,20 @@ def _outside_readers(
     return found
 
 
+def trace_members(template: nn.Module, args: tuple = (), kwargs: dict | None = None) -> tuple[Trace, dict, str]:
+    """Trace ``template`` on the sample inputs and count its FLOPs: (trace, FLOPs per module, sample shapes)."""
+    flops = module_flops(template, args, kwargs)
+    shapes = [f"{k}{tuple(v.shape)}" for k, v in (kwargs or {}).items() if isinstance(v, torch.Tensor)]
+    shapes += [f"arg{i}{tuple(a.shape)}" for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
+    return trace(template, args, kwargs), flops, ", ".join(shapes)
+
+
 def plan_members(
     members: Sequence[nn.Module], args: tuple = (), kwargs: dict | None = None, share_identical: bool = True
 ) -> WidePlan:
     """Trace member 0 on the sample inputs (built from its config when none are given), count its FLOPs,
     and plan the fusion of ``members``."""
-    template = members[0]
     if not args and not kwargs:
-        kwargs = sample_inputs(template)
-    flops = module_flops(template, args, kwargs)
-    shapes = [f"{k}{tuple(v.shape)}" for k, v in (kwargs or {}).items() if isinstance(v, torch.Tensor)]
-    shapes += [f"arg{i}{tuple(a.shape)}" for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
-    return make_plan(members, trace(template, args, kwargs), flops, ", ".join(shapes), share_identical)
+        kwargs = sample_inputs(members[0])
+    traced, flops, shapes = trace_members(members[0], args, kwargs)
+    return make_plan(members, traced, flops, shapes, share_identical)

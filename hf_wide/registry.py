@@ -81,8 +81,7 @@ def declares_stacked_reads(module: nn.Module) -> bool:
 def find_block(module: nn.Module) -> type | None:
     """The fused block for this exact module class, if one is registered and accepts the instance.
     Exact class, not MRO: a subclass may change the forward the block reimplements."""
-    block_cls = _BLOCKS.get(type(module))
-    return block_cls if block_cls is not None and block_cls.accepts(module) else None
+    return _BLOCKS.get(type(module))
 
 
 def find_wide(module_class: type[nn.Module]) -> type | None:
@@ -92,6 +91,11 @@ def find_wide(module_class: type[nn.Module]) -> type | None:
         if klass in _REGISTRY:
             return _REGISTRY[klass] if module_class.forward is klass.forward else None
     return None
+
+
+def has_exact_builder(module_class: type[nn.Module]) -> bool:
+    """Whether a builder is registered for exactly this class (not an ancestor): what a fused block may hold."""
+    return module_class in _REGISTRY
 
 
 def get_wide(module_class: type[nn.Module]) -> type:

@@ -92,12 +92,13 @@ def _mixes_rows(node: torch.fx.Node, batch_symbol) -> bool:
     return any(isinstance(t, torch.Tensor) and batch_symbol in _batch_symbols(t.shape) for t in inputs)
 
 
-def _unbatched_input(node: torch.fx.Node, params: set[str], batch_symbol) -> bool:
+def _unbatched_input(node: torch.fx.Node, weights: set[str], batch_symbol) -> bool:
     """An op on a parameter whose other tensor inputs lead with a dim that is neither 1 nor the batch:
-    a wide layer would split those rows into members."""
+    a wide layer would split those rows into members. ``weights``: the nodes computed from parameters and
+    buffers alone (a weight-norm parametrization's weight), which are no inputs."""
     for arg in node.all_input_nodes:
         val = arg.meta.get("val")
-        if arg.name in params or not isinstance(val, torch.Tensor) or val.dim() == 0:
+        if arg.name in weights or not isinstance(val, torch.Tensor) or val.dim() == 0:
             continue
         first = val.shape[0]
         if not (isinstance(first, int) and first == 1) and batch_symbol not in _batch_symbols(val.shape[:1]):
@@ -156,7 +157,7 @@ def trace(model: nn.Module, args: tuple = (), kwargs: dict | None = None) -> Tra
         batch_symbol = next(iter(_batch_symbols(first_input.meta["val"].shape)), None)
     unbatched: dict[str, tuple[str, set[str]]] = {}
     callers: dict[str, set[str]] = defaultdict(set)
-    param_names = set(placeholders)
+    param_names = _weight_nodes(program.graph, set(placeholders))
     for node in program.graph.nodes:
         stack = _module_stack(node)
         for caller, callee in itertools.pairwise(stack):
@@ -177,6 +178,23 @@ def trace(model: nn.Module, args: tuple = (), kwargs: dict | None = None) -> Tra
         method = "export (static batch)"
         notes.append("the batch dim was specialised by export, so ops that mix batch rows were not checked")
     return Trace(method, dict(users), mixing, notes, unbatched, dict(callers))
+
+
+def _weight_nodes(graph: torch.fx.Graph, params: set[str]) -> set[str]:
+    """The names of the nodes computed from parameters and buffers alone (at least one, and no model input):
+    the parameters themselves and weights derived from them (weight norm's ``g * v / |v|``)."""
+    from_params, from_inputs = set(params), set()
+    for node in graph.nodes:
+        if node.op == "placeholder":
+            if node.name not in params:
+                from_inputs.add(node.name)
+            continue
+        names = {a.name for a in node.all_input_nodes}
+        if names & from_inputs:
+            from_inputs.add(node.name)
+        elif names & from_params:
+            from_params.add(node.name)
+    return from_params
 
 
 class _KwargsWrapper(nn.Module):

@@ -161,16 +161,30 @@ def test_export_failure_plans_from_the_module_tree_loudly():
 
 
 def test_validate_refuses_an_inexact_fusion():
-    # Without a trace the planner cannot see the row mixing; validate catches the wrong result.
-    class Hidden(DataDependent):
-        def forward(self, x):
-            h = super().forward(x)
-            return h - h.mean(0)
-
+    # Without a trace the planner cannot see the row mixing; unverified, validate catches the wrong result.
     members = members_of(lambda: Hidden(4))
     with pytest.warns(UserWarning):
         with pytest.raises(RuntimeError, match="differs from the member run alone"):
-            WideModel.from_models(members, torch.randn(2, 4), validate=True)
+            WideModel.from_models(members, torch.randn(2, 4), validate=True, verify=False)
+
+
+def test_verification_runs_untraced_row_mixing_per_member():
+    # Verified (the default), the module whose own code mixes rows is found and runs per member: exact.
+    members = members_of(lambda: Hidden(4))
+    with pytest.warns(UserWarning):
+        wide = WideModel.from_models(members, torch.randn(2, 4))
+    assert [e.name for e in wide.plan.fallbacks] == ["(model)"]
+    assert "disagreed with its members" in wide.plan.fallbacks[0].reason
+    x = torch.randn(3, 4)
+    with torch.no_grad():
+        out = wide(x)
+        assert all(torch.allclose(out[i], m(x), atol=1e-6) for i, m in enumerate(members))
+
+
+class Hidden(DataDependent):
+    def forward(self, x):
+        h = super().forward(x)
+        return h - h.mean(0)
 
 
 def test_plan_prints_flops_and_every_module(fused):

@@ -1,0 +1,117 @@
+"""Structural checks: which modules must run as each member's own code, whatever builders are registered.
+
+A wide builder reimplements its source module from the source's tensors and hyper-parameters. It is exact
+only when the module is what the builder knows. Three things make a module something else, and each is a
+reason for the planner to run it (and its subtree) per member instead:
+
+- **hooks**: a forward hook or pre-hook (other than transformers' output capture, which hf-wide installs
+  itself) may change inputs or outputs; a wide module would skip it;
+- **parametrizations** (``torch.nn.utils.parametrizations.weight_norm``, ...): the weight is computed from
+  other tensors on every call;
+- **differing attributes**: a module kept as the template's code (or rebuilt from member 0's hyper-parameters)
+  runs with member 0's plain attributes; where a member's differ (PEFT's per-adapter ``scaling``, a norm's
+  ``eps``), member 0's would be used for all. So would a module of another class at the same path.
+
+Fused blocks are stricter still (:func:`block_structure_known`): every module inside one must be an exact class
+with a registered builder, or a tensor-free module of torch or transformers (dropout, activations). A PEFT
+``lora.Linear`` around a block's ``q_proj`` holds an exact ``nn.Linear`` as its ``base_layer``, but it is
+neither: the block, which reads ``q_proj.weight``, would drop the adapter.
+"""
+
+from __future__ import annotations
+
+import functools
+import types
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+from torch.nn.utils import parametrize
+
+from .registry import has_exact_builder
+
+# Configs are checked by hf_wide.compat, and `name_or_path` is where a member came from. PEFT's `peft_config` (on
+# the PeftModel and its tuner) is the adapters' recipe: what its layers run with (`scaling`, `r`, dropout) is
+# copied onto each layer, and compared there.
+IGNORED_ATTRIBUTES = frozenset({"training", "config", "generation_config", "name_or_path", "peft_config"})
+
+
+def _is_capture_hook(hook) -> bool:
+    return getattr(hook, "__qualname__", "").startswith("install_output_capuring_hook.")  # (sic), transformers'
+
+
+def hook_reason(module: nn.Module) -> str | None:
+    hooks = [*module._forward_hooks.values(), *module._forward_pre_hooks.values()]
+    hooks = [h for h in hooks if not _is_capture_hook(h)]
+    if hooks:
+        name = getattr(hooks[0], "__qualname__", type(hooks[0]).__name__)
+        return f"has a forward hook ({name}) that a wide module would skip"
+    return None
+
+
+def _same_value(a, b) -> bool:
+    if isinstance(a, functools.partial) and isinstance(b, functools.partial):  # compare by identity otherwise
+        return (_same_value(a.func, b.func) and len(a.args) == len(b.args)
+                and all(map(_same_value, a.args, b.args)) and _same_value(a.keywords, b.keywords))
+    if isinstance(a, types.MethodType) and isinstance(b, types.MethodType):  # each bound to its own module
+        return a.__func__ is b.__func__ and type(a.__self__) is type(b.__self__)
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape
+                and a.dtype == b.dtype and torch.equal(a, b))
+    try:
+        return bool(a == b)
+    except Exception:  # a value that cannot say whether it equals another: treat it as different
+        return a is b
+
+
+def attribute_reason(mods: Sequence[nn.Module]) -> str | None:
+    """Why the members' modules at one path cannot run as member 0's code: another class, or a plain
+    attribute (not a tensor or child) that differs."""
+    first = mods[0]
+    for i, mod in enumerate(mods[1:], start=1):
+        if type(mod) is not type(first):
+            return f"member {i}'s module is a {type(mod).__name__}, member 0's a {type(first).__name__}"
+        ours, theirs = vars(first), vars(mod)
+        for name in sorted(set(ours) | set(theirs)):
+            if name.startswith("_") or name in IGNORED_ATTRIBUTES:
+                continue
+            if name not in ours or name not in theirs or not _same_value(ours[name], theirs[name]):
+                return f"its attribute {name!r} differs between members 0 and {i}"
+    return None
+
+
+def opaque_reason(mods: Sequence[nn.Module]) -> str | None:
+    """Why the members' modules at one path must each run as their own code, or None."""
+    for i, mod in enumerate(mods):
+        if parametrize.is_parametrized(mod):
+            names = ", ".join(mod.parametrizations.keys())
+            return f"member {i}'s {type(mod).__name__} is parametrized ({names}): its tensors are computed per call"
+        reason = hook_reason(mod)
+        if reason is not None:
+            return f"member {i}'s module {reason}"
+    return attribute_reason(mods)
+
+
+def opaque_modules(members: Sequence[nn.Module]) -> dict[str, str]:
+    """Every path (module fqn) whose modules must run as each member's own code, with the reason."""
+    per_member = [dict(m.named_modules()) for m in members]
+    found = {}
+    for fqn in per_member[0]:
+        reason = opaque_reason([modules[fqn] for modules in per_member])
+        if reason is not None:
+            found[fqn] = reason
+    return found
+
+
+def block_structure_known(module: nn.Module) -> str | None:
+    """None if every module inside ``module`` (a fused block's source) is one a block may read: an exact class
+    with a registered builder, or a module without tensors from torch or transformers. Else the first stranger."""
+    for path, sub in module.named_modules():
+        if not path:
+            continue
+        owns = any(t is not None for t in (*sub._parameters.values(), *sub._buffers.values()))
+        library = type(sub).__module__.split(".")[0] in ("torch", "transformers")
+        if (has_exact_builder(type(sub)) if owns else library):
+            continue
+        return f"{path} is a {type(sub).__module__}.{type(sub).__qualname__}, which the block does not know"
+    return None

@@ -1,0 +1,242 @@
+"""Verification at fuse time: every fused module against its members, on the inputs the sample forward gives it.
+
+The structural rules (:mod:`hf_wide.structure`) decide what a builder may take; this checks what it built. Each
+member runs once on the sample input with hooks that record, for every block and primitive of the plan, the
+first call's inputs and output. The wide model runs once too, so that each wide module's own inputs show which
+of its arguments carry the folded rows: ``(N*B, ...)`` where the member's has ``(B, ...)``, ``(N, ...)`` where
+it has one tensor per member (DeBERTa's stacked table), or the member's very shape (a broadcast). Every wide
+module is then called on the members' recorded inputs, folded so, and its output is compared, member by member,
+with what each member's module returned. A module that disagrees is reported with its error, and the caller
+moves it one rung down the ladder (a block to its parts, a primitive to a fallback) and verifies again.
+
+Errors upstream cannot leak into a module's check: each is fed the members' inputs, not the wide forward's.
+The cost is one forward of the sample input per member, one wide forward, and one call of each wide module.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+from torch.utils import _pytree as pytree
+
+from .fold import Fold
+from .plan import Kind, WidePlan
+
+CHECKED = (Kind.BLOCK, Kind.PRIMITIVE)
+
+
+def tolerance(reference: torch.Tensor) -> float:
+    """The largest difference accepted against ``reference``: relative to its scale, by its dtype's precision."""
+    rel = 1e-4 if reference.dtype in (torch.float32, torch.float64) else 2e-2
+    return rel * max(1.0, reference.detach().abs().max().item()) if reference.numel() else 0.0
+
+
+class _Recorder:
+    """Forward hooks that keep the first call of each named module: ``calls[path] = (args, kwargs, output)``."""
+
+    def __init__(self, model: nn.Module, paths: Sequence[str]):
+        self.calls: dict[str, tuple] = {}
+        modules = dict(model.named_modules())
+        self.handles = [modules[p].register_forward_hook(self._hook(p), with_kwargs=True) for p in paths if p in modules]
+
+    def _hook(self, path: str):
+        def hook(module, args, kwargs, output):
+            if path not in self.calls:  # copies: later code may write into these tensors in place
+                self.calls[path] = _copy((args, dict(kwargs), output))
+        return hook
+
+    def __enter__(self) -> "_Recorder":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for handle in self.handles:
+            handle.remove()
+
+
+def _copy(tree):
+    return pytree.tree_map(lambda t: t.detach().clone() if isinstance(t, torch.Tensor) else t, tree)
+
+
+def sample_kwargs(model: nn.Module, kwargs: dict) -> dict:
+    """The sample's keyword arguments, without a KV cache (a cache would be extended by every call)."""
+    kwargs = dict(kwargs)
+    if getattr(getattr(model, "config", None), "use_cache", None) is not None:
+        kwargs.setdefault("use_cache", False)
+    return kwargs
+
+
+def record_members(references: Sequence[nn.Module], paths: Sequence[str], args: tuple, kwargs: dict) -> list[dict]:
+    """For each reference model, the first call (args, kwargs, output) of every module in ``paths``; the
+    model's own output under the key ``None``."""
+    recorded = []
+    for model in references:
+        with _Recorder(model, paths) as recorder, torch.no_grad():
+            output = model(*args, **sample_kwargs(model, kwargs))
+        recorder.calls[None] = ((), {}, _copy(output))
+        recorded.append(recorder.calls)
+    return recorded
+
+
+def _fold_leaf(wide, parts: list):
+    """The wide module's input from the members' ``parts``, laid out as the wide forward gave it ``wide``."""
+    first, n = parts[0], len(parts)
+    if not isinstance(first, torch.Tensor):
+        return first if all(_equal(p, first) for p in parts) else _NOT_FOLDABLE
+    if not isinstance(wide, torch.Tensor) or any(p.shape != first.shape for p in parts):
+        return _NOT_FOLDABLE
+    if first.dim() and wide.shape == (n * first.shape[0], *first.shape[1:]):
+        return torch.cat(parts)  # (N*B, ...), member-major
+    if wide.shape == (n, *first.shape):
+        return torch.stack(parts)  # (N, ...): one per member
+    if wide.shape == first.shape and all(torch.equal(p, first) for p in parts):
+        return first  # a broadcast, or an input without the batch dim: the same for every member
+    return _NOT_FOLDABLE
+
+
+_NOT_FOLDABLE = object()
+
+
+def _equal(a, b) -> bool:
+    try:
+        return a is b or bool(a == b)
+    except Exception:
+        return False
+
+
+def _member_error(out, refs: list, rows: int) -> float:
+    """The largest error of the wide output ``out`` against the members' ``refs``, in units of the tolerance
+    (> 1 fails); inf where the layouts cannot be matched."""
+    first, n = refs[0], len(refs)
+    if not isinstance(first, torch.Tensor):
+        return 0.0 if all(_equal(out, r) for r in refs) or out is first else float("inf")
+    if not isinstance(out, torch.Tensor):
+        return float("inf")
+    if first.dim() and out.shape == (n * first.shape[0], *first.shape[1:]):
+        views = out.view(n, first.shape[0], *first.shape[1:])
+    elif first.dim() and first.shape[0] == 1 and out.shape == (rows, *first.shape[1:]):  # broadcast, expanded
+        views = out.view(n, rows // n, *first.shape[1:])
+    elif out.shape == (n, *first.shape):
+        views = out
+    elif out.shape == first.shape:
+        views = [out] * n
+    else:
+        return float("inf")
+    worst = 0.0
+    for view, ref in zip(views, refs):
+        if not ref.is_floating_point():
+            worst = max(worst, 0.0 if torch.equal(view.expand_as(ref) if view.shape != ref.shape else view, ref)
+                        else float("inf"))
+            continue
+        diff = (view.float() - ref.float()).abs().max().item() if ref.numel() else 0.0
+        worst = max(worst, diff / tolerance(ref) if diff else 0.0)
+    return worst
+
+
+def check_module(module: nn.Module, fold: Fold, wide_call: tuple, member_calls: list[tuple], rows: int) -> str | None:
+    """Call one wide module on its members' recorded inputs; None if every member's output matches."""
+    wide_leaves, _ = pytree.tree_flatten((wide_call[0], wide_call[1]))
+    member_flat = [pytree.tree_flatten((args, kwargs)) for args, kwargs, _ in member_calls]
+    spec = member_flat[0][1]
+    if any(s != spec for _, s in member_flat) or len(wide_leaves) != len(member_flat[0][0]):
+        return "was called with inputs of another structure than its members'"
+    leaves = [_fold_leaf(w, list(parts)) for w, *parts in zip(wide_leaves, *(leaves for leaves, _ in member_flat))]
+    if any(leaf is _NOT_FOLDABLE for leaf in leaves):
+        return "got an input that differs between members and cannot be folded"
+    args, kwargs = pytree.tree_unflatten(leaves, spec)
+    fold.anchor = leaves_anchor(leaves, rows)
+    try:
+        with torch.no_grad():
+            output = module(*args, **kwargs)
+    except Exception as exc:  # a module that cannot run its members' inputs disagrees with them
+        return f"raised {type(exc).__name__} on its members' inputs: {str(exc).splitlines()[0][:160]}"
+    finally:
+        fold.reset()
+    return compare_outputs(output, [out for _, _, out in member_calls], rows)
+
+
+def leaves_anchor(leaves: list, rows: int) -> torch.Tensor:
+    tensor = next((t for t in leaves if isinstance(t, torch.Tensor)), None)
+    return torch.empty(rows, 0) if tensor is None else tensor.new_empty(rows, 0)
+
+
+def compare_outputs(output, member_outputs: list, rows: int) -> str | None:
+    """None if ``output`` (the wide module's) holds every member's output; else what differs."""
+    out_leaves, out_spec = pytree.tree_flatten(output)
+    ref_flat = [pytree.tree_flatten(o) for o in member_outputs]
+    if any(spec != out_spec for _, spec in ref_flat):
+        return "returned outputs of another structure than its members'"
+    for k, (out, *refs) in enumerate(zip(out_leaves, *(leaves for leaves, _ in ref_flat))):
+        error = _member_error(out, refs, rows)
+        if error > 1:
+            what = "a layout that matches no member's" if error == float("inf") else f"{error:.3g}x the tolerance"
+            return f"disagreed with its members (output {k}: {what})"
+    return None
+
+
+def verify_modules(wide, paths: Sequence[str], references: Sequence[nn.Module], args: tuple, kwargs: dict,
+                   recorded: list[dict] | None = None) -> tuple[dict[str, str], list[dict]]:
+    """Check the modules at ``paths`` of ``wide`` (a :class:`~hf_wide.WideModel`) against ``references``
+    (member i's model, or a view of it) on the sample inputs. Returns ({fqn: what went wrong}, the members'
+    recorded calls, to pass back in when verifying a re-planned model)."""
+    recorded = recorded if recorded is not None else [{} for _ in references]
+    missing = [p for p in paths if p not in recorded[0]]
+    if missing or None not in recorded[0]:
+        for calls, new in zip(recorded, record_members(references, missing, args, kwargs)):
+            calls.update({k: v for k, v in new.items() if k not in calls})
+    with _Recorder(wide.model, paths) as recorder, torch.no_grad():
+        wide(*args, **sample_kwargs(wide.model, kwargs))
+    rows = wide.num_members * _sample_batch(args, kwargs)
+    modules = dict(wide.model.named_modules())
+    failures = {}
+    for path in paths:
+        if path not in recorder.calls or path not in recorded[0]:
+            continue  # not called on the sample: nothing to check it with
+        reason = check_module(modules[path], wide.fold, recorder.calls[path], [r[path] for r in recorded], rows)
+        if reason is not None:
+            failures[path] = reason
+    return failures, recorded
+
+
+def wide_paths(plan: WidePlan) -> list[str]:
+    """The modules a plan makes wide: what :func:`verify_modules` checks on every fusion."""
+    return [e.fqn for e in plan.entries.values() if e.kind in CHECKED]
+
+
+def kept_paths(wide) -> list[str]:
+    """The template's own modules in a folded model (not wide, not per member, not inside either), innermost
+    first: where to look when every wide module agrees with its members but the whole output does not."""
+    from .blocks import WideBlock
+    from .primitives import PerMemberFallback, WideModule
+
+    found, inside = [], []
+    for path, module in wide.model.named_modules():
+        if any(path.startswith(f"{p}.") for p in inside):
+            continue
+        if isinstance(module, (WideModule, WideBlock, PerMemberFallback)):
+            inside.append(path)
+        else:
+            found.append(path)
+    return sorted(found, key=lambda p: -p.count(".") - bool(p))
+
+
+def innermost(failures: dict[str, str]) -> dict[str, str]:
+    """The failures none of whose submodules failed: the others may only carry their error."""
+    return {p: r for p, r in failures.items() if not any(q != p and (p == "" or q.startswith(f"{p}.")) for q in failures)}
+
+
+def check_whole(wide, recorded: list[dict], args: tuple, kwargs: dict) -> str | None:
+    """None if the wide model's output holds every member's recorded output on the sample."""
+    with torch.no_grad():
+        output = wide(*args, **sample_kwargs(wide.model, kwargs))  # (N, B, ...) leaves
+    n = wide.num_members
+    batch = _sample_batch(args, kwargs)
+    folded = pytree.tree_map(lambda t: t.reshape(n * batch, *t.shape[2:])
+                             if isinstance(t, torch.Tensor) and t.dim() > 1 and t.shape[:2] == (n, batch) else t, output)
+    return compare_outputs(folded, [r[None][2] for r in recorded], n * batch)
+
+
+def _sample_batch(args: tuple, kwargs: dict) -> int:
+    first = next(v for v in (*args, *kwargs.values()) if isinstance(v, torch.Tensor) and v.dim() > 0)
+    return first.shape[0]

@@ -1,0 +1,168 @@
+"""Verify, don't trust: members that are not what a builder knows (PEFT LoRA layers, forward hooks, weight-norm
+parametrizations, attributes that differ) and builders that are wrong are either exact or run per member, with
+the reason in the plan. Never a wrong number."""
+
+import peft
+import pytest
+import torch
+from conftest import CASES
+from oracle import TOLERANCE, max_member_error
+from torch import nn
+
+from hf_wide import Kind, WideModel
+from hf_wide.blocks.base import WideBlock
+from hf_wide.primitives.base import WideModule
+from hf_wide.registry import register_block, register_wide
+
+LLAMA = CASES["llama-causallm"]
+
+
+def lora_members(n=3, alphas=(8, 8, 8), **config) -> list[nn.Module]:
+    """Adapters of one Llama base: LoRA on q_proj and v_proj, each member's own random A and B."""
+    members = []
+    for seed, alpha in zip(range(n), alphas):
+        lora = peft.LoraConfig(r=4, lora_alpha=alpha, target_modules=["q_proj", "v_proj"], **config)
+        model = peft.get_peft_model(LLAMA.build(0), lora)
+        gen = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "lora_" in name:
+                    p.copy_(0.1 * torch.randn(p.shape, generator=gen))
+        members.append(model.eval())
+    return members
+
+
+def test_lora_wrapped_projections_are_not_fused_into_an_attention_block():
+    members = lora_members()
+    wide = WideModel.from_models(members)
+    assert max_member_error(wide, members, LLAMA.inputs(3, padded=True)) <= TOLERANCE
+    attentions = [e for e in wide.plan.entries.values() if e.module_class == "LlamaAttention"]
+    assert not attentions  # no block: q_proj is a peft.tuners.lora.Linear
+    assert any("peft.tuners.lora" in w and "q_proj" in w for w in wide.plan.warnings)
+
+
+def test_lora_members_loaded_with_peft_from_pretrained(tmp_path):
+    members = []
+    for i, adapter in enumerate(lora_members()):
+        adapter.save_pretrained(tmp_path / f"adapter{i}")
+        members.append(peft.PeftModel.from_pretrained(LLAMA.build(0), tmp_path / f"adapter{i}").eval())
+    wide = WideModel.from_models(members)
+    assert max_member_error(wide, members, LLAMA.inputs(2, padded=True)) <= TOLERANCE
+
+
+def test_lora_scaling_that_differs_runs_per_member():
+    # lora_alpha differs, so PEFT's per-layer `scaling` does: member 0's must not serve all.
+    members = lora_members(alphas=(4, 8, 16))
+    wide = WideModel.from_models(members)
+    assert max_member_error(wide, members, LLAMA.inputs(2, padded=True)) <= TOLERANCE
+    assert {e.module_class for e in wide.plan.fallbacks} == {"Linear"}  # the lora.Linear wrappers, not the model
+    assert all("lora_alpha" in e.reason for e in wide.plan.fallbacks)
+
+
+def test_forward_hooks_run_per_member():
+    members = [LLAMA.build(seed) for seed in range(3)]
+    for i, member in enumerate(members):  # each member's own hook on one projection and one whole layer
+        member.model.layers[0].mlp.down_proj.register_forward_hook(lambda m, a, out, s=1.0 + i: out * s)
+        member.model.layers[1].register_forward_pre_hook(lambda m, args, s=0.5 + i: (args[0] * s, *args[1:]))
+    wide = WideModel.from_models(members)
+    assert max_member_error(wide, members, LLAMA.inputs(3, padded=True)) <= TOLERANCE
+    reasons = {e.name: e.reason for e in wide.plan.fallbacks}
+    assert "forward hook" in reasons["model.layers.0.mlp.down_proj"]
+    assert "forward hook" in reasons["model.layers.1"]
+
+
+def test_weight_norm_parametrizations_run_per_member():
+    members = [CASES["bert-seqcls"].build(seed) for seed in range(3)]
+    for member in members:
+        layer = member.bert.encoder.layer[0]
+        torch.nn.utils.parametrizations.weight_norm(layer.attention.self.query)
+        torch.nn.utils.parametrizations.weight_norm(layer.output.dense)
+    wide = WideModel.from_models(members)
+    assert max_member_error(wide, members, CASES["bert-seqcls"].inputs(3, padded=True)) <= TOLERANCE
+    assert any("parametrized" in e.reason for e in wide.plan.fallbacks)
+
+
+def test_a_hyper_parameter_that_differs_runs_per_member():
+    members = [CASES["bert-seqcls"].build(seed) for seed in range(3)]
+    members[2].bert.embeddings.LayerNorm.eps = 1e-2
+    wide = WideModel.from_models(members)
+    assert max_member_error(wide, members, CASES["bert-seqcls"].inputs(3, padded=True)) <= TOLERANCE
+    assert "'eps' differs" in {e.name: e.reason for e in wide.plan.fallbacks}["bert.embeddings.LayerNorm"]
+
+
+# ---------------------------------------------------------------- builders that are wrong
+class Gain(nn.Module):
+    def __init__(self, dim):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(dim))
+
+    def forward(self, x):
+        return x * self.weight
+
+
+@register_wide(Gain)
+class ForgetfulGain(WideModule):
+    """Wrong on purpose: forgets the gain."""
+
+    def forward(self, x):
+        return x
+
+
+class Pair(nn.Module):
+    def __init__(self, dim):
+        super().__init__()
+        self.a, self.b = nn.Linear(dim, dim), nn.Linear(dim, dim)
+
+    def forward(self, x):
+        return self.b(torch.relu(self.a(x)))
+
+
+@register_block(Pair)
+class BiaslessPair(WideBlock):
+    """Wrong on purpose: drops b's bias."""
+
+    def build(self, mods):
+        self.a = nn.Parameter(torch.stack([m.a.weight.detach() for m in mods]))
+        self.a_bias = nn.Parameter(torch.stack([m.a.bias.detach() for m in mods]))
+        self.b = nn.Parameter(torch.stack([m.b.weight.detach() for m in mods]))
+
+    def forward(self, x):  # (N*B, D)
+        n = self.num_members
+        h = torch.relu(torch.baddbmm(self.a_bias.unsqueeze(1), x.view(n, -1, x.shape[-1]), self.a.transpose(1, 2)))
+        return torch.bmm(h, self.b.transpose(1, 2)).reshape(x.shape)
+
+
+class Net(nn.Module):
+    def __init__(self, dim=4):
+        super().__init__()
+        self.gain, self.pair, self.head = Gain(dim), Pair(dim), nn.Linear(dim, 2)
+
+    def forward(self, x):
+        return self.head(self.pair(self.gain(x)))
+
+
+@pytest.fixture
+def nets():
+    torch.manual_seed(0)
+    return [Net().eval() for _ in range(3)]
+
+
+def test_wrong_builders_are_moved_down_the_ladder(nets):
+    wide = WideModel.from_models(nets, torch.randn(2, 4))
+    entries = wide.plan.entries
+    assert entries["gain"].kind == Kind.FALLBACK and "ForgetfulGain disagreed" in entries["gain"].reason
+    assert "pair" not in entries and entries["pair.b"].kind == Kind.PRIMITIVE  # the block, by its parts
+    assert any("BiaslessPair disagreed" in w for w in wide.plan.warnings)
+    x = torch.randn(5, 4)
+    with torch.no_grad():
+        out = wide(x)
+        assert max((out[i] - net(x)).abs().max().item() for i, net in enumerate(nets)) <= TOLERANCE
+
+
+def test_unverified_wrong_builders_give_wrong_numbers(nets):
+    # The check above is what stands between a wrong builder and a wrong number.
+    wide = WideModel.from_models(nets, torch.randn(2, 4), verify=False)
+    assert wide.plan.entries["gain"].kind == Kind.PRIMITIVE and wide.plan.entries["pair"].kind == Kind.BLOCK
+    x = torch.randn(5, 4)
+    with torch.no_grad():
+        assert (wide(x)[1] - nets[1](x)).abs().max() > 1e-3
