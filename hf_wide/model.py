@@ -21,13 +21,14 @@ from torch import nn
 from .capture import asks_for_capture, install_capture_hooks
 from .compat import check_compatible, member_names
 from .fold import Fold, fold_inputs, unfold_outputs
-from .plan import Kind, WidePlan
+from .plan import Demotions, Kind, WidePlan
+from .structure import opaque_modules
 from .planner import make_plan, tensor_aliases, trace_members
 from .swap import build_wide, member_copy
 from .tracer import sample_inputs as build_sample_inputs
 from .verify import check_whole, innermost, kept_paths, verify_modules, wide_paths
 
-MAX_VERIFY_ROUNDS = 8  # each round moves every module that disagreed one strategy down
+MAX_VERIFY_ROUNDS = 16  # each round moves every module that disagreed one strategy down
 
 
 class WideValidationError(RuntimeError):
@@ -62,9 +63,12 @@ class WideModel(nn.Module):
         self._aliases = aliases
         self._capture_hooks = False  # installed on the first forward that asks for attentions or hidden states
         self._capture_lock = threading.Lock()
-        # generate() calls the model's forward itself, with rows it may expand (beams, several sequences per
-        # input): this pre-hook records the rows of each call, in the thread that is generating only.
-        self.model.register_forward_pre_hook(fold, with_kwargs=True)
+        # generate() calls the model's forward itself (and an encoder-decoder's encoder first), with rows it may
+        # expand (beams, several sequences per input): this pre-hook records the rows of each call, in the thread
+        # that is generating only.
+        encoder = model.get_encoder() if hasattr(model, "get_encoder") else None
+        for module in {id(m): m for m in (model, encoder) if isinstance(m, nn.Module)}.values():
+            module.register_forward_pre_hook(fold, with_kwargs=True)
 
     # ---------------------------------------------------------------- construction
     @classmethod
@@ -101,10 +105,11 @@ class WideModel(nn.Module):
         for m in models:
             m.eval()
         try:
+            opaque = opaque_modules(models)  # before the trace runs member 0
             traced = trace_members(template, args, kwargs)
-            wide, demoted, fallbacks, recorded = None, {}, {}, None
+            wide, demotions, recorded, whole = None, Demotions(), None, None
             for _ in range(MAX_VERIFY_ROUNDS):
-                plan = make_plan(models, *traced, share_identical=share_identical, demoted=demoted, fallbacks=fallbacks)
+                plan = make_plan(models, *traced, share_identical=share_identical, demotions=demotions, opaque=opaque)
                 fold = Fold(len(models))
                 wide = cls(
                     build_wide(models, plan, fold),
@@ -117,20 +122,23 @@ class WideModel(nn.Module):
                 ).eval()
                 if not verify:
                     break
-                failures, recorded = verify_modules(wide, wide_paths(plan), models, args, kwargs, recorded)
-                if not failures and check_whole(wide, recorded, args, kwargs) is None:
-                    break
-                if failures:  # a block is planned by its parts, a primitive runs per member
-                    demoted.update(failures)
-                else:  # every wide module agrees: the template's own code differs (mixes rows, say) somewhere
+                try:
+                    failures, recorded = verify_modules(wide, wide_paths(plan), models, args, kwargs, recorded)
+                except Exception:  # raised in the template's own code: blame the innermost module it ran in
                     failures, recorded = verify_modules(wide, kept_paths(wide), models, args, kwargs, recorded)
-                    if not failures or failures.keys() <= fallbacks.keys():
-                        raise WideValidationError(
-                            f"hf-wide cannot fuse these members exactly: the fused model's output "
-                            f"{check_whole(wide, recorded, args, kwargs)} on the sample input, and no module can "
-                            f"be blamed. Plan:\n{plan}"
-                        )
-                    fallbacks.update(innermost(failures))
+                    whole = "raised"
+                if not failures:
+                    whole = check_whole(wide, recorded, args, kwargs)
+                    if whole is None:
+                        break
+                    # every wide module agrees: the template's own code differs somewhere (it mixes rows, say)
+                    failures, recorded = verify_modules(wide, kept_paths(wide), models, args, kwargs, recorded)
+                    failures = innermost(failures)
+                if not demotions.add(plan, failures):
+                    raise WideValidationError(
+                        f"hf-wide cannot fuse these members exactly: {_describe(failures) or f'the output {whole}'} "
+                        f"on the sample input, and nothing is left to move down. Plan:\n{plan}"
+                    )
             else:
                 raise WideValidationError(f"hf-wide could not verify a plan in {MAX_VERIFY_ROUNDS} rounds:\n{plan}")
         finally:
@@ -284,6 +292,10 @@ class WideModel(nn.Module):
 
     def extra_repr(self) -> str:
         return f"num_members={self.num_members}, plan: {self.plan.summary()}"
+
+
+def _describe(failures: dict[str, str]) -> str:
+    return "; ".join(f"{path or '(model)'} {reason}" for path, reason in failures.items())
 
 
 def _as_args_kwargs(sample: dict | tuple | torch.Tensor) -> tuple[tuple, dict]:

@@ -14,7 +14,8 @@ class Kind(str, enum.Enum):
     BLOCK = "block"  # a fused block replaces a whole known sub-structure (attention, MLP)
     PRIMITIVE = "primitive"  # a wide leaf layer: stacked weights, batched kernel
     SHARED = "shared"  # identical in every member: one module, one copy in memory
-    FALLBACK = "fallback"  # each member's own module runs on its rows, outputs concatenated
+    VECTORISED = "vectorised"  # no builder: the module's own forward, vmapped over the members' stacked tensors
+    FALLBACK = "fallback"  # a loop: each member's own module runs on its rows, outputs concatenated
 
 
 @dataclasses.dataclass
@@ -33,6 +34,33 @@ class ModulePlan:
 
 
 @dataclasses.dataclass
+class Demotions:
+    """What verification moved down the ladder (block, primitive, vectorised, loop), each fqn with the reason."""
+
+    unfused: dict[str, str] = dataclasses.field(default_factory=dict)  # blocks, planned by their parts
+    per_member: dict[str, str] = dataclasses.field(default_factory=dict)  # primitives and kept modules
+    looped: dict[str, str] = dataclasses.field(default_factory=dict)  # vectorised modules, run in a loop
+
+    def add(self, plan: "WidePlan", failures: dict[str, str]) -> bool:
+        """Move each failed module one strategy down; False if none could move."""
+        moved = False
+        for fqn, reason in failures.items():
+            entry = plan.entries.get(fqn)
+            kind = entry.kind if entry is not None else None
+            what = f"{entry.wide_class if entry is not None and entry.wide_class else 'kept'} {reason}"
+            if kind == Kind.FALLBACK:  # even each member's own module fails on its rows: run its parent per member
+                if not fqn:
+                    continue
+                fqn, what = fqn.rpartition(".")[0], f"{fqn}: {what}"
+                kind = None
+            table = {Kind.BLOCK: self.unfused, Kind.VECTORISED: self.looped}.get(kind, self.per_member)
+            if fqn not in table:
+                table[fqn] = what
+                moved = True
+        return moved
+
+
+@dataclasses.dataclass
 class WidePlan:
     num_members: int
     model_class: str
@@ -47,6 +75,11 @@ class WidePlan:
 
     @property
     def fallbacks(self) -> list[ModulePlan]:
+        """The modules that run as the members' own code: vectorised or in a loop."""
+        return [e for e in self.entries.values() if e.kind in (Kind.VECTORISED, Kind.FALLBACK)]
+
+    @property
+    def loops(self) -> list[ModulePlan]:
         return self.by_kind(Kind.FALLBACK)
 
     def counts(self) -> Counter:

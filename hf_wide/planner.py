@@ -30,7 +30,8 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from .plan import Kind, ModulePlan, WidePlan
+from .plan import Demotions, Kind, ModulePlan, WidePlan
+from .primitives.fallback import TOKEN_ROWS
 from .structure import block_structure_known, opaque_modules
 from .registry import (
     declares_stacked_reads,
@@ -83,23 +84,25 @@ def make_plan(
     flops: dict[str, int] | None = None,
     sample_shape: str = "",
     share_identical: bool = True,
-    demoted: dict[str, str] | None = None,
-    fallbacks: dict[str, str] | None = None,
+    demotions: Demotions | None = None,
+    opaque: dict[str, str] | None = None,
 ) -> WidePlan:
     """The WidePlan for fusing ``members`` (same architecture, already checked). With
     ``share_identical=False`` no module is shared: the plan of the architecture, whatever the weights.
-    ``demoted`` (fqn -> reason) names blocks and primitives that disagreed with their members when verified:
-    a block is planned by its parts instead, a primitive runs per member. ``fallbacks`` (fqn -> reason) are
-    modules, kept ones included, that must run per member."""
+    ``demotions`` names the modules that disagreed with their members when verified: a block is planned by its
+    parts instead, a primitive or kept module runs per member, vectorised first, then in a loop. ``opaque``:
+    :func:`~hf_wide.structure.opaque_modules` of the members, taken before the trace ran member 0 (a module that
+    keeps state from its last forward, as Funnel's attention structure does, would differ after it)."""
     template = members[0]
     flops = flops or {}
-    demoted = demoted or {}
+    demotions = demotions or Demotions()
+    demoted = {**demotions.unfused, **demotions.per_member}
     member_modules = [dict(m.named_modules()) for m in members]
     aliases = tensor_aliases(template)
     modules = dict(template.named_modules())
     entries: dict[str, ModulePlan] = {}
-    opaque = opaque_modules(members)
-    fallback_roots: dict[str, str] = {**opaque, **(fallbacks or {})}
+    opaque = opaque_modules(members) if opaque is None else opaque
+    fallback_roots: dict[str, str] = {**opaque, **demotions.per_member}
     stacked_reads = []  # (module, its declared reader, consumer classes, differs between members, plan fields)
     notes = list(trace.warnings)
 
@@ -143,7 +146,7 @@ def make_plan(
         outside = [(name, reader) for name, reader in outside if name in differing]
         wide_cls = find_wide(type(module))
         if fqn in demoted:
-            fallback_roots.setdefault(fqn, f"{wide_cls.__name__ if wide_cls else 'its wide module'} {demoted[fqn]}")
+            pass  # a fallback root already
         elif outside:
             name, reader = outside[0]
             root = _common_ancestor([fqn] + [r for _, r in outside])
@@ -176,7 +179,7 @@ def make_plan(
             declares_stacked_reads(modules[p]) for p in modules if p and _is_under(path, p)) or any(
             all(_is_under(p, root) for p in (path, *uses)) for root in opaque)  # all inside a module run per member
         if not (shared or handled):
-            root = _common_ancestor([path, *uses])
+            root = _unbatched_root(path, uses, trace.escapes)
             fallback_roots.setdefault(root, f"{op} runs {path or '(model)'} on an input without the batch dim")
     for root in list(fallback_roots):
         settled = _settle(root, modules, trace.callers)
@@ -189,14 +192,15 @@ def make_plan(
     entries = {f: e for f, e in entries.items() if not any(_is_under(f, root) for root in outermost)}
     for root in outermost:
         module = modules[root]
+        loop = _loop_reason(root, modules, opaque, demotions.looped)
         entries[root] = ModulePlan(
             fqn=root,
             module_class=type(module).__name__,
-            kind=Kind.FALLBACK,
-            wide_class="PerMemberFallback",
+            kind=Kind.VECTORISED if loop is None else Kind.FALLBACK,
+            wide_class="VectorisedFallback" if loop is None else "PerMemberFallback",
             params=sum(p.numel() for p in module.parameters()),
             flops=flops.get(root, 0),
-            reason=fallback_roots[root],
+            reason=fallback_roots[root] + ("" if loop is None else f"; in a loop: {loop}"),
         )
     order = {name: i for i, name in enumerate(modules)}
     entries = dict(sorted(entries.items(), key=lambda item: order[item[0]]))
@@ -213,6 +217,34 @@ def make_plan(
         total_flops=flops.get("", 0),
         warnings=notes,
     )
+
+
+def _unbatched_root(path: str, uses: set[str], escapes: dict[str, set[str]]) -> str:
+    """Where to run per member a module that runs its tensors on an input without the batch dim: the innermost
+    module around it that hands on only batched results or broadcasts ``(1, ...)`` (T5's attention, whose
+    position bias leaves it as (1, H, T, T): run per member, it leaves with a member dim, N*B rows), and at
+    the latest the common ancestor of it and every use of its result."""
+    outermost = _common_ancestor([path, *uses])
+    parts = path.split(".") if path else []
+    for depth in range(len(parts), -1, -1):
+        candidate = ".".join(parts[:depth])
+        if candidate == outermost or escapes.get(candidate, {"other"}) <= {"batch", "one"}:
+            return candidate
+    return outermost
+
+
+def _loop_reason(root: str, modules: dict[str, nn.Module], opaque: dict[str, str], looped: dict[str, str]):
+    """Why the fallback at ``root`` must run each member's own module in a loop rather than vmap member 0's code
+    over the stacked tensors (None if it need not)."""
+    if root in looped:
+        return looped[root]
+    inside = next((path for path in opaque if _is_under(path, root)), None)
+    if inside is not None:
+        return f"{inside or '(model)'} must run as each member's own code"
+    routed = next((p for p, m in modules.items() if _is_under(p, root) and type(m) in TOKEN_ROWS), None)
+    if routed is not None:
+        return f"{routed} routes tokens to experts by their values (data-dependent control flow)"
+    return None
 
 
 def _settle(root: str, modules: dict[str, nn.Module], callers: dict[str, set[str]]) -> str:
@@ -305,5 +337,6 @@ def plan_members(
     and plan the fusion of ``members``."""
     if not args and not kwargs:
         kwargs = sample_inputs(members[0])
+    opaque = opaque_modules(members)  # before the trace runs member 0
     traced, flops, shapes = trace_members(members[0], args, kwargs)
-    return make_plan(members, traced, flops, shapes, share_identical)
+    return make_plan(members, traced, flops, shapes, share_identical, opaque=opaque)

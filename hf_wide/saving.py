@@ -37,7 +37,7 @@ from torch import nn
 from .fold import Fold
 from .plan import Kind, ModulePlan, WidePlan
 from .planner import tensor_aliases
-from .primitives import PerMemberFallback, WideModule
+from .primitives import PerMemberFallback, VectorisedFallback, WideModule
 from .swap import build_wide, member_copy
 
 FORMAT_VERSION = 1
@@ -237,14 +237,16 @@ def fill_(model: nn.Module, aliases: dict[str, list[str]], num_members: int,
     into ``dst``, a view into the wide model's storage (``member(i, share=True)`` gives those views). A tensor
     that all members share (a shared module's) is read once. Returns the number of elements written."""
     done: dict[int, torch.Tensor] = {}  # keeps the tensors alive, so their ids stay unique
-    fallbacks = [(path, m) for path, m in model.named_modules() if isinstance(m, PerMemberFallback)]
+    fallbacks = [(path, m) for path, m in model.named_modules() if isinstance(m, (PerMemberFallback, VectorisedFallback))]
     for i in range(num_members):
         view = member_copy(model, i, aliases, share=True)
         tensors = list(state_tensors(view).items())
         # A fallback's own copy of a tensor tied to one outside it (T5's encoder embeddings and the model's
         # shared table) is not reached through the member's view, whose ties lead outside: read it as well.
-        tensors += [(f"{path}.{name}" if path else name, t) for path, fallback in fallbacks
-                    for name, t in state_tensors(fallback.members[i]).items()]
+        reached = {name for name, _ in tensors}
+        tensors += [(full, t) for path, fallback in fallbacks
+                    for name, t in state_tensors(fallback.to_module(i, share=True)).items()
+                    if (full := f"{path}.{name}" if path else name) not in reached]
         for name, t in tensors:
             if id(t) not in done:
                 done[id(t)] = t

@@ -17,9 +17,12 @@ from .capture import reset_capture_hooks
 from .fold import Fold
 from .plan import Kind, WidePlan
 from .planner import tensor_aliases
-from .primitives import PerMemberFallback, WideModule
 from .blocks import WideBlock
+from .primitives import PerMemberFallback, VectorisedFallback, WideModule
 from .registry import find_block, get_wide
+
+
+WIDE_MODULES = (WideModule, WideBlock, VectorisedFallback, PerMemberFallback)  # what a plan swaps in
 
 
 def build_wide(members: Sequence[nn.Module], plan: WidePlan, fold: Fold) -> nn.Module:
@@ -33,6 +36,8 @@ def build_wide(members: Sequence[nn.Module], plan: WidePlan, fold: Fold) -> nn.M
             memo[id(mods[0])] = find_block(mods[0]).from_modules(mods, fold)
         elif entry.kind == Kind.PRIMITIVE:
             memo[id(mods[0])] = get_wide(type(mods[0])).from_modules(mods, fold)
+        elif entry.kind == Kind.VECTORISED:
+            memo[id(mods[0])] = VectorisedFallback.from_modules(mods, fold)
         elif entry.kind == Kind.FALLBACK:
             memo[id(mods[0])] = PerMemberFallback.from_modules([copy.deepcopy(m) for m in mods], fold)
     # If the whole model is one fallback, it is its own replacement.
@@ -50,14 +55,15 @@ def member_copy(
     if share:  # shared modules' tensors: the same objects
         memo.update({id(t): t for t in (*wide.parameters(), *wide.buffers())})
     for module in wide.modules():
-        if isinstance(module, (WideModule, WideBlock, PerMemberFallback)) and id(module) not in memo:
+        if isinstance(module, WIDE_MODULES) and id(module) not in memo:
             memo[id(module)] = module.to_module(i, share=share)
             memo.update({id(sub): sub for sub in module.modules() if sub is not module})  # inside it: skip
     member = memo[id(wide)] if id(wide) in memo else copy.deepcopy(wide, memo)
-    for key, hook in list(member._forward_pre_hooks.items()):
-        if isinstance(hook, Fold):  # the wide model's row recorder: nothing to record in one member
-            del member._forward_pre_hooks[key]
-            member._forward_pre_hooks_with_kwargs.pop(key, None)
+    for module in member.modules():
+        for key, hook in list(module._forward_pre_hooks.items()):
+            if isinstance(hook, Fold):  # the wide model's row recorder: nothing to record in one member
+                del module._forward_pre_hooks[key]
+                module._forward_pre_hooks_with_kwargs.pop(key, None)
     retie(member, aliases)
     return reset_capture_hooks(member)  # hooks copied from the wide model sit on wide modules
 

@@ -61,6 +61,9 @@ class Trace:
     # module path -> the paths of the modules that call it (XMOD's layer calls ``self.output.LayerNorm``
     # itself, not only through ``self.output``)
     callers: dict[str, set[str]] = dataclasses.field(default_factory=dict)
+    # module path -> the leading dims of the tensors its calls hand to code outside it: "batch", "one" (a
+    # broadcast, or a result without the batch dim such as T5's position bias of shape (1, H, T, T)), "other"
+    escapes: dict[str, set[str]] = dataclasses.field(default_factory=dict)
 
 
 def _module_stack(node: torch.fx.Node) -> list[str]:
@@ -158,6 +161,7 @@ def trace(model: nn.Module, args: tuple = (), kwargs: dict | None = None) -> Tra
     unbatched: dict[str, tuple[str, set[str]]] = {}
     callers: dict[str, set[str]] = defaultdict(set)
     param_names = _weight_nodes(program.graph, set(placeholders))
+    escapes = _escapes(program.graph, batch_symbol) if batch_symbol is not None else {}
     for node in program.graph.nodes:
         stack = _module_stack(node)
         for caller, callee in itertools.pairwise(stack):
@@ -177,7 +181,26 @@ def trace(model: nn.Module, args: tuple = (), kwargs: dict | None = None) -> Tra
     if batch_symbol is None:
         method = "export (static batch)"
         notes.append("the batch dim was specialised by export, so ops that mix batch rows were not checked")
-    return Trace(method, dict(users), mixing, notes, unbatched, dict(callers))
+    return Trace(method, dict(users), mixing, notes, unbatched, dict(callers), escapes)
+
+
+def _escapes(graph: torch.fx.Graph, batch_symbol) -> dict[str, set[str]]:
+    """For every module, the leading dims of the tensors that leave its calls (see :attr:`Trace.escapes`)."""
+    found: dict[str, set[str]] = defaultdict(set)
+    for node in graph.nodes:
+        val = node.meta.get("val")
+        if node.op != "call_function" or not isinstance(val, torch.Tensor) or val.dim() == 0:
+            continue
+        first = val.shape[0]
+        kind = ("batch" if batch_symbol in _batch_symbols(val.shape[:1])
+                else "one" if isinstance(first, int) and first == 1 else "other")
+        inside = _module_stack(node)
+        for user in node.users:
+            reached = set(_module_stack(user)) if user.op != "output" else set()
+            for path in inside:
+                if path not in reached:
+                    found[path].add(kind)
+    return dict(found)
 
 
 def _weight_nodes(graph: torch.fx.Graph, params: set[str]) -> set[str]:

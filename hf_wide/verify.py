@@ -24,7 +24,7 @@ from torch.utils import _pytree as pytree
 from .fold import Fold
 from .plan import Kind, WidePlan
 
-CHECKED = (Kind.BLOCK, Kind.PRIMITIVE)
+CHECKED = (Kind.BLOCK, Kind.PRIMITIVE, Kind.VECTORISED)
 
 
 def tolerance(reference: torch.Tensor) -> float:
@@ -34,15 +34,27 @@ def tolerance(reference: torch.Tensor) -> float:
 
 
 class _Recorder:
-    """Forward hooks that keep the first call of each named module: ``calls[path] = (args, kwargs, output)``."""
+    """Forward hooks that keep the first call of each named module: ``calls[path] = (args, kwargs, output)``.
+    ``running`` holds the paths entered and not yet left: after an exception, where it was raised."""
 
     def __init__(self, model: nn.Module, paths: Sequence[str]):
         self.calls: dict[str, tuple] = {}
+        self.running: list[str] = []
         modules = dict(model.named_modules())
-        self.handles = [modules[p].register_forward_hook(self._hook(p), with_kwargs=True) for p in paths if p in modules]
+        self.handles = []
+        for p in paths:
+            if p in modules:
+                self.handles.append(modules[p].register_forward_pre_hook(self._enter(p)))
+                self.handles.append(modules[p].register_forward_hook(self._hook(p), with_kwargs=True))
+
+    def _enter(self, path: str):
+        def hook(module, args):
+            self.running.append(path)
+        return hook
 
     def _hook(self, path: str):
         def hook(module, args, kwargs, output):
+            self.running.pop()
             if path not in self.calls:  # copies: later code may write into these tensors in place
                 self.calls[path] = _copy((args, dict(kwargs), output))
         return hook
@@ -186,7 +198,12 @@ def verify_modules(wide, paths: Sequence[str], references: Sequence[nn.Module], 
         for calls, new in zip(recorded, record_members(references, missing, args, kwargs)):
             calls.update({k: v for k, v in new.items() if k not in calls})
     with _Recorder(wide.model, paths) as recorder, torch.no_grad():
-        wide(*args, **sample_kwargs(wide.model, kwargs))
+        try:
+            wide(*args, **sample_kwargs(wide.model, kwargs))
+        except Exception as exc:  # the innermost checked module it was raised in disagrees with its members
+            if not recorder.running:
+                raise
+            return {recorder.running[-1]: f"raised {type(exc).__name__}: {str(exc).splitlines()[0][:160]}"}, recorded
     rows = wide.num_members * _sample_batch(args, kwargs)
     modules = dict(wide.model.named_modules())
     failures = {}
@@ -207,14 +224,13 @@ def wide_paths(plan: WidePlan) -> list[str]:
 def kept_paths(wide) -> list[str]:
     """The template's own modules in a folded model (not wide, not per member, not inside either), innermost
     first: where to look when every wide module agrees with its members but the whole output does not."""
-    from .blocks import WideBlock
-    from .primitives import PerMemberFallback, WideModule
+    from .swap import WIDE_MODULES
 
     found, inside = [], []
     for path, module in wide.model.named_modules():
         if any(path.startswith(f"{p}.") for p in inside):
             continue
-        if isinstance(module, (WideModule, WideBlock, PerMemberFallback)):
+        if isinstance(module, WIDE_MODULES):
             inside.append(path)
         else:
             found.append(path)

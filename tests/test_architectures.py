@@ -1,7 +1,7 @@
 """The central oracle over a wider sweep of transformers architectures than the family table: three members
 with different random weights, one forward (and greedy generation for decoders), member i against checkpoint i.
 
-Each architecture is tiny and tested once; the family table (``families.py``) tests its families in depth. Most of
+Each architecture is tiny and tested once (CLIP, Wav2Vec2, Whisper and Swin with the inputs they take); the family table (``families.py``) tests its families in depth. Most of
 these run partly per member (fallbacks); what matters here is that none is silently wrong.
 """
 
@@ -84,6 +84,30 @@ SEQ2SEQ = {
                                                              num_heads=4, decoder_start_token_id=0, pad_token_id=0)),
 }
 
+# Other inputs than text or images alone: (factory, inputs, output to compare).
+MIXED = {
+    "clip": (lambda: tf.CLIPModel(tf.CLIPConfig(
+        text_config={**TEXT, "num_hidden_layers": 2}, projection_dim=16,
+        vision_config={"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4, "intermediate_size": 64,
+                       "image_size": 32, "patch_size": 8})),
+        lambda: {"input_ids": torch.randint(5, V, (2, 7)), "pixel_values": torch.randn(2, 3, 32, 32)},
+        "logits_per_image"),
+    "wav2vec2": (lambda: tf.Wav2Vec2ForSequenceClassification(tf.Wav2Vec2Config(
+        vocab_size=V, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+        conv_dim=(16, 16), conv_stride=(5, 2), conv_kernel=(10, 3), num_conv_pos_embeddings=16,
+        num_conv_pos_embedding_groups=4, num_labels=3)),
+        lambda: {"input_values": torch.randn(2, 400)}, "logits"),
+    "whisper": (lambda: tf.WhisperForConditionalGeneration(tf.WhisperConfig(
+        vocab_size=V, d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
+        decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, num_mel_bins=8, max_source_positions=16,
+        max_target_positions=32, pad_token_id=0, decoder_start_token_id=1, bos_token_id=1, eos_token_id=2)),
+        lambda: {"input_features": torch.randn(2, 8, 32), "decoder_input_ids": torch.randint(3, V, (2, 5))},
+        "logits"),
+    "swin": (lambda: tf.SwinForImageClassification(tf.SwinConfig(
+        image_size=32, patch_size=4, embed_dim=16, depths=[1, 1], num_heads=[2, 2], window_size=4, num_labels=3)),
+        lambda: {"pixel_values": torch.randn(2, 3, 32, 32)}, "logits"),
+}
+
 
 def members(factory) -> list[torch.nn.Module]:
     """Three members: one architecture's initial weights, every parameter perturbed from a seed of its own."""
@@ -156,3 +180,14 @@ def test_seq2seq(name):
     tokens = wide.generate(input_ids=ids, max_new_tokens=4, do_sample=False, use_cache=False)
     for i, model in enumerate(models):
         assert torch.equal(tokens[i], model.generate(input_ids=ids, max_new_tokens=4, do_sample=False))
+
+
+@pytest.mark.parametrize("name", list(MIXED))
+def test_mixed_inputs(name):
+    factory, make_inputs, key = MIXED[name]
+    models = members(factory)
+    torch.manual_seed(3)
+    wide = fuse(models, make_inputs())
+    torch.manual_seed(4)  # other inputs than the sample the plan was verified on
+    assert worst(wide, models, make_inputs(), key) <= 1e-5
+    assert all(entry.reason for entry in wide.plan.loops)  # a loop always says why

@@ -150,7 +150,7 @@ def nets():
 def test_wrong_builders_are_moved_down_the_ladder(nets):
     wide = WideModel.from_models(nets, torch.randn(2, 4))
     entries = wide.plan.entries
-    assert entries["gain"].kind == Kind.FALLBACK and "ForgetfulGain disagreed" in entries["gain"].reason
+    assert entries["gain"].kind == Kind.VECTORISED and "ForgetfulGain disagreed" in entries["gain"].reason
     assert "pair" not in entries and entries["pair.b"].kind == Kind.PRIMITIVE  # the block, by its parts
     assert any("BiaslessPair disagreed" in w for w in wide.plan.warnings)
     x = torch.randn(5, 4)

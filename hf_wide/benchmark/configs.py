@@ -25,9 +25,9 @@ HEAD_DIM = 64
 
 @dataclasses.dataclass(frozen=True)
 class ModelSpec:
-    """A BERT-like or Llama-like model of a given width and depth."""
+    """A BERT-like, Llama-like, T5 encoder or MPNet model of a given width and depth."""
 
-    family: str  # "bert" | "llama"
+    family: str  # "bert" | "llama" | "t5" | "mpnet"
     hidden: int
     layers: int = 2
 
@@ -40,6 +40,11 @@ class ModelSpec:
     @property
     def name(self) -> str:
         return f"{self.family}-h{self.hidden}-l{self.layers}"
+
+    @property
+    def compiles(self) -> bool:
+        """Whether the benchmark compiles this family: the fused ones (vmapped modules are not compiled here)."""
+        return self.family in ("bert", "llama")
 
     def build(self, seed: int) -> nn.Module:
         """Member ``seed``: a fresh model in eval mode, every parameter perturbed from the seed."""
@@ -69,7 +74,22 @@ def _llama(hidden: int, layers: int) -> nn.Module:
     return tf.LlamaForCausalLM(config)
 
 
-_BUILDERS = {"bert": _bert, "llama": _llama}
+def _t5(hidden: int, layers: int) -> nn.Module:
+    config = tf.T5Config(vocab_size=VOCAB, d_model=hidden, d_kv=HEAD_DIM, d_ff=4 * hidden, num_layers=layers,
+                         num_heads=hidden // HEAD_DIM)
+    return tf.T5EncoderModel(config)
+
+
+def _mpnet(hidden: int, layers: int) -> nn.Module:
+    config = tf.MPNetConfig(vocab_size=VOCAB, hidden_size=hidden, num_hidden_layers=layers,
+                            num_attention_heads=hidden // HEAD_DIM, intermediate_size=4 * hidden,
+                            max_position_embeddings=MAX_POSITIONS, num_labels=2)
+    return tf.MPNetForSequenceClassification(config)
+
+
+# bert and llama have fused blocks; t5 (an encoder) and mpnet have relative position biases no block knows, which
+# run vectorised (hf_wide.primitives.vectorised).
+_BUILDERS = {"bert": _bert, "llama": _llama, "t5": _t5, "mpnet": _mpnet}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,14 +126,19 @@ def preset_configs(name: str) -> Preset:
     if name == "quick":
         small = _grid([ModelSpec("bert", 128), ModelSpec("llama", 128)], (2, 8), (1, 8), (16, 64))
         larger = [BenchConfig(ModelSpec("bert", 384), 4, 8, 64), BenchConfig(ModelSpec("llama", 256), 4, 8, 64)]
-        return Preset(small + larger, "subset", 0.2, 50.0)
+        return Preset(small + larger + _relative_bias_configs(), "subset", 0.2, 50.0)
     if name == "full":
         specs = [ModelSpec(f, h) for f in ("bert", "llama") for h in (128, 384, 768)]
-        return Preset(_grid(specs, (2, 4, 8, 16), (1, 8), (16, 64, 128)), "all", 0.5, 100.0)
+        return Preset(_grid(specs, (2, 4, 8, 16), (1, 8), (16, 64, 128)) + _relative_bias_configs(), "all", 0.5, 100.0)
     raise ValueError(f"Unknown preset {name!r}; supported: {PRESETS}")
 
 
 PRESETS = ("tiny", "quick", "full")
+
+
+def _relative_bias_configs() -> list[BenchConfig]:
+    """Families without a fused block, run vectorised: the T5 encoder and MPNet, N=8, B=1 and 8, seq 16."""
+    return [BenchConfig(ModelSpec(f, 128), 8, b, 16, compile=False) for f in ("t5", "mpnet") for b in (1, 8)]
 
 
 def apply_compile_policy(configs: list[BenchConfig], policy: str) -> list[BenchConfig]:
@@ -122,9 +147,9 @@ def apply_compile_policy(configs: list[BenchConfig], policy: str) -> list[BenchC
     if policy not in COMPILE_POLICIES:
         raise ValueError(f"Unknown compile policy {policy!r}; supported: {COMPILE_POLICIES}")
     if policy != "subset":
-        return [dataclasses.replace(c, compile=policy == "all") for c in configs]
+        return [dataclasses.replace(c, compile=policy == "all" and c.spec.compiles) for c in configs]
     chosen = {}
-    for c in configs:
+    for c in (c for c in configs if c.spec.compiles):
         key = (c.spec.hidden, c.seq, c.batch, -c.n)
         if c.spec.family not in chosen or key < chosen[c.spec.family][0]:
             chosen[c.spec.family] = (key, c)

@@ -85,39 +85,46 @@ class PerMemberFallback(nn.Module):
             return views[name]
 
     def forward(self, *args, **kwargs):
-        n = self.num_members
-        rows = self.fold.rows
-        leaves, spec = pytree.tree_flatten((args, kwargs))
-        if rows is None:  # called outside a wide forward: take the rows from the first batched input
-            rows = next((t.shape[0] for t in leaves if isinstance(t, torch.Tensor) and t.dim() > 0), n)
-        batch = rows // n
+        return run_per_member(self.fold, list(self.members), self.token_rows, args, kwargs)
 
-        def member_slice(t, m):
-            if not isinstance(t, torch.Tensor) or t.dim() == 0:
-                return t
-            if t.shape[0] == rows:
-                return t[m * batch : (m + 1) * batch]  # (B, ...)
-            if self.token_rows and t.shape[0] % n == 0:
-                block = t.shape[0] // n
-                return t[m * block : (m + 1) * block]  # (B*T, ...): member m's tokens
-            return t  # broadcast (1, ...) inputs, scalars and non-tensors are the same for every member
 
-        caches = [t for t in leaves if isinstance(t, Cache)]
-        outputs, views = [], []
-        for m, module in enumerate(self.members):
-            rows_m = slice(m * batch, (m + 1) * batch)
-            member_leaves = [member_slice(t, m) for t in leaves]
-            if caches:  # each member sees, and appends to, its own rows of the cache
-                views.append({id(c): MemberCacheRows(c, rows_m) for c in caches})
-                member_leaves = [views[-1].get(id(t), t) if isinstance(t, Cache) else t for t in member_leaves]
-            m_args, m_kwargs = pytree.tree_unflatten(member_leaves, spec)
-            outputs.append(module(*m_args, **m_kwargs))
-        for cache in caches:
-            MemberCacheRows.commit(cache, [v[id(cache)] for v in views])
-        if self.token_rows:
-            return pytree.tree_map(lambda *parts: torch.cat(parts) if isinstance(parts[0], torch.Tensor) else parts[0],
-                                   *outputs)
-        return _concat_members(outputs, batch)
+def run_per_member(fold: Fold, members: Sequence, token_rows: bool, args: tuple, kwargs: dict):
+    """Call ``members[m]`` (a module, or any callable of member m's inputs) on member m's rows of the inputs,
+    for every m, and concatenate the outputs member-major. With ``token_rows``, inputs split into N blocks of
+    token rows instead of batch rows (a mixture of experts)."""
+    n = fold.num_members
+    rows = fold.rows
+    leaves, spec = pytree.tree_flatten((args, kwargs))
+    if rows is None:  # called outside a wide forward: take the rows from the first batched input
+        rows = next((t.shape[0] for t in leaves if isinstance(t, torch.Tensor) and t.dim() > 0), n)
+    batch = rows // n
+
+    def member_slice(t, m):
+        if not isinstance(t, torch.Tensor) or t.dim() == 0:
+            return t
+        if t.shape[0] == rows:
+            return t[m * batch : (m + 1) * batch]  # (B, ...)
+        if token_rows and t.shape[0] % n == 0:
+            block = t.shape[0] // n
+            return t[m * block : (m + 1) * block]  # (B*T, ...): member m's tokens
+        return t  # broadcast (1, ...) inputs, scalars and non-tensors are the same for every member
+
+    caches = [t for t in leaves if isinstance(t, Cache)]
+    outputs, views = [], []
+    for m, module in enumerate(members):
+        rows_m = slice(m * batch, (m + 1) * batch)
+        member_leaves = [member_slice(t, m) for t in leaves]
+        if caches:  # each member sees, and appends to, its own rows of the cache
+            views.append({id(c): MemberCacheRows(c, rows_m) for c in caches})
+            member_leaves = [views[-1].get(id(t), t) if isinstance(t, Cache) else t for t in member_leaves]
+        m_args, m_kwargs = pytree.tree_unflatten(member_leaves, spec)
+        outputs.append(module(*m_args, **m_kwargs))
+    for cache in caches:
+        MemberCacheRows.commit(cache, [v[id(cache)] for v in views])
+    if token_rows:
+        return pytree.tree_map(lambda *parts: torch.cat(parts) if isinstance(parts[0], torch.Tensor) else parts[0],
+                               *outputs)
+    return _concat_members(outputs, batch)
 
 
 class MemberCacheRows:

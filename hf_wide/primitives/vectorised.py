@@ -1,0 +1,159 @@
+"""The vectorised fallback: a module no builder knows, every member in one call.
+
+The members' tensors are stacked, ``(N, ...)``, in ``stacked`` (a copy of the module's structure, so they keep
+their names), and a call runs the source module's own forward through ``torch.func.functional_call`` under
+``torch.func.vmap`` over the member dim: member m sees its own rows ``(B, ...)`` of the folded ``(N*B, ...)``
+inputs and its own tensors. Inputs without the batch dim (a broadcast ``(1, ...)``, T5's position bias table)
+are the same for every member; outputs come back ``(N, b, ...)`` and are folded, a broadcast b == 1 expanded
+to the B rows of the forward, so a result without the batch dim (T5's position bias) reaches the modules that
+read it with a member dim.
+
+No code per class, and one parameter tensor per source tensor, as in a primitive. Where vmap cannot run (a KV
+cache every member appends to) the same stacked tensors run member by member. The plan chooses this for a
+module only after verification saw it agree with its members; data-dependent control flow and ``.item()`` make
+vmap raise there, and the module then runs in a loop (:class:`~hf_wide.primitives.fallback.PerMemberFallback`).
+"""
+
+from __future__ import annotations
+
+import copy
+import threading
+from collections.abc import Callable, Sequence
+
+import torch
+from torch import nn
+from torch.func import functional_call, vmap
+from torch.utils import _pytree as pytree
+from transformers.cache_utils import Cache
+
+from ..fold import Fold
+from .base import meta_copy
+from .fallback import run_per_member
+
+
+def _rebuild(module: nn.Module, source: nn.Module, make: Callable[[torch.Tensor, str], torch.Tensor]) -> nn.Module:
+    """``module`` (a structural copy of ``source``) with each of its tensors set to ``make(source_tensor, path)``;
+    a tensor tied inside ``source`` stays one tensor."""
+    made: dict[int, torch.Tensor] = {}
+    mods = dict(module.named_modules())
+    for path, sub in source.named_modules():
+        for store in ("_parameters", "_buffers"):
+            for name, t in getattr(sub, store).items():
+                if t is not None:
+                    if id(t) not in made:
+                        made[id(t)] = make(t, f"{path}.{name}" if path else name)
+                    getattr(mods[path], store)[name] = made[id(t)]
+    return module
+
+
+_TENSOR = object()  # marks where a member's output had a tensor
+
+
+def _fold(y: torch.Tensor, batch: int) -> torch.Tensor:
+    """(N, b, ...) -> (N*B, ...), a broadcast b == 1 expanded to the B rows; a member's 0-dim output stays (N,)."""
+    if y.dim() < 2:
+        return y
+    if y.shape[1] == 1 and batch != 1:
+        y = y.expand(y.shape[0], batch, *y.shape[2:])
+    return y.reshape(-1, *y.shape[2:])
+
+
+class VectorisedFallback(nn.Module):
+    """N members of one module, run as one ``vmap`` of its own forward over their stacked tensors."""
+
+    def __init__(self, fold: Fold, proto: nn.Module, stacked: nn.Module):
+        super().__init__()
+        self.fold = fold
+        self.stacked = stacked  # the source's structure, every tensor (N, ...)
+        object.__setattr__(self, "proto", proto)  # the source on the meta device: the forward's code; not a child
+
+    @classmethod
+    def from_modules(cls, mods: Sequence[nn.Module], fold: Fold) -> "VectorisedFallback":
+        if len(mods) != fold.num_members:
+            raise ValueError(f"{cls.__name__} needs {fold.num_members} modules, got {len(mods)}.")
+        proto, per_member = meta_copy(mods[0]), [dict(m.named_parameters(remove_duplicate=False)) for m in mods]
+        per_member = [{**p, **dict(m.named_buffers(remove_duplicate=False))} for p, m in zip(per_member, mods)]
+
+        def stack(t: torch.Tensor, name: str) -> torch.Tensor:
+            value = torch.stack([tensors[name].detach() for tensors in per_member])  # (N, ...)
+            return nn.Parameter(value, t.requires_grad) if isinstance(t, nn.Parameter) else value
+
+        return cls(fold, proto, _rebuild(meta_copy(mods[0]), mods[0], stack))
+
+    @property
+    def num_members(self) -> int:
+        return self.fold.num_members
+
+    def to_module(self, i: int, share: bool = False) -> nn.Module:
+        """Member i as an ordinary module: its own storage, or (``share=True``) views into the stacked tensors."""
+        tensors = {**dict(self.stacked.named_parameters(remove_duplicate=False)),
+                   **dict(self.stacked.named_buffers(remove_duplicate=False))}
+
+        def take(t: torch.Tensor, name: str) -> torch.Tensor:
+            value = tensors[name][i].detach()
+            value = value if share else value.clone()
+            return nn.Parameter(value, t.requires_grad) if isinstance(t, nn.Parameter) else value
+
+        return _rebuild(copy.deepcopy(self.proto), self.stacked, take)
+
+    def to_modules(self) -> list[nn.Module]:
+        return [self.to_module(i) for i in range(self.num_members)]
+
+    def __getattr__(self, name: str):
+        # Model code reads attributes of its submodules (a weight's dtype or device): member 0's view answers.
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self._member_view(), name)
+
+    def _member_view(self) -> nn.Module:
+        view = self.__dict__.get("_view")
+        if view is None:
+            view = self.__dict__["_view"] = self.to_module(0, share=True)
+        return view
+
+    def _apply(self, fn, recurse=True):
+        self.__dict__.pop("_view", None)  # its views would keep the old tensors
+        return super()._apply(fn, recurse)
+
+    def _code(self) -> nn.Module:
+        """This thread's copy of the source on the meta device: ``functional_call`` swaps the module's tensors
+        for the call's, so two threads must not share one."""
+        calls = self.__dict__.setdefault("_calls", threading.local())
+        if not hasattr(calls, "proto"):
+            calls.proto = copy.deepcopy(self.proto)
+        return calls.proto
+
+    def _state(self) -> dict[str, torch.Tensor]:
+        """name -> (N, ...), each tensor once: functional_call sets a tied tensor's other names itself."""
+        return {**dict(self.stacked.named_parameters()), **dict(self.stacked.named_buffers())}
+
+    def forward(self, *args, **kwargs):
+        leaves, spec = pytree.tree_flatten((args, kwargs))
+        state, code = self._state(), self._code()  # name -> (N, ...)
+        if any(isinstance(t, Cache) for t in leaves):  # every member appends to its rows of the one cache
+            calls = [lambda *a, i=i, **k: functional_call(code, {n: t[i] for n, t in state.items()}, a, k)
+                     for i in range(self.num_members)]
+            return run_per_member(self.fold, calls, False, args, kwargs)
+        n = self.num_members
+        rows = self.fold.rows
+        if rows is None:  # called outside a wide forward: the first batched input has the rows
+            rows = next((t.shape[0] for t in leaves if isinstance(t, torch.Tensor) and t.dim() > 0), n)
+        batched = [isinstance(t, torch.Tensor) and t.dim() > 0 and t.shape[0] == rows for t in leaves]
+        mapped = [t.view(n, rows // n, *t.shape[1:]) if b else t for t, b in zip(leaves, batched)]  # (N, B, ...)
+        structure = {}
+
+        def member(member_state, *member_leaves):
+            m_args, m_kwargs = pytree.tree_unflatten(list(member_leaves), spec)
+            out_leaves, structure["spec"] = pytree.tree_flatten(functional_call(code, member_state,
+                                                                                m_args, m_kwargs))
+            structure["static"] = [_TENSOR if isinstance(t, torch.Tensor) else t for t in out_leaves]
+            return [t for t in out_leaves if isinstance(t, torch.Tensor)]
+
+        in_dims = (0, *(0 if b else None for b in batched))
+        outs = iter(vmap(member, in_dims=in_dims, randomness="different" if self.training else "error")(state, *mapped))
+        out_leaves = [_fold(next(outs), rows // n) if t is _TENSOR else t for t in structure["static"]]  # (N*B, ...)
+        return pytree.tree_unflatten(out_leaves, structure["spec"])
+
+    def extra_repr(self) -> str:
+        return f"num_members={self.num_members}, source={type(self.proto).__name__}"
