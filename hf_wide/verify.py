@@ -157,6 +157,7 @@ def check_module(module: nn.Module, fold: Fold, wide_call: tuple, member_calls: 
     if any(leaf is _NOT_FOLDABLE for leaf in leaves):
         return "got an input that differs between members and cannot be folded"
     args, kwargs = pytree.tree_unflatten(leaves, spec)
+    module.__dict__.pop("vmap_refused", None)  # from the wide forward before
     fold.anchor = leaves_anchor(leaves, rows)
     try:
         with torch.no_grad():
@@ -165,6 +166,9 @@ def check_module(module: nn.Module, fold: Fold, wide_call: tuple, member_calls: 
         return f"raised {type(exc).__name__} on its members' inputs: {str(exc).splitlines()[0][:160]}"
     finally:
         fold.reset()
+    refused = module.__dict__.pop("vmap_refused", None)  # a vectorised module that had to loop on the sample
+    if refused is not None:
+        return refused
     return compare_outputs(output, [out for _, _, out in member_calls], rows)
 
 

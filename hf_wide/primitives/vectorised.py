@@ -8,8 +8,11 @@ are the same for every member; outputs come back ``(N, b, ...)`` and are folded,
 to the B rows of the forward, so a result without the batch dim (T5's position bias) reaches the modules that
 read it with a member dim.
 
-No code per class, and one parameter tensor per source tensor, as in a primitive. Where vmap cannot run (a KV
-cache every member appends to) the same stacked tensors run member by member. The plan chooses this for a
+No code per class, and one parameter tensor per source tensor, as in a primitive. Integer inputs that every
+member shares (ids, masks) are handed over once, unbatched, as the source would see them: transformers reads the
+values of a mask to skip it, which vmap cannot do on a batched tensor. Where vmap cannot run (a KV cache every
+member appends to, or data-dependent control flow on inputs that differ between members) the same stacked
+tensors run member by member. The plan chooses this for a
 module only after verification saw it agree with its members; data-dependent control flow and ``.item()`` make
 vmap raise there, and the module then runs in a loop (:class:`~hf_wide.primitives.fallback.PerMemberFallback`).
 """
@@ -130,28 +133,53 @@ class VectorisedFallback(nn.Module):
 
     def forward(self, *args, **kwargs):
         leaves, spec = pytree.tree_flatten((args, kwargs))
-        state, code = self._state(), self._code()  # name -> (N, ...)
         if any(isinstance(t, Cache) for t in leaves):  # every member appends to its rows of the one cache
-            calls = [lambda *a, i=i, **k: functional_call(code, {n: t[i] for n, t in state.items()}, a, k)
-                     for i in range(self.num_members)]
-            return run_per_member(self.fold, calls, False, args, kwargs)
+            return self._loop(args, kwargs)
+        try:
+            return self._vmap(leaves, spec)
+        except RuntimeError as exc:
+            if "vmap" not in str(exc):
+                raise
+            # vmap refuses these inputs (data-dependent control flow on values that differ between members):
+            # the same stacked tensors, member by member. Verification reads the note: on the sample, a refusal
+            # puts the module in a loop, so that the plan says so.
+            self.__dict__["vmap_refused"] = f"vmap refused: {str(exc).splitlines()[0][:160]}"
+            return self._loop(args, kwargs)
+
+    def _loop(self, args: tuple, kwargs: dict):
+        state, code = self._state(), self._code()
+        calls = [lambda *a, i=i, **k: functional_call(code, {n: t[i] for n, t in state.items()}, a, k)
+                 for i in range(self.num_members)]
+        return run_per_member(self.fold, calls, False, args, kwargs)
+
+    def _vmap(self, leaves: list, spec):
+        state, code = self._state(), self._code()  # name -> (N, ...)
         n = self.num_members
         rows = self.fold.rows
         if rows is None:  # called outside a wide forward: the first batched input has the rows
             rows = next((t.shape[0] for t in leaves if isinstance(t, torch.Tensor) and t.dim() > 0), n)
-        batched = [isinstance(t, torch.Tensor) and t.dim() > 0 and t.shape[0] == rows for t in leaves]
-        mapped = [t.view(n, rows // n, *t.shape[1:]) if b else t for t, b in zip(leaves, batched)]  # (N, B, ...)
+        mapped, in_dims = [], [0]
+        for t in leaves:
+            if isinstance(t, torch.Tensor) and t.dim() > 0 and t.shape[0] == rows:
+                t = t.view(n, rows // n, *t.shape[1:])  # (N, B, ...)
+                if not t.is_floating_point() and torch.equal(t, t[:1].expand_as(t)):
+                    t, dim = t[0], None  # ids or a mask every member shares: one (B, ...), as the source sees it
+                else:
+                    dim = 0
+            else:
+                dim = None  # a broadcast, an input without the batch dim, or not a tensor: the same for all
+            mapped.append(t)
+            in_dims.append(dim)
         structure = {}
 
         def member(member_state, *member_leaves):
             m_args, m_kwargs = pytree.tree_unflatten(list(member_leaves), spec)
-            out_leaves, structure["spec"] = pytree.tree_flatten(functional_call(code, member_state,
-                                                                                m_args, m_kwargs))
+            out_leaves, structure["spec"] = pytree.tree_flatten(functional_call(code, member_state, m_args, m_kwargs))
             structure["static"] = [_TENSOR if isinstance(t, torch.Tensor) else t for t in out_leaves]
             return [t for t in out_leaves if isinstance(t, torch.Tensor)]
 
-        in_dims = (0, *(0 if b else None for b in batched))
-        outs = iter(vmap(member, in_dims=in_dims, randomness="different" if self.training else "error")(state, *mapped))
+        randomness = "different" if self.training else "error"
+        outs = iter(vmap(member, in_dims=tuple(in_dims), randomness=randomness)(state, *mapped))
         out_leaves = [_fold(next(outs), rows // n) if t is _TENSOR else t for t in structure["static"]]  # (N*B, ...)
         return pytree.tree_unflatten(out_leaves, structure["spec"])
 

@@ -1,0 +1,90 @@
+"""The vectorised fallback: a module no builder knows, every member in one vmapped call over stacked tensors."""
+
+import torch
+from conftest import CASES
+from oracle import TOLERANCE, max_member_error
+from torch import nn
+
+from hf_wide import Kind, PerMember, WideModel
+from hf_wide.fold import Fold, fold_inputs
+from hf_wide.primitives import VectorisedFallback
+
+
+class Gated(nn.Module):
+    """Raw parameters, a child, and control flow on the values of a mask (as transformers' mask helpers have)."""
+
+    def __init__(self):
+        super().__init__()
+        self.scale = nn.Parameter(torch.randn(4))
+        self.proj = nn.Linear(4, 4)
+
+    def forward(self, x, mask):
+        h = self.proj(x) * self.scale
+        if mask.all():  # data-dependent: vmap cannot batch it
+            return h
+        return h * mask
+
+
+def members(n=3):
+    torch.manual_seed(0)
+    return [Gated().eval() for _ in range(n)]
+
+
+def test_shared_masks_run_in_one_vmap_and_differing_ones_member_by_member():
+    mods = members()
+    wide = VectorisedFallback.from_modules(mods, Fold(3))
+    x = torch.randn(3, 2, 4)  # each member its own rows
+    for masks in (torch.ones(3, 2, 4, dtype=torch.long), torch.randint(0, 2, (3, 2, 4))):
+        args, kwargs, _ = fold_inputs(3, (), {"x": PerMember(x), "mask": PerMember(masks)})
+        with torch.no_grad():
+            out = wide(**kwargs).view(3, 2, 4)
+            for i, mod in enumerate(mods):
+                assert (out[i] - mod(x[i], masks[i])).abs().max() <= TOLERANCE
+
+
+def test_one_stacked_tensor_per_source_tensor_and_members_back():
+    mods = members()
+    wide = VectorisedFallback.from_modules(mods, Fold(3))
+    assert {name: tuple(t.shape) for name, t in wide.named_parameters()} == {
+        "stacked.scale": (3, 4), "stacked.proj.weight": (3, 4, 4), "stacked.proj.bias": (3, 4)}
+    for i, mod in enumerate(mods):
+        back = wide.to_module(i)
+        assert type(back) is Gated
+        assert all(torch.equal(back.state_dict()[k], v) for k, v in mod.state_dict().items())
+
+
+def test_t5_encoder_is_vectorised_where_no_builder_reaches_and_keeps_one_weight_set(fused):
+    members_, wide = fused("t5-encoder")
+    assert not wide.plan.loops
+    vectorised = {e.fqn for e in wide.plan.by_kind(Kind.VECTORISED)}
+    assert "encoder.block.0.layer.0.SelfAttention" in vectorised  # the attention that owns the position bias
+    assert "encoder.block.1.layer.0.SelfAttention" not in vectorised  # later ones read it, with a member dim
+    assert len(list(wide.parameters())) <= len(list(members_[0].parameters()))
+    assert max_member_error(wide, members_, CASES["t5-encoder"].inputs(3, padded=True)) <= TOLERANCE
+
+
+def test_a_module_vmap_cannot_run_is_looped_with_the_reason():
+    torch.manual_seed(0)
+    nets = [nn.Sequential(Boolean(), nn.Linear(4, 2)).eval() for _ in range(3)]
+    for i, net in enumerate(nets):
+        net[0].gain.data.fill_(1.0 + i)
+    wide = WideModel.from_models(nets, torch.randn(2, 4))
+    (entry,) = wide.plan.loops
+    assert entry.fqn == "0" and "in a loop" in entry.reason and "vmap" in entry.reason
+    x = torch.randn(5, 4)
+    with torch.no_grad():
+        out = wide(x)
+        assert max((out[i] - net(x)).abs().max().item() for i, net in enumerate(nets)) <= TOLERANCE
+
+
+class Boolean(nn.Module):
+    """Boolean-mask indexing of its (batched) input: vmap cannot batch it."""
+
+    def __init__(self):
+        super().__init__()
+        self.gain = nn.Parameter(torch.ones(()))
+
+    def forward(self, x):
+        out = x.clone()
+        out[x > 0] = x[x > 0] * self.gain
+        return out
