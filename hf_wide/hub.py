@@ -32,7 +32,7 @@ from torch import nn
 
 from .compat import IncompatibleMembersError, check_configs
 from .planner import plan_members, tensor_aliases
-from .verify import check_whole, verify_modules, wide_paths
+from .verify import diagnose
 from .saving import (
     WEIGHTS_INDEX_NAME, Checkpoint, assemble, load_fused, member_config, model_class_for, read_section,
     same_bytes, save_member, save_wide, skeleton_like, state_tensors,
@@ -278,12 +278,11 @@ def verified(wide, share_identical: bool):
     tensors in its own classes: checkpoint i as transformers would run it); else the same members fused anew
     by :meth:`WideModel.from_models`, which moves each module that disagrees one strategy down."""
     members = [wide.member(i, share=True) for i in range(wide.num_members)]
-    kwargs = sample_inputs(members[0])
-    failures, recorded = verify_modules(wide, wide_paths(wide.plan), members, (), kwargs)
-    if not failures and check_whole(wide, recorded, (), kwargs) is None:
+    failures, _ = diagnose(wide, members, (), sample_inputs(members[0]))
+    if not failures:
         return wide
     logger.warning("hf-wide: %s; fusing the members again with it moved down", "; ".join(
-        f"{path or '(model)'} {reason}" for path, reason in failures.items()) or "the whole output disagreed")
+        f"{path or '(model)'} {reason}" for path, reason in failures.items()))
     fused = type(wide).from_models(members, member_ids=wide.member_ids, share_identical=share_identical)
     fused._source_dirs = wide._source_dirs
     return fused

@@ -26,7 +26,7 @@ from .structure import opaque_modules
 from .planner import make_plan, tensor_aliases, trace_members
 from .swap import build_wide, member_copy
 from .tracer import sample_inputs as build_sample_inputs
-from .verify import check_whole, innermost, kept_paths, verify_modules, wide_paths
+from .verify import diagnose
 
 MAX_VERIFY_ROUNDS = 16  # each round moves every module that disagreed one strategy down
 
@@ -107,7 +107,7 @@ class WideModel(nn.Module):
         try:
             opaque = opaque_modules(models)  # before the trace runs member 0
             traced = trace_members(template, args, kwargs)
-            wide, demotions, recorded, whole = None, Demotions(), None, None
+            wide, demotions, recorded = None, Demotions(), None
             for _ in range(MAX_VERIFY_ROUNDS):
                 plan = make_plan(models, *traced, share_identical=share_identical, demotions=demotions, opaque=opaque)
                 fold = Fold(len(models))
@@ -122,22 +122,13 @@ class WideModel(nn.Module):
                 ).eval()
                 if not verify:
                     break
-                try:
-                    failures, recorded = verify_modules(wide, wide_paths(plan), models, args, kwargs, recorded)
-                except Exception:  # raised in the template's own code: blame the innermost module it ran in
-                    failures, recorded = verify_modules(wide, kept_paths(wide), models, args, kwargs, recorded)
-                    whole = "raised"
+                failures, recorded = diagnose(wide, models, args, kwargs, recorded)
                 if not failures:
-                    whole = check_whole(wide, recorded, args, kwargs)
-                    if whole is None:
-                        break
-                    # every wide module agrees: the template's own code differs somewhere (it mixes rows, say)
-                    failures, recorded = verify_modules(wide, kept_paths(wide), models, args, kwargs, recorded)
-                    failures = innermost(failures)
+                    break
                 if not demotions.add(plan, failures):
                     raise WideValidationError(
-                        f"hf-wide cannot fuse these members exactly: {_describe(failures) or f'the output {whole}'} "
-                        f"on the sample input, and nothing is left to move down. Plan:\n{plan}"
+                        f"hf-wide cannot fuse these members exactly: {_describe(failures)} on the sample input, and "
+                        f"nothing is left to move down. Plan:\n{plan}"
                     )
             else:
                 raise WideValidationError(f"hf-wide could not verify a plan in {MAX_VERIFY_ROUNDS} rounds:\n{plan}")

@@ -260,3 +260,21 @@ def check_whole(wide, recorded: list[dict], args: tuple, kwargs: dict) -> str | 
 def _sample_batch(args: tuple, kwargs: dict) -> int:
     first = next(v for v in (*args, *kwargs.values()) if isinstance(v, torch.Tensor) and v.dim() > 0)
     return first.shape[0]
+
+
+def diagnose(wide, references: Sequence[nn.Module], args: tuple, kwargs: dict,
+             recorded: list[dict] | None = None) -> tuple[dict[str, str], list[dict]]:
+    """Everything that keeps ``wide`` from equalling its members on the sample: ({fqn: reason}, recorded calls).
+    First the wide modules; if they agree but the whole output does not, or the template's own code raised, the
+    kept modules, innermost first (the rows a module mixes, say, where no trace saw it)."""
+    try:
+        failures, recorded = verify_modules(wide, wide_paths(wide.plan), references, args, kwargs, recorded)
+    except Exception:  # raised in the template's own code: the innermost module it ran in is to blame
+        return verify_modules(wide, kept_paths(wide), references, args, kwargs, recorded)
+    if failures:
+        return failures, recorded
+    whole = check_whole(wide, recorded, args, kwargs)
+    if whole is None:
+        return {}, recorded
+    failures, recorded = verify_modules(wide, kept_paths(wide), references, args, kwargs, recorded)
+    return innermost(failures) or {"": f"(the whole output) {whole}"}, recorded
