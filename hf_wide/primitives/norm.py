@@ -68,6 +68,25 @@ class WideLlamaRMSNorm(WideModule):
         return (self.weight.view(n, 1, d) * h.reshape(n, -1, d)).view(x.shape)  # (N, 1, D) * (N, rows, D)
 
 
+@register_wide(*transformers_classes("t5.T5LayerNorm", "mt5.MT5LayerNorm"))
+class WideT5LayerNorm(WideModule):
+    """N T5 layer norms (an RMS norm: float32 statistics, the input scaled in its own dtype and cast to a half
+    weight's dtype, eps in ``variance_epsilon``): ``weight``: (N, D). The source's ops, in its order."""
+
+    def setup(self, proto: nn.Module) -> None:
+        self.variance_epsilon = proto.variance_epsilon
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: (N*B, ..., D)
+        variance = x.to(torch.float32).pow(2).mean(-1, keepdim=True)
+        h = x * torch.rsqrt(variance + self.variance_epsilon)
+        if self.weight.dtype in (torch.float16, torch.bfloat16):
+            h = h.to(self.weight.dtype)
+        n, d = self.num_members, x.shape[-1]
+        if x.shape[0] == 1 and n > 1:  # broadcast: every member's weight on the one row
+            return self.fold.merge(self.weight.view(n, 1, *([1] * (x.dim() - 2)), d) * h)
+        return (self.weight.view(n, 1, d) * h.reshape(n, -1, d)).view(h.shape)  # (N, 1, D) * (N, rows, D)
+
+
 @register_wide(*transformers_classes("gemma.GemmaRMSNorm", "gemma2.Gemma2RMSNorm", "gemma3.Gemma3RMSNorm"))
 class WideGemmaRMSNorm(WideModule):
     """N Gemma RMSNorms (float32 statistics, a ``(1 + weight)`` scale, eps in ``eps``; on hidden states, and
