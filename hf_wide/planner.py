@@ -16,9 +16,11 @@ Then rules, in order, for a module M with parameters or buffers of its own:
 4. **fallback** at M otherwise (raw parameters read outside a known block, unknown layers).
 
 A module whose own ops mix batch rows becomes a fallback too, and so does a module that runs its tensors
-on an input without the batch dim (T5's relative position bias), together with the modules that use the
-result until it has the batch dim again. The outermost fallback wins: its subtree runs per member as a
-whole.
+on an input without the batch dim (T5's relative position bias), together with what uses the result until it
+leaves a module with the batch dim or as a broadcast ``(1, ...)``. The outermost fallback wins: its subtree
+runs per member as a whole. A fallback is **vectorised** (the members' stacked tensors, one vmapped call of the
+source's forward) unless it must run each member's own code or verification saw vmap fail there: then it is a
+**loop**, with the reason in the plan. ``demotions`` (from :mod:`hf_wide.verify`) move modules down this ladder.
 """
 
 from __future__ import annotations
