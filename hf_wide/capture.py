@@ -52,7 +52,7 @@ def capture_tasks(model: PreTrainedModel) -> list[tuple[str, OutputRecorder]]:
     return tasks
 
 
-def _is_capture_hook(hook) -> bool:
+def is_capture_hook(hook) -> bool:
     return getattr(hook, "__qualname__", "").startswith(f"{_HOOK.__name__}.")
 
 
@@ -80,7 +80,7 @@ def reset_capture_hooks(model: nn.Module) -> nn.Module:
     """Drop transformers' capture hooks from ``model`` and let transformers install them anew when asked."""
     for module in model.modules():
         for key, hook in list(module._forward_hooks.items()):
-            if _is_capture_hook(hook):
+            if is_capture_hook(hook):
                 del module._forward_hooks[key]
                 module._forward_hooks_with_kwargs.pop(key, None)
                 module._forward_hooks_always_called.pop(key, None)

@@ -28,6 +28,7 @@ import torch
 from torch import nn
 from torch.nn.utils import parametrize
 
+from .capture import is_capture_hook
 from .registry import has_exact_builder
 
 # Configs are checked by hf_wide.compat, and `name_or_path` is where a member came from. PEFT's `peft_config` (on
@@ -36,13 +37,9 @@ from .registry import has_exact_builder
 IGNORED_ATTRIBUTES = frozenset({"training", "config", "generation_config", "name_or_path", "peft_config"})
 
 
-def _is_capture_hook(hook) -> bool:
-    return getattr(hook, "__qualname__", "").startswith("install_output_capuring_hook.")  # (sic), transformers'
-
-
 def hook_reason(module: nn.Module) -> str | None:
     hooks = [*module._forward_hooks.values(), *module._forward_pre_hooks.values()]
-    hooks = [h for h in hooks if not _is_capture_hook(h)]
+    hooks = [h for h in hooks if not is_capture_hook(h)]
     if hooks:
         name = getattr(hooks[0], "__qualname__", type(hooks[0]).__name__)
         return f"has a forward hook ({name}) that a wide module would skip"

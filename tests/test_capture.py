@@ -10,7 +10,7 @@ from torch import nn
 from transformers.models.llama.modeling_llama import LlamaAttention
 
 from hf_wide import WideModel
-from hf_wide.capture import _is_capture_hook, asks_for_capture
+from hf_wide.capture import is_capture_hook, asks_for_capture
 
 CAPTURING = ["bert-seqcls", "roberta-seqcls", "distilbert-seqcls", "albert-seqcls", "electra-seqcls",
              "gpt2-causallm", "llama-causallm", "mistral-causallm", "qwen2-causallm", "phi3-causallm", "vit-imgcls"]
@@ -25,7 +25,7 @@ def eager_members(case_id: str) -> list[nn.Module]:
 
 
 def capture_hooks(model: nn.Module) -> int:
-    return sum(_is_capture_hook(hook) for module in model.modules() for hook in module._forward_hooks.values())
+    return sum(is_capture_hook(hook) for module in model.modules() for hook in module._forward_hooks.values())
 
 
 @torch.no_grad()
