@@ -95,10 +95,11 @@ class Fold:
             )
         return x.view(n, x.shape[0] // n, *x.shape[1:])  # splitting one dim is always a view
 
-    def merge(self, y: torch.Tensor) -> torch.Tensor:
-        """(N, b, *rest) -> (N*B, *rest), expanding a broadcast b == 1 to the B rows of the forward."""
-        if y.shape[1] == 1 and self.anchor is not None:  # only a broadcast needs the batch size
-            y = y.expand(y.shape[0], self.batch, *y.shape[2:])
+    def merge(self, y: torch.Tensor, batch: int | None = None) -> torch.Tensor:
+        """(N, b, *rest) -> (N*B, *rest), expanding a broadcast b == 1 to the B rows of the forward (or ``batch``)."""
+        batch = self.batch if batch is None else batch
+        if y.shape[1] == 1 and batch is not None:  # only a broadcast needs the batch size
+            y = y.expand(y.shape[0], batch, *y.shape[2:])
         return y.reshape(-1, *y.shape[2:])
 
     def __call__(self, module, args, kwargs):

@@ -52,13 +52,10 @@ def _rebuild(module: nn.Module, source: nn.Module, make: Callable[[torch.Tensor,
 _TENSOR = object()  # marks where a member's output had a tensor
 
 
-def _fold(y: torch.Tensor, batch: int) -> torch.Tensor:
-    """(N, b, ...) -> (N*B, ...), a broadcast b == 1 expanded to the B rows; a member's 0-dim output stays (N,)."""
-    if y.dim() < 2:
-        return y
-    if y.shape[1] == 1 and batch != 1:
-        y = y.expand(y.shape[0], batch, *y.shape[2:])
-    return y.reshape(-1, *y.shape[2:])
+def _tensors(module: nn.Module, remove_duplicate: bool = True) -> dict[str, torch.Tensor]:
+    """Every parameter and buffer of ``module`` by name (a tied tensor under each of its names, or once)."""
+    return {**dict(module.named_parameters(remove_duplicate=remove_duplicate)),
+            **dict(module.named_buffers(remove_duplicate=remove_duplicate))}
 
 
 class VectorisedFallback(nn.Module):
@@ -74,14 +71,13 @@ class VectorisedFallback(nn.Module):
     def from_modules(cls, mods: Sequence[nn.Module], fold: Fold) -> "VectorisedFallback":
         if len(mods) != fold.num_members:
             raise ValueError(f"{cls.__name__} needs {fold.num_members} modules, got {len(mods)}.")
-        proto, per_member = meta_copy(mods[0]), [dict(m.named_parameters(remove_duplicate=False)) for m in mods]
-        per_member = [{**p, **dict(m.named_buffers(remove_duplicate=False))} for p, m in zip(per_member, mods)]
+        per_member = [_tensors(m, remove_duplicate=False) for m in mods]
 
         def stack(t: torch.Tensor, name: str) -> torch.Tensor:
             value = torch.stack([tensors[name].detach() for tensors in per_member])  # (N, ...)
             return nn.Parameter(value, t.requires_grad) if isinstance(t, nn.Parameter) else value
 
-        return cls(fold, proto, _rebuild(meta_copy(mods[0]), mods[0], stack))
+        return cls(fold, meta_copy(mods[0]), _rebuild(meta_copy(mods[0]), mods[0], stack))
 
     @property
     def num_members(self) -> int:
@@ -89,8 +85,7 @@ class VectorisedFallback(nn.Module):
 
     def to_module(self, i: int, share: bool = False) -> nn.Module:
         """Member i as an ordinary module: its own storage, or (``share=True``) views into the stacked tensors."""
-        tensors = {**dict(self.stacked.named_parameters(remove_duplicate=False)),
-                   **dict(self.stacked.named_buffers(remove_duplicate=False))}
+        tensors = _tensors(self.stacked, remove_duplicate=False)
 
         def take(t: torch.Tensor, name: str) -> torch.Tensor:
             value = tensors[name][i].detach()
@@ -129,7 +124,7 @@ class VectorisedFallback(nn.Module):
 
     def _state(self) -> dict[str, torch.Tensor]:
         """name -> (N, ...), each tensor once: functional_call sets a tied tensor's other names itself."""
-        return {**dict(self.stacked.named_parameters()), **dict(self.stacked.named_buffers())}
+        return _tensors(self.stacked)
 
     def forward(self, *args, **kwargs):
         leaves, spec = pytree.tree_flatten((args, kwargs))
@@ -180,8 +175,13 @@ class VectorisedFallback(nn.Module):
 
         randomness = "different" if self.training else "error"
         outs = iter(vmap(member, in_dims=tuple(in_dims), randomness=randomness)(state, *mapped))
-        out_leaves = [_fold(next(outs), rows // n) if t is _TENSOR else t for t in structure["static"]]  # (N*B, ...)
+        out_leaves = [self._merge(next(outs), rows // n) if t is _TENSOR else t for t in structure["static"]]
         return pytree.tree_unflatten(out_leaves, structure["spec"])
+
+    def _merge(self, y: torch.Tensor, batch: int) -> torch.Tensor:
+        """(N, b, ...) -> (N*B, ...) with this call's B (the fold has none when ``generate`` runs an encoder
+        itself); a member's 0-dim output stays (N,)."""
+        return self.fold.merge(y, batch) if y.dim() > 1 else y
 
     def extra_repr(self) -> str:
         return f"num_members={self.num_members}, source={type(self.proto).__name__}"
