@@ -1,6 +1,6 @@
 """hf-wide: run N fine-tuned checkpoints of one architecture as one wide model."""
 
-from . import blocks, primitives  # noqa: F401  (fill the registries)
+from . import blocks, primitives, rewrites  # noqa: F401  (fill the registries)
 from .compat import IncompatibleMembersError
 from .cpu import tune_cpu_allocator
 from .fold import PerMember

@@ -14,8 +14,14 @@ class Kind(str, enum.Enum):
     BLOCK = "block"  # a fused block replaces a whole known sub-structure (attention, MLP)
     PRIMITIVE = "primitive"  # a wide leaf layer: stacked weights, batched kernel
     SHARED = "shared"  # identical in every member: one module, one copy in memory
+    REWRITTEN = "rewritten"  # the template's module with a method that reads its wide children's stacked tensors
     VECTORISED = "vectorised"  # no builder: the module's own forward, vmapped over the members' stacked tensors
-    FALLBACK = "fallback"  # a loop: each member's own module runs on its rows, outputs concatenated
+    FALLBACK = "fallback"  # a loop: member by member on its rows (its stacked tensors, or its own module)
+
+
+# A loop's wide class: member 0's code over each member's stacked tensors in turn, or each member's own module
+# (where the members' code differs: a hook, another class, an attribute).
+STACKED_LOOP, OWN_CODE_LOOP = "VectorisedFallback", "PerMemberFallback"
 
 
 @dataclasses.dataclass
@@ -35,11 +41,13 @@ class ModulePlan:
 
 @dataclasses.dataclass
 class Demotions:
-    """What verification moved down the ladder (block, primitive, vectorised, loop), each fqn with the reason."""
+    """What verification moved down the ladder (block, primitive, vectorised, loop over the stacked tensors, loop
+    over the members' own modules), each fqn with the reason."""
 
     unfused: dict[str, str] = dataclasses.field(default_factory=dict)  # blocks, planned by their parts
     per_member: dict[str, str] = dataclasses.field(default_factory=dict)  # primitives and kept modules
     looped: dict[str, str] = dataclasses.field(default_factory=dict)  # vectorised modules, run in a loop
+    own_code: dict[str, str] = dataclasses.field(default_factory=dict)  # loops over stacked tensors: own modules
 
     def add(self, plan: "WidePlan", failures: dict[str, str]) -> bool:
         """Move each failed module one strategy down; False if none could move."""
@@ -48,12 +56,15 @@ class Demotions:
             entry = plan.entries.get(fqn)
             kind = entry.kind if entry is not None else None
             what = f"{entry.wide_class if entry is not None and entry.wide_class else 'kept'} {reason}"
-            if kind == Kind.FALLBACK:  # even each member's own module fails on its rows: run its parent per member
+            if kind == Kind.FALLBACK and entry.wide_class == STACKED_LOOP:
+                kind = "own code"
+            elif kind == Kind.FALLBACK:  # even each member's own module fails on its rows: run its parent per member
                 if not fqn:
                     continue
                 fqn, what = fqn.rpartition(".")[0], f"{fqn}: {what}"
                 kind = None
-            table = {Kind.BLOCK: self.unfused, Kind.VECTORISED: self.looped}.get(kind, self.per_member)
+            table = {Kind.BLOCK: self.unfused, Kind.VECTORISED: self.looped, "own code": self.own_code}.get(
+                kind, self.per_member)
             if fqn not in table:
                 table[fqn] = what
                 moved = True

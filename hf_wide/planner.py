@@ -32,12 +32,13 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from .plan import Demotions, Kind, ModulePlan, WidePlan
+from .plan import OWN_CODE_LOOP, STACKED_LOOP, Demotions, Kind, ModulePlan, WidePlan
 from .primitives.fallback import TOKEN_ROWS
-from .structure import block_structure_known, opaque_modules
+from .structure import Opaque, block_structure_known, opaque_modules
 from .registry import (
     declares_stacked_reads,
     find_block,
+    find_rewrite,
     find_wide,
     stacked_read_consumers,
 )
@@ -87,7 +88,7 @@ def make_plan(
     sample_shape: str = "",
     share_identical: bool = True,
     demotions: Demotions | None = None,
-    opaque: dict[str, str] | None = None,
+    opaque: dict[str, Opaque] | None = None,
 ) -> WidePlan:
     """The WidePlan for fusing ``members`` (same architecture, already checked). With
     ``share_identical=False`` no module is shared: the plan of the architecture, whatever the weights.
@@ -104,7 +105,7 @@ def make_plan(
     modules = dict(template.named_modules())
     entries: dict[str, ModulePlan] = {}
     opaque = opaque_modules(members) if opaque is None else opaque
-    fallback_roots: dict[str, str] = {**opaque, **demotions.per_member}
+    fallback_roots: dict[str, str] = {**{p: o.reason for p, o in opaque.items()}, **demotions.per_member}
     stacked_reads = []  # (module, its declared reader, consumer classes, differs between members, plan fields)
     notes = list(trace.warnings)
 
@@ -175,14 +176,28 @@ def make_plan(
             entries[fqn] = ModulePlan(kind=Kind.PRIMITIVE, wide_class=wide_cls.__name__, **kind_args)
     for path, op in trace.mixing.items():
         fallback_roots.setdefault(path, f"{op} mixes batch rows")
+    rewrites: dict[str, str] = {}
     for path, (op, uses) in trace.unbatched.items():
         shared = path in entries and entries[path].kind == Kind.SHARED  # one copy: every member sees the same
         handled = any(_is_under(path, b) for b in blocks) or any(  # a block or a declared reader feeds it stacked
             declares_stacked_reads(modules[p]) for p in modules if p and _is_under(path, p)) or any(
             all(_is_under(p, root) for p in (path, *uses)) for root in opaque)  # all inside a module run per member
-        if not (shared or handled):
+        rewritten = _rewriting_ancestor(path, modules, demoted)
+        if rewritten is not None:  # its method computes every member's result from the stacked tensors
+            rewrites.setdefault(rewritten, f"{op} runs {path} on an input without the batch dim")
+        elif not (shared or handled):
             root = _unbatched_root(path, uses, trace.escapes)
             fallback_roots.setdefault(root, f"{op} runs {path or '(model)'} on an input without the batch dim")
+    for fqn, why in rewrites.items():
+        rewrite_cls, reads = find_rewrite(modules[fqn])
+        unstacked = [r for r in reads if f"{fqn}.{r}" not in entries
+                     or entries[f"{fqn}.{r}"].kind not in (Kind.PRIMITIVE, Kind.SHARED)
+                     or any(_is_under(f"{fqn}.{r}", root) for root in fallback_roots)]
+        if unstacked:
+            fallback_roots.setdefault(fqn, f"{why}, and {rewrite_cls.__name__} needs {fqn}.{unstacked[0]} stacked")
+        else:
+            entries[fqn] = ModulePlan(fqn=fqn, module_class=type(modules[fqn]).__name__, kind=Kind.REWRITTEN,
+                                      wide_class=rewrite_cls.__name__, reason=f"{why}: computed for every member")
     for root in list(fallback_roots):
         settled = _settle(root, modules, trace.callers)
         if settled != root:
@@ -194,12 +209,12 @@ def make_plan(
     entries = {f: e for f, e in entries.items() if not any(_is_under(f, root) for root in outermost)}
     for root in outermost:
         module = modules[root]
-        loop = _loop_reason(root, modules, opaque, demotions.looped)
+        loop, own_code = _loop_reason(root, modules, opaque, demotions)
         entries[root] = ModulePlan(
             fqn=root,
             module_class=type(module).__name__,
             kind=Kind.VECTORISED if loop is None else Kind.FALLBACK,
-            wide_class="VectorisedFallback" if loop is None else "PerMemberFallback",
+            wide_class=OWN_CODE_LOOP if own_code else STACKED_LOOP,
             params=sum(p.numel() for p in module.parameters()),
             flops=flops.get(root, 0),
             reason=fallback_roots[root] + ("" if loop is None else f"; in a loop: {loop}"),
@@ -221,6 +236,17 @@ def make_plan(
     )
 
 
+def _rewriting_ancestor(path: str, modules: dict[str, nn.Module], demoted: dict[str, str]) -> str | None:
+    """The innermost module around ``path`` with a registered rewrite (:mod:`hf_wide.rewrites`), unless
+    verification moved it down."""
+    parts = path.split(".") if path else []
+    for depth in range(len(parts), -1, -1):
+        candidate = ".".join(parts[:depth])
+        if find_rewrite(modules[candidate]) is not None and candidate not in demoted:
+            return candidate
+    return None
+
+
 def _unbatched_root(path: str, uses: set[str], escapes: dict[str, set[str]]) -> str:
     """Where to run per member a module that runs its tensors on an input without the batch dim: the innermost
     module around it that hands on only batched results or broadcasts ``(1, ...)`` (T5's attention, whose
@@ -235,18 +261,21 @@ def _unbatched_root(path: str, uses: set[str], escapes: dict[str, set[str]]) -> 
     return outermost
 
 
-def _loop_reason(root: str, modules: dict[str, nn.Module], opaque: dict[str, str], looped: dict[str, str]):
-    """Why the fallback at ``root`` must run each member's own module in a loop rather than vmap member 0's code
-    over the stacked tensors (None if it need not)."""
-    if root in looped:
-        return looped[root]
-    inside = next((path for path in opaque if _is_under(path, root)), None)
+def _loop_reason(root: str, modules: dict[str, nn.Module], opaque: dict[str, Opaque], demotions: Demotions):
+    """(why, own code): why the fallback at ``root`` must run member by member rather than vmap member 0's code
+    over the stacked tensors (None if it need not), and whether each member must run its own module (its code
+    differs from member 0's, or member 0's code over its tensors disagreed with it)."""
+    if root in demotions.own_code:
+        return demotions.own_code[root], True
+    inside = next((path for path, o in opaque.items() if _is_under(path, root) and not o.vectorisable), None)
     if inside is not None:
-        return f"{inside or '(model)'} must run as each member's own code"
+        return f"{inside or '(model)'} must run as each member's own code ({opaque[inside].reason})", True
+    if root in demotions.looped:
+        return demotions.looped[root], False
     routed = next((p for p, m in modules.items() if _is_under(p, root) and type(m) in TOKEN_ROWS), None)
     if routed is not None:
-        return f"{routed} routes tokens to experts by their values (data-dependent control flow)"
-    return None
+        return f"{routed} routes tokens to experts by their values (data-dependent control flow)", False
+    return None, False
 
 
 def _settle(root: str, modules: dict[str, nn.Module], callers: dict[str, set[str]]) -> str:

@@ -24,6 +24,7 @@ from torch import nn
 _REGISTRY: dict[type[nn.Module], type] = {}
 _BLOCKS: dict[type[nn.Module], type] = {}
 _STACKED_READS: dict[type[nn.Module], dict[str, tuple[type[nn.Module], ...]]] = {}
+_REWRITES: dict[type[nn.Module], tuple[type[nn.Module], tuple[str, ...]]] = {}
 
 
 def _registrar(table: dict[type[nn.Module], type], module_classes: tuple[type[nn.Module], ...]):
@@ -76,6 +77,32 @@ def stacked_read_consumers(module: nn.Module, tensor: str) -> tuple[type[nn.Modu
 def declares_stacked_reads(module: nn.Module) -> bool:
     """Whether ``module``'s exact class declared a stacked read (its forward hands a table to its blocks)."""
     return type(module) in _STACKED_READS
+
+
+def register_rewrite(module_class: type[nn.Module], reads: tuple[str, ...]):
+    """Class decorator: the decorated subclass of ``module_class`` overrides the methods that run a child's tensors
+    on an input without the batch dim (MPNet's encoder computes its position bias from a ``(T, T)`` bucket
+    table), reading the stacked tensors of the children named in ``reads`` to compute every member's result at
+    once. The module stays the template's, its children planned as usual; in the wide model its class becomes
+    the decorated one (:mod:`hf_wide.rewrites`)."""
+
+    def decorator(rewrite_cls: type[nn.Module]) -> type[nn.Module]:
+        if not issubclass(rewrite_cls, module_class):
+            raise TypeError(f"{rewrite_cls.__name__} must subclass {module_class.__name__}.")
+        rewrite_cls.source_class = module_class
+        _REWRITES[module_class] = (rewrite_cls, tuple(reads))
+        return rewrite_cls
+
+    return decorator
+
+
+def find_rewrite(module: nn.Module) -> tuple[type[nn.Module], tuple[str, ...]] | None:
+    """(rewrite class, the children it reads) for this exact module class, or None."""
+    return _REWRITES.get(type(module))
+
+
+def rewrite_classes() -> tuple[type[nn.Module], ...]:
+    return tuple(cls for cls, _ in _REWRITES.values())
 
 
 def find_block(module: nn.Module) -> type | None:

@@ -7,7 +7,9 @@ reason for the planner to run it (and its subtree) per member instead:
 - **hooks**: a forward hook or pre-hook (other than transformers' output capture, which hf-wide installs
   itself) may change inputs or outputs; a wide module would skip it;
 - **parametrizations** (``torch.nn.utils.parametrizations.weight_norm``, ...): the weight is computed from
-  other tensors on every call;
+  other tensors on every call. Where every member's module has the same parametrizations, member 0's code
+  computes any member's weight from that member's tensors: the module is vectorised (``vectorisable``), not
+  looped;
 - **differing attributes**: a module kept as the template's code (or rebuilt from member 0's hyper-parameters)
   runs with member 0's plain attributes; where a member's differ (PEFT's per-adapter ``scaling``, a norm's
   ``eps``), member 0's would be used for all. So would a module of another class at the same path.
@@ -23,6 +25,7 @@ from __future__ import annotations
 import functools
 import types
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -35,6 +38,20 @@ from .registry import has_exact_builder
 # the PeftModel and its tuner) is the adapters' recipe: what its layers run with (`scaling`, `r`, dropout) is
 # copied onto each layer, and compared there.
 IGNORED_ATTRIBUTES = frozenset({"training", "config", "generation_config", "name_or_path", "peft_config"})
+
+
+class Opaque(NamedTuple):
+    """Why the members' modules at one path must run as their own code; ``vectorisable`` when member 0's code
+    with any member's tensors is that member's module (the same parametrizations), so that vmap may run it."""
+
+    reason: str
+    vectorisable: bool = False
+
+
+def source_type(module: nn.Module) -> type[nn.Module]:
+    """The module's class; for a parametrized module, the class it was before (each parametrized module gets a
+    class of its own)."""
+    return type(module).__bases__[0] if parametrize.is_parametrized(module) else type(module)
 
 
 def hook_reason(module: nn.Module) -> str | None:
@@ -66,7 +83,8 @@ def attribute_reason(mods: Sequence[nn.Module]) -> str | None:
     attribute (not a tensor or child) that differs."""
     first = mods[0]
     for i, mod in enumerate(mods[1:], start=1):
-        if type(mod) is not type(first):
+        if source_type(mod) is not source_type(first) or (
+                parametrize.is_parametrized(mod) != parametrize.is_parametrized(first)):
             return f"member {i}'s module is a {type(mod).__name__}, member 0's a {type(first).__name__}"
         ours, theirs = vars(first), vars(mod)
         for name in sorted(set(ours) | set(theirs)):
@@ -77,23 +95,32 @@ def attribute_reason(mods: Sequence[nn.Module]) -> str | None:
     return None
 
 
-def opaque_reason(mods: Sequence[nn.Module]) -> str | None:
+def opaque_reason(mods: Sequence[nn.Module]) -> Opaque | None:
     """Why the members' modules at one path must each run as their own code, or None."""
     for i, mod in enumerate(mods):
-        if parametrize.is_parametrized(mod):
-            names = ", ".join(mod.parametrizations.keys())
-            return f"member {i}'s {type(mod).__name__} is parametrized ({names}): its tensors are computed per call"
         reason = hook_reason(mod)
         if reason is not None:
-            return f"member {i}'s module {reason}"
-    return attribute_reason(mods)
+            return Opaque(f"member {i}'s module {reason}")
+    reason = attribute_reason(mods)
+    if reason is not None:
+        return Opaque(reason)
+    if parametrize.is_parametrized(mods[0]):  # the same in every member, or attribute_reason said otherwise
+        names = ", ".join(mods[0].parametrizations.keys())
+        return Opaque(f"{type(mods[0]).__name__} is parametrized ({names}): its tensors are computed per call",
+                      vectorisable=True)
+    return None
 
 
-def opaque_modules(members: Sequence[nn.Module]) -> dict[str, str]:
-    """Every path (module fqn) whose modules must run as each member's own code, with the reason."""
+def opaque_modules(members: Sequence[nn.Module]) -> dict[str, Opaque]:
+    """Every path (module fqn) whose modules must run as each member's own code, with the reason. The
+    parametrizations' own modules (``conv.parametrizations.weight.0``) are checked like any other; their
+    tensors belong to the parametrized module."""
     per_member = [dict(m.named_modules()) for m in members]
     found = {}
     for fqn in per_member[0]:
+        if any(fqn not in modules for modules in per_member[1:]):
+            found[fqn] = Opaque(f"{fqn} is not a module of every member")
+            continue
         reason = opaque_reason([modules[fqn] for modules in per_member])
         if reason is not None:
             found[fqn] = reason

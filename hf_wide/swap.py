@@ -1,7 +1,8 @@
 """The swap walk: apply a WidePlan to N members and get one folded model.
 
-The wide model is a copy of the template in which every planned module is replaced: primitives by
-their wide class, fallbacks by a :class:`PerMemberFallback`, shared modules kept as they are. The copy
+The wide model is a copy of the template in which every planned module is replaced: primitives and blocks by
+their wide class, fallbacks by a :class:`VectorisedFallback` (stacked tensors, vmapped or in a loop) or, where
+each member must run its own code, a :class:`PerMemberFallback`; shared modules are kept as they are. The copy
 is a ``deepcopy`` whose memo already holds the replacements, so the members' swapped tensors are never
 copied twice.
 """
@@ -15,11 +16,11 @@ from torch import nn
 
 from .capture import reset_capture_hooks
 from .fold import Fold
-from .plan import Kind, WidePlan
+from .plan import STACKED_LOOP, Kind, WidePlan
 from .planner import tensor_aliases
 from .blocks import WideBlock
 from .primitives import PerMemberFallback, VectorisedFallback, WideModule
-from .registry import find_block, get_wide
+from .registry import find_block, find_rewrite, get_wide, rewrite_classes
 
 
 WIDE_MODULES = (WideModule, WideBlock, VectorisedFallback, PerMemberFallback)  # what a plan swaps in
@@ -36,12 +37,16 @@ def build_wide(members: Sequence[nn.Module], plan: WidePlan, fold: Fold) -> nn.M
             memo[id(mods[0])] = find_block(mods[0]).from_modules(mods, fold)
         elif entry.kind == Kind.PRIMITIVE:
             memo[id(mods[0])] = get_wide(type(mods[0])).from_modules(mods, fold)
-        elif entry.kind == Kind.VECTORISED:
-            memo[id(mods[0])] = VectorisedFallback.from_modules(mods, fold)
+        elif entry.kind == Kind.VECTORISED or entry.wide_class == STACKED_LOOP:
+            memo[id(mods[0])] = VectorisedFallback.from_modules(mods, fold, loop=entry.kind == Kind.FALLBACK)
         elif entry.kind == Kind.FALLBACK:
             memo[id(mods[0])] = PerMemberFallback.from_modules([copy.deepcopy(m) for m in mods], fold)
     # If the whole model is one fallback, it is its own replacement.
     wide = memo[id(template)] if id(template) in memo else copy.deepcopy(template, memo)
+    for fqn, entry in plan.entries.items():
+        if entry.kind == Kind.REWRITTEN:  # the copy is the template's own module: its class takes the rewrite
+            module = wide.get_submodule(fqn)
+            module.__class__ = find_rewrite(module)[0]
     retie(wide, tensor_aliases(template))
     return reset_capture_hooks(wide)  # hooks copied from members may sit inside wide modules
 
@@ -60,6 +65,8 @@ def member_copy(
             memo.update({id(sub): sub for sub in module.modules() if sub is not module})  # inside it: skip
     member = memo[id(wide)] if id(wide) in memo else copy.deepcopy(wide, memo)
     for module in member.modules():
+        if isinstance(module, rewrite_classes()):  # one member's module runs the source's method
+            module.__class__ = module.source_class
         for key, hook in list(module._forward_pre_hooks.items()):
             if isinstance(hook, Fold):  # the wide model's row recorder: nothing to record in one member
                 del module._forward_pre_hooks[key]

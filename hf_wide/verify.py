@@ -4,13 +4,15 @@ The structural rules (:mod:`hf_wide.structure`) decide what a builder may take; 
 member runs once on the sample input with hooks that record, for every block and primitive of the plan, the
 first call's inputs and output. The wide model runs once too, so that each wide module's own inputs show which
 of its arguments carry the folded rows: ``(N*B, ...)`` where the member's has ``(B, ...)``, ``(N, ...)`` where
-it has one tensor per member (DeBERTa's stacked table), or the member's very shape (a broadcast). Every wide
-module is then called on the members' recorded inputs, folded so, and its output is compared, member by member,
-with what each member's module returned. A module that disagrees is reported with its error, and the caller
-moves it one rung down the ladder (a block to its parts, a primitive to a fallback) and verifies again.
+it has one tensor per member (DeBERTa's stacked table), or the member's very shape (a broadcast), and what each
+returned. A wide module whose output there holds every member's output agrees with its members. Any other is
+then called on the members' recorded inputs, folded so, and its output is compared, member by member, with what
+each member's module returned: errors upstream cannot leak into a module's verdict, since it is fed the members'
+inputs, not the wide forward's. A module that disagrees is reported with its error, and the caller moves it one
+rung down the ladder (a block to its parts, a primitive to a fallback) and verifies again.
 
-Errors upstream cannot leak into a module's check: each is fed the members' inputs, not the wide forward's.
-The cost is one forward of the sample input per member, one wide forward, and one call of each wide module.
+The cost, where everything agrees: one forward of the sample input per member and one wide forward, whose output
+is also the whole model's check (:func:`diagnose`).
 """
 
 from __future__ import annotations
@@ -22,9 +24,9 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from .fold import Fold
-from .plan import Kind, WidePlan
+from .plan import STACKED_LOOP, Kind, WidePlan
 
-CHECKED = (Kind.BLOCK, Kind.PRIMITIVE, Kind.VECTORISED)
+CHECKED = (Kind.BLOCK, Kind.PRIMITIVE, Kind.VECTORISED)  # and loops over stacked tensors: member 0's code
 
 
 def tolerance(reference: torch.Tensor) -> float:
@@ -192,37 +194,45 @@ def compare_outputs(output, member_outputs: list, rows: int) -> str | None:
 
 
 def verify_modules(wide, paths: Sequence[str], references: Sequence[nn.Module], args: tuple, kwargs: dict,
-                   recorded: list[dict] | None = None) -> tuple[dict[str, str], list[dict]]:
+                   recorded: list[dict] | None = None) -> tuple[dict[str, str], list[dict], object]:
     """Check the modules at ``paths`` of ``wide`` (a :class:`~hf_wide.WideModel`) against ``references``
     (member i's model, or a view of it) on the sample inputs. Returns ({fqn: what went wrong}, the members'
-    recorded calls, to pass back in when verifying a re-planned model)."""
+    recorded calls, to pass back in when verifying a re-planned model, and the wide model's output)."""
     recorded = recorded if recorded is not None else [{} for _ in references]
     missing = [p for p in paths if p not in recorded[0]]
     if missing or None not in recorded[0]:
         for calls, new in zip(recorded, record_members(references, missing, args, kwargs)):
             calls.update({k: v for k, v in new.items() if k not in calls})
+    modules = dict(wide.model.named_modules())
+    for path in paths:  # a vectorised module notes where vmap refused it: in this forward, not an earlier one
+        if path in modules:
+            modules[path].__dict__.pop("vmap_refused", None)
     with _Recorder(wide.model, paths) as recorder, torch.no_grad():
         try:
-            wide(*args, **sample_kwargs(wide.model, kwargs))
+            output = wide(*args, **sample_kwargs(wide.model, kwargs))
         except Exception as exc:  # the innermost checked module it was raised in disagrees with its members
             if not recorder.running:
                 raise
-            return {recorder.running[-1]: f"raised {type(exc).__name__}: {str(exc).splitlines()[0][:160]}"}, recorded
+            failure = {recorder.running[-1]: f"raised {type(exc).__name__}: {str(exc).splitlines()[0][:160]}"}
+            return failure, recorded, None
     rows = wide.num_members * _sample_batch(args, kwargs)
-    modules = dict(wide.model.named_modules())
     failures = {}
     for path in paths:
         if path not in recorder.calls or path not in recorded[0]:
             continue  # not called on the sample: nothing to check it with
-        reason = check_module(modules[path], wide.fold, recorder.calls[path], [r[path] for r in recorded], rows)
+        member_calls = [r[path] for r in recorded]
+        refused = modules[path].__dict__.get("vmap_refused")  # a vectorised module that had to loop
+        if refused is None and compare_outputs(recorder.calls[path][2], [o for _, _, o in member_calls], rows) is None:
+            continue  # agrees in the wide forward itself
+        reason = check_module(modules[path], wide.fold, recorder.calls[path], member_calls, rows)
         if reason is not None:
             failures[path] = reason
-    return failures, recorded
+    return failures, recorded, output
 
 
 def wide_paths(plan: WidePlan) -> list[str]:
     """The modules a plan makes wide: what :func:`verify_modules` checks on every fusion."""
-    return [e.fqn for e in plan.entries.values() if e.kind in CHECKED]
+    return [e.fqn for e in plan.entries.values() if e.kind in CHECKED or e.wide_class == STACKED_LOOP]
 
 
 def kept_paths(wide) -> list[str]:
@@ -246,10 +256,12 @@ def innermost(failures: dict[str, str]) -> dict[str, str]:
     return {p: r for p, r in failures.items() if not any(q != p and (p == "" or q.startswith(f"{p}.")) for q in failures)}
 
 
-def check_whole(wide, recorded: list[dict], args: tuple, kwargs: dict) -> str | None:
-    """None if the wide model's output holds every member's recorded output on the sample."""
-    with torch.no_grad():
-        output = wide(*args, **sample_kwargs(wide.model, kwargs))  # (N, B, ...) leaves
+def check_whole(wide, recorded: list[dict], args: tuple, kwargs: dict, output=None) -> str | None:
+    """None if the wide model's output (``output``, or a forward of the sample) holds every member's recorded
+    output on the sample."""
+    if output is None:
+        with torch.no_grad():
+            output = wide(*args, **sample_kwargs(wide.model, kwargs))  # (N, B, ...) leaves
     n = wide.num_members
     batch = _sample_batch(args, kwargs)
     folded = pytree.tree_map(lambda t: t.reshape(n * batch, *t.shape[2:])
@@ -268,13 +280,13 @@ def diagnose(wide, references: Sequence[nn.Module], args: tuple, kwargs: dict,
     First the wide modules; if they agree but the whole output does not, or the template's own code raised, the
     kept modules, innermost first (the rows a module mixes, say, where no trace saw it)."""
     try:
-        failures, recorded = verify_modules(wide, wide_paths(wide.plan), references, args, kwargs, recorded)
+        failures, recorded, output = verify_modules(wide, wide_paths(wide.plan), references, args, kwargs, recorded)
     except Exception:  # raised in the template's own code: the innermost module it ran in is to blame
-        return verify_modules(wide, kept_paths(wide), references, args, kwargs, recorded)
+        return verify_modules(wide, kept_paths(wide), references, args, kwargs, recorded)[:2]
     if failures:
         return failures, recorded
-    whole = check_whole(wide, recorded, args, kwargs)
+    whole = check_whole(wide, recorded, args, kwargs, output)
     if whole is None:
         return {}, recorded
-    failures, recorded = verify_modules(wide, kept_paths(wide), references, args, kwargs, recorded)
+    failures, recorded, _ = verify_modules(wide, kept_paths(wide), references, args, kwargs, recorded)
     return innermost(failures) or {"": f"(the whole output) {whole}"}, recorded

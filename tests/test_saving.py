@@ -17,6 +17,7 @@ ROUND_TRIP_CASES = [
     "bert-seqcls", "llama-causallm", "vit-imgcls", "resnet-imgcls",
     "t5-encoder",  # a fallback (the encoder) whose embeddings are tied to a wide table outside it
     "xmod-seqcls", "mixtral-causallm", "gemma3-causallm",  # fallbacks that take their callers, token rows
+    "mpnet-seqcls",  # a rewritten module: MPNet's encoder
 ]
 
 

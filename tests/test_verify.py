@@ -5,6 +5,7 @@ the reason in the plan. Never a wrong number."""
 import peft
 import pytest
 import torch
+import transformers
 from conftest import CASES
 from oracle import TOLERANCE, max_member_error
 from torch import nn
@@ -71,15 +72,64 @@ def test_forward_hooks_run_per_member():
     assert "forward hook" in reasons["model.layers.1"]
 
 
-def test_weight_norm_parametrizations_run_per_member():
-    members = [CASES["bert-seqcls"].build(seed) for seed in range(3)]
-    for member in members:
+def weight_normed(dims=(0, 0, 0)) -> list[nn.Module]:
+    members = [CASES["bert-seqcls"].build(seed) for seed in range(len(dims))]
+    for member, dim in zip(members, dims):
         layer = member.bert.encoder.layer[0]
-        torch.nn.utils.parametrizations.weight_norm(layer.attention.self.query)
+        torch.nn.utils.parametrizations.weight_norm(layer.attention.self.query, dim=dim)
         torch.nn.utils.parametrizations.weight_norm(layer.output.dense)
+    return members
+
+
+def test_weight_norm_parametrizations_are_vectorised():
+    # The same parametrizations in every member: member 0's code computes each member's weight from its tensors.
+    members = weight_normed()
     wide = WideModel.from_models(members)
     assert max_member_error(wide, members, CASES["bert-seqcls"].inputs(3, padded=True)) <= TOLERANCE
-    assert any("parametrized" in e.reason for e in wide.plan.fallbacks)
+    parametrized = [e for e in wide.plan.fallbacks if "parametrized" in e.reason]
+    assert parametrized and all(e.kind == Kind.VECTORISED for e in parametrized)
+    assert not wide.plan.loops
+
+
+class Scaled(nn.Module):
+    """A parametrization with a plain attribute of its own."""
+
+    def __init__(self, factor: float):
+        super().__init__()
+        self.factor = factor
+
+    def forward(self, weight):
+        return weight * self.factor
+
+
+def test_parametrizations_that_differ_run_as_each_members_own_code():
+    members = [CASES["bert-seqcls"].build(seed) for seed in range(3)]
+    for member, factor in zip(members, (1.0, 1.0, 2.0)):  # member 2's parametrization doubles the weight
+        torch.nn.utils.parametrize.register_parametrization(member.bert.encoder.layer[0].output.dense, "weight",
+                                                            Scaled(factor))
+    wide = WideModel.from_models(members)
+    assert max_member_error(wide, members, CASES["bert-seqcls"].inputs(3, padded=True)) <= TOLERANCE
+    loop = {e.name: e for e in wide.plan.loops}["bert.encoder.layer.0.output.dense"]
+    assert "'factor' differs" in loop.reason and loop.wide_class == "PerMemberFallback"
+
+
+def test_a_loop_over_stacked_tensors_holds_one_tensor_per_source_tensor():
+    # OLMoE's experts route tokens by value: a loop, but of member 0's code over each member's stacked tensors.
+    config = transformers.OlmoeConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                      num_key_value_heads=2, intermediate_size=32, num_experts=4,
+                                      num_experts_per_tok=2, pad_token_id=0)
+    members = []
+    for seed in range(3):
+        torch.manual_seed(seed)
+        members.append(transformers.OlmoeForCausalLM(config).eval())
+    wide = WideModel.from_models(members)
+    ids = torch.randint(1, 64, (2, 7))
+    assert max_member_error(wide, members, {"input_ids": ids}) <= TOLERANCE
+    assert wide.plan.loops and all(e.wide_class == "VectorisedFallback" for e in wide.plan.loops)
+    assert len(list(wide.model.parameters())) == len(list(members[0].parameters()))
+    for i, member in enumerate(members):  # and each member comes back whole
+        assert all(torch.equal(a, b) for a, b in zip(wide.member(i).state_dict().values(),
+                                                     member.state_dict().values()))
 
 
 def test_a_hyper_parameter_that_differs_runs_per_member():

@@ -12,9 +12,11 @@ No code per class, and one parameter tensor per source tensor, as in a primitive
 member shares (ids, masks) are handed over once, unbatched, as the source would see them: transformers reads the
 values of a mask to skip it, which vmap cannot do on a batched tensor. Where vmap cannot run (a KV cache every
 member appends to, or data-dependent control flow on inputs that differ between members) the same stacked
-tensors run member by member. The plan chooses this for a
-module only after verification saw it agree with its members; data-dependent control flow and ``.item()`` make
-vmap raise there, and the module then runs in a loop (:class:`~hf_wide.primitives.fallback.PerMemberFallback`).
+tensors run member by member. The plan chooses this for a module only after verification saw it agree with its
+members; data-dependent control flow and ``.item()`` make vmap raise there, and the module is then planned as a
+loop (``loop=True``: member 0's code over each member's tensors in turn, still one tensor per source tensor).
+Only where the members' code differs (a hook, another class) does a loop hold each member's own module
+(:class:`~hf_wide.primitives.fallback.PerMemberFallback`).
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from transformers.cache_utils import Cache
 
 from ..fold import Fold
 from .base import meta_copy
-from .fallback import run_per_member
+from .fallback import TOKEN_ROWS, run_per_member
 
 
 def _rebuild(module: nn.Module, source: nn.Module, make: Callable[[torch.Tensor, str], torch.Tensor]) -> nn.Module:
@@ -61,14 +63,15 @@ def _tensors(module: nn.Module, remove_duplicate: bool = True) -> dict[str, torc
 class VectorisedFallback(nn.Module):
     """N members of one module, run as one ``vmap`` of its own forward over their stacked tensors."""
 
-    def __init__(self, fold: Fold, proto: nn.Module, stacked: nn.Module):
+    def __init__(self, fold: Fold, proto: nn.Module, stacked: nn.Module, loop: bool = False):
         super().__init__()
         self.fold = fold
         self.stacked = stacked  # the source's structure, every tensor (N, ...)
+        self.loop = loop  # member by member, never vmapped (the plan says why)
         object.__setattr__(self, "proto", proto)  # the source on the meta device: the forward's code; not a child
 
     @classmethod
-    def from_modules(cls, mods: Sequence[nn.Module], fold: Fold) -> "VectorisedFallback":
+    def from_modules(cls, mods: Sequence[nn.Module], fold: Fold, loop: bool = False) -> "VectorisedFallback":
         if len(mods) != fold.num_members:
             raise ValueError(f"{cls.__name__} needs {fold.num_members} modules, got {len(mods)}.")
         per_member = [_tensors(m, remove_duplicate=False) for m in mods]
@@ -77,7 +80,7 @@ class VectorisedFallback(nn.Module):
             value = torch.stack([tensors[name].detach() for tensors in per_member])  # (N, ...)
             return nn.Parameter(value, t.requires_grad) if isinstance(t, nn.Parameter) else value
 
-        return cls(fold, meta_copy(mods[0]), _rebuild(meta_copy(mods[0]), mods[0], stack))
+        return cls(fold, meta_copy(mods[0]), _rebuild(meta_copy(mods[0]), mods[0], stack), loop)
 
     @property
     def num_members(self) -> int:
@@ -98,11 +101,20 @@ class VectorisedFallback(nn.Module):
         return [self.to_module(i) for i in range(self.num_members)]
 
     def __getattr__(self, name: str):
-        # Model code reads attributes of its submodules (a weight's dtype or device): member 0's view answers.
+        # Model code reads attributes of its submodules (a weight's dtype or device): member 0's view answers. A
+        # submodule answers as a fallback of its own over the same stacked tensors, so that calling it (XMOD calls
+        # ``self.output.LayerNorm``) runs every member's.
         try:
             return super().__getattr__(name)
         except AttributeError:
-            return getattr(self._member_view(), name)
+            value = getattr(self._member_view(), name)
+            if not isinstance(value, nn.Module):
+                return value
+            views = self.__dict__.setdefault("_submodule_views", {})  # not children: no second state dict
+            if name not in views:
+                views[name] = VectorisedFallback(self.fold, getattr(self.proto, name),
+                                                 getattr(self._modules["stacked"], name), self.loop)
+            return views[name]
 
     def _member_view(self) -> nn.Module:
         view = self.__dict__.get("_view")
@@ -112,6 +124,7 @@ class VectorisedFallback(nn.Module):
 
     def _apply(self, fn, recurse=True):
         self.__dict__.pop("_view", None)  # its views would keep the old tensors
+        self.__dict__.pop("_submodule_views", None)
         return super()._apply(fn, recurse)
 
     def _code(self) -> nn.Module:
@@ -128,7 +141,7 @@ class VectorisedFallback(nn.Module):
 
     def forward(self, *args, **kwargs):
         leaves, spec = pytree.tree_flatten((args, kwargs))
-        if any(isinstance(t, Cache) for t in leaves):  # every member appends to its rows of the one cache
+        if self.loop or any(isinstance(t, Cache) for t in leaves):  # a cache: each member appends to its rows
             return self._loop(args, kwargs)
         try:
             return self._vmap(leaves, spec)
@@ -145,7 +158,7 @@ class VectorisedFallback(nn.Module):
         state, code = self._state(), self._code()
         calls = [lambda *a, i=i, **k: functional_call(code, {n: t[i] for n, t in state.items()}, a, k)
                  for i in range(self.num_members)]
-        return run_per_member(self.fold, calls, False, args, kwargs)
+        return run_per_member(self.fold, calls, type(self.proto) in TOKEN_ROWS, args, kwargs)
 
     def _vmap(self, leaves: list, spec):
         state, code = self._state(), self._code()  # name -> (N, ...)
@@ -184,4 +197,5 @@ class VectorisedFallback(nn.Module):
         return self.fold.merge(y, batch) if y.dim() > 1 else y
 
     def extra_repr(self) -> str:
-        return f"num_members={self.num_members}, source={type(self.proto).__name__}"
+        loop = ", loop=True" if self.loop else ""
+        return f"num_members={self.num_members}, source={type(self.proto).__name__}{loop}"
