@@ -1,7 +1,7 @@
 """Planning: decide, for every module of the template that owns tensors, what it becomes.
 
-First, whatever its tensors: a module that must run as each member's own code (a forward hook, a
-parametrization, a plain attribute that differs between members: :mod:`hf_wide.structure`) is a **fallback**.
+First, whatever its tensors: a module that must run as each member's own code (a forward hook, a plain
+attribute that differs between members: :mod:`hf_wide.structure`) or that is parametrized is a **fallback**.
 Then rules, in order, for a module M with parameters or buffers of its own:
 
 0. **block** if M's exact class has a fused block (attention, MLP) that accepts it, everything inside it is a
@@ -17,10 +17,13 @@ Then rules, in order, for a module M with parameters or buffers of its own:
 
 A module whose own ops mix batch rows becomes a fallback too, and so does a module that runs its tensors
 on an input without the batch dim (T5's relative position bias), together with what uses the result until it
-leaves a module with the batch dim or as a broadcast ``(1, ...)``. The outermost fallback wins: its subtree
-runs per member as a whole. A fallback is **vectorised** (the members' stacked tensors, one vmapped call of the
-source's forward) unless it must run each member's own code or verification saw vmap fail there: then it is a
-**loop**, with the reason in the plan. ``demotions`` (from :mod:`hf_wide.verify`) move modules down this ladder.
+leaves a module with the batch dim or as a broadcast ``(1, ...)``, unless an ancestor has a **rewrite**
+(:mod:`hf_wide.rewrites`: MPNet's encoder computes every member's position bias from the stacked table) and the
+children it reads are stacked or shared. The outermost fallback wins: its subtree runs per member as a whole.
+A fallback is **vectorised** (the members' stacked tensors, one vmapped call of the source's forward) unless
+vmap cannot run it (data-dependent routing, or verification saw vmap refuse it): then it is a **loop** of member
+0's code over each member's stacked tensors, or, where the members' code differs, of each member's own module;
+the plan says why. ``demotions`` (from :mod:`hf_wide.verify`) move modules down this ladder.
 """
 
 from __future__ import annotations
