@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from torch import nn
+
+from .registry import find_block
 
 # Config fields that describe where a checkpoint came from, not the graph it builds.
 METADATA_FIELDS = frozenset(
@@ -77,12 +79,24 @@ def check_configs(a, b, name_a: str, name_b: str, allow_label_mismatch: bool) ->
         )
 
 
+def _may_differ(model: nn.Module) -> Callable[[str], bool]:
+    """Whether a state-dict key may differ in shape between members: a tensor that a fused block pads (the
+    ranks of LoRA members: ``WideLoraLinear.shapes_may_differ``)."""
+    paths = {}
+    for path, module in model.named_modules():
+        block = find_block(module)
+        if block is not None and hasattr(block, "shapes_may_differ"):
+            paths[f"{path}." if path else ""] = block.shapes_may_differ
+    return lambda key: any(key.startswith(p) and rule(key[len(p):]) for p, rule in paths.items())
+
+
 def _check_state_dicts(a: nn.Module, b: nn.Module, name_a: str, name_b: str) -> None:
     sa, sb = a.state_dict(), b.state_dict()
+    may_differ = _may_differ(a)
     for key in sa:
         if key not in sb:
             raise IncompatibleMembersError(f"{name_b} has no tensor {key!r}, which {name_a} has.")
-        if sa[key].shape != sb[key].shape:
+        if sa[key].shape != sb[key].shape and not may_differ(key):
             raise IncompatibleMembersError(
                 f"{name_b} has {key!r} of shape {tuple(sb[key].shape)}, but {name_a} has {tuple(sa[key].shape)}."
             )

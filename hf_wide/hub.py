@@ -30,6 +30,7 @@ from huggingface_hub.errors import RepositoryNotFoundError
 from huggingface_hub.utils import tqdm as hf_tqdm
 from torch import nn
 
+from .adapters import adapter_config, load_adapter_members
 from .compat import IncompatibleMembersError, check_configs
 from .planner import plan_members, tensor_aliases
 from .verify import diagnose
@@ -109,6 +110,20 @@ def _revisions(revision: str | Sequence[str | None] | None, n: int) -> list[str 
     return revisions
 
 
+# What download_members hands to huggingface_hub's snapshot_download, besides the revision and patterns.
+HUB_KWARGS = frozenset({"token", "cache_dir", "local_files_only", "force_download", "max_workers", "endpoint",
+                        "etag_timeout", "headers", "tqdm_class"})
+
+
+def check_hub_kwargs(hub_kwargs: dict, caller: str = "WideModel.from_pretrained") -> None:
+    """A ``TypeError`` naming any keyword argument that is not an option: with local folders nothing else would
+    read it, and a misspelt option would be silently ignored."""
+    unknown = sorted(set(hub_kwargs) - HUB_KWARGS)
+    if unknown:
+        raise TypeError(f"{caller}() got an unexpected keyword argument {unknown[0]!r}"
+                        + (f" (and {', '.join(map(repr, unknown[1:]))})" if len(unknown) > 1 else ""))
+
+
 def download_members(
     model_ids: Sequence[str],
     revision: str | Sequence[str | None] | None = None,
@@ -120,6 +135,7 @@ def download_members(
     """Local folders for every member: existing directories as they are, Hub repos via ``snapshot_download``
     (in parallel, one progress bar). ``hub_kwargs``: ``token``, ``cache_dir``, ``local_files_only``,
     ``force_download``."""
+    check_hub_kwargs(hub_kwargs)
     revisions = _revisions(revision, len(model_ids))
     hub_kwargs.setdefault("tqdm_class", _QuietTqdm)
     patterns = META_PATTERNS + SAFETENSORS_PATTERNS + (PICKLE_PATTERNS if allow_pickle else [])
@@ -197,10 +213,16 @@ def load_wide(
     share_identical: bool = True,
     validate: bool = False,
     verify: bool = True,
+    base_model: str | None = None,
+    base_revision: str | None = None,
+    merge: bool = False,
     **hub_kwargs,
 ):
     """``cls.from_pretrained``: one fused repo (its config.json has an ``hf_wide`` section), or N member
-    checkpoints fused here. See :func:`download_members` for ``hub_kwargs``."""
+    checkpoints fused here, or PEFT adapters over one base (:mod:`hf_wide.adapters`: ``base_model`` and
+    ``base_revision`` override the base the adapters name; ``merge`` merges each into its own copy of the base).
+    See :func:`download_members` for ``hub_kwargs``."""
+    check_hub_kwargs(hub_kwargs)
     ids = [model_ids] if isinstance(model_ids, str) else list(model_ids)
     if not ids:
         raise ValueError("WideModel.from_pretrained needs at least one model id; got an empty list.")
@@ -208,11 +230,22 @@ def load_wide(
     folders = download_members(ids, revision, allow_pickle=allow_pickle, **hub_kwargs)
     names = [f"member {i} ({model_id})" for i, model_id in enumerate(ids)]
     fused = [name for name, folder in zip(names, folders) if read_section(folder) is not None]
+    adapters = [adapter_config(folder) for folder in folders]
     if fused:
         if len(ids) > 1:
             raise ValueError(f"{fused[0]} is a fused hf-wide repo: load it on its own, not as a member.")
         wide = load_fused(cls, folders[0], name=ids[0], dtype=torch_dtype, device=device)
+    elif any(adapters):
+        models = load_adapter_members(ids, folders, adapters, base_model=base_model, base_revision=base_revision,
+                                      merge=merge, allow_pickle=allow_pickle, dtype=torch_dtype, device=device,
+                                      trust_remote_code=trust_remote_code, hub_kwargs=hub_kwargs)
+        wide = cls.from_models(models, validate=validate, allow_label_mismatch=allow_label_mismatch,
+                               member_ids=ids, share_identical=share_identical, verify=verify)
+        wide.member_revisions = [commit_sha(folder) for folder in folders]
+        validate = False  # done against the models themselves
     else:
+        if base_model is not None or base_revision is not None or merge:
+            raise ValueError("base_model=, base_revision= and merge= apply to PEFT adapters; none of the members is one.")
         wide = None
         if all(_weights_format(folder, name, allow_pickle) for folder, name in zip(folders, names)):
             wide = _load_streaming(cls, ids, folders, names, torch_dtype, device, trust_remote_code,
@@ -380,16 +413,21 @@ def _no_transformers_bars():
             transformers.utils.logging.enable_progress_bar()
 
 
-def _load_member(folder, name, torch_dtype, *, device, use_safetensors, trust_remote_code):
-    """One member with its own transformers class, refusing a checkpoint that lacks tensors."""
-    config = transformers.AutoConfig.from_pretrained(folder, trust_remote_code=trust_remote_code)
+def _load_member(folder, name, torch_dtype, *, device, use_safetensors, trust_remote_code, klass=None,
+                 **model_kwargs):
+    """One member with its own transformers class (or ``klass``), refusing a checkpoint that lacks tensors.
+    ``model_kwargs`` go to ``from_pretrained`` (an adapter's head may want ``num_labels``)."""
+    if klass is None:
+        config = transformers.AutoConfig.from_pretrained(folder, trust_remote_code=trust_remote_code)
+        klass = model_class_for(config, name)
     with _no_transformers_bars():
-        model, info = model_class_for(config, name).from_pretrained(
+        model, info = klass.from_pretrained(
             folder,
             dtype=torch_dtype,
             use_safetensors=use_safetensors,
             trust_remote_code=trust_remote_code,
             output_loading_info=True,
+            **model_kwargs,
         )
     if info.get("missing_keys"):
         missing = ", ".join(sorted(info["missing_keys"])[:5])

@@ -108,7 +108,8 @@ def make_plan(
     modules = dict(template.named_modules())
     entries: dict[str, ModulePlan] = {}
     opaque = opaque_modules(members) if opaque is None else opaque
-    fallback_roots: dict[str, str] = {**{p: o.reason for p, o in opaque.items()}, **demotions.per_member}
+    fallback_roots: dict[str, str] = {**{p: o.reason for p, o in opaque.items() if not o.block_may_take},
+                                      **demotions.per_member}
     stacked_reads = []  # (module, its declared reader, consumer classes, differs between members, plan fields)
     notes = list(trace.warnings)
 
@@ -125,7 +126,11 @@ def make_plan(
             if refusal is not None:
                 notes.append(f"{fqn or '(model)'}: not a {block_cls.__name__} block: {refusal}")
                 block_cls = None
-        if block_cls is not None and _fusable(fqn, member_modules, aliases, trace, share_identical):
+        if block_cls is not None and not _fusable(fqn, member_modules, aliases, trace, share_identical):
+            block_cls = None
+        if block_cls is None and fqn in opaque and opaque[fqn].block_may_take:  # its members differ: own code
+            fallback_roots.setdefault(fqn, opaque[fqn].reason)
+        if block_cls is not None:
             blocks.append(fqn)
             entries[fqn] = ModulePlan(
                 fqn=fqn, module_class=type(module).__name__, kind=Kind.BLOCK, wide_class=block_cls.__name__,
@@ -212,7 +217,7 @@ def make_plan(
     entries = {f: e for f, e in entries.items() if not any(_is_under(f, root) for root in outermost)}
     for root in outermost:
         module = modules[root]
-        loop, own_code = _loop_reason(root, modules, opaque, demotions)
+        loop, own_code = _loop_reason(root, modules, opaque, demotions, member_modules)
         entries[root] = ModulePlan(
             fqn=root,
             module_class=type(module).__name__,
@@ -264,7 +269,8 @@ def _unbatched_root(path: str, uses: set[str], escapes: dict[str, set[str]]) -> 
     return outermost
 
 
-def _loop_reason(root: str, modules: dict[str, nn.Module], opaque: dict[str, Opaque], demotions: Demotions):
+def _loop_reason(root: str, modules: dict[str, nn.Module], opaque: dict[str, Opaque], demotions: Demotions,
+                 member_modules: list[dict[str, nn.Module]]):
     """(why, own code): why the fallback at ``root`` must run member by member rather than vmap member 0's code
     over the stacked tensors (None if it need not), and whether each member must run its own module (its code
     differs from member 0's, or member 0's code over its tensors disagreed with it)."""
@@ -273,12 +279,22 @@ def _loop_reason(root: str, modules: dict[str, nn.Module], opaque: dict[str, Opa
     inside = next((path for path, o in opaque.items() if _is_under(path, root) and not o.vectorisable), None)
     if inside is not None:
         return f"{inside or '(model)'} must run as each member's own code ({opaque[inside].reason})", True
+    differing = _shape_differs(root, member_modules)
+    if differing is not None:
+        return f"{differing} differs in shape between members (LoRA ranks): each member's own module", True
     if root in demotions.looped:
         return demotions.looped[root], False
     routed = next((p for p, m in modules.items() if _is_under(p, root) and type(m) in TOKEN_ROWS), None)
     if routed is not None:
         return f"{routed} routes tokens to experts by their values (data-dependent control flow)", False
     return None, False
+
+
+def _shape_differs(root: str, member_modules: list[dict[str, nn.Module]]) -> str | None:
+    """The first tensor under ``root`` whose shape differs between members (which cannot be stacked), or None."""
+    shapes = [{n: t.shape for n, t in (*m[root].named_parameters(), *m[root].named_buffers())} for m in member_modules]
+    return next((f"{root}.{n}" if root else n for n, s in shapes[0].items()
+                 if any(other.get(n) != s for other in shapes[1:])), None)
 
 
 def _settle(root: str, modules: dict[str, nn.Module], callers: dict[str, set[str]]) -> str:
@@ -307,9 +323,7 @@ def _block_refusal(fqn: str, block_cls: type, member_modules, fallback_roots: di
         reason = block_structure_known(modules[fqn])
         if reason is not None:
             return reason
-    if not block_cls.accepts(member_modules[0][fqn]):
-        return f"{block_cls.__name__} declines this configuration"
-    return None
+    return next((why for modules in member_modules if (why := block_cls.refusal(modules[fqn])) is not None), None)
 
 
 def _fusable(fqn: str, member_modules, aliases, trace: Trace, share_identical: bool) -> bool:

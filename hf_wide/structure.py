@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import functools
 import types
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import torch
@@ -32,7 +32,7 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 from .capture import is_capture_hook
-from .registry import has_exact_builder
+from .registry import find_block, has_exact_builder
 
 # Configs are checked by hf_wide.compat, and `name_or_path` is where a member came from. PEFT's `peft_config` (on
 # the PeftModel and its tuner) is the adapters' recipe: what its layers run with (`scaling`, `r`, dropout) is
@@ -46,6 +46,7 @@ class Opaque(NamedTuple):
 
     reason: str
     vectorisable: bool = False
+    block_may_take: bool = False  # only attributes differ that the module's fused block takes per member (LoRA ranks)
 
 
 def source_type(module: nn.Module) -> type[nn.Module]:
@@ -78,9 +79,9 @@ def _same_value(a, b) -> bool:
         return a is b
 
 
-def attribute_reason(mods: Sequence[nn.Module]) -> str | None:
+def attribute_reason(mods: Sequence[nn.Module], allowed: Callable[[str], bool] = lambda name: False) -> str | None:
     """Why the members' modules at one path cannot run as member 0's code: another class, or a plain
-    attribute (not a tensor or child) that differs."""
+    attribute (not a tensor or child) that differs, other than the ``allowed`` ones."""
     first = mods[0]
     for i, mod in enumerate(mods[1:], start=1):
         if source_type(mod) is not source_type(first) or (
@@ -88,22 +89,24 @@ def attribute_reason(mods: Sequence[nn.Module]) -> str | None:
             return f"member {i}'s module is a {type(mod).__name__}, member 0's a {type(first).__name__}"
         ours, theirs = vars(first), vars(mod)
         for name in sorted(set(ours) | set(theirs)):
-            if name.startswith("_") or name in IGNORED_ATTRIBUTES:
+            if name.startswith("_") or name in IGNORED_ATTRIBUTES or allowed(name):
                 continue
             if name not in ours or name not in theirs or not _same_value(ours[name], theirs[name]):
                 return f"its attribute {name!r} differs between members 0 and {i}"
     return None
 
 
-def opaque_reason(mods: Sequence[nn.Module]) -> Opaque | None:
-    """Why the members' modules at one path must each run as their own code, or None."""
+def opaque_reason(mods: Sequence[nn.Module], taken: Callable[[str], bool] = lambda name: False) -> Opaque | None:
+    """Why the members' modules at one path must each run as their own code, or None. ``taken``: the attributes
+    a fused block around the path (or at it) takes per member, which make the module opaque only if that block
+    is not used (``block_may_take``)."""
     for i, mod in enumerate(mods):
         reason = hook_reason(mod)
         if reason is not None:
             return Opaque(f"member {i}'s module {reason}")
     reason = attribute_reason(mods)
     if reason is not None:
-        return Opaque(reason)
+        return Opaque(reason, block_may_take=attribute_reason(mods, taken) is None)
     if parametrize.is_parametrized(mods[0]):  # the same in every member, or attribute_reason said otherwise
         names = ", ".join(mods[0].parametrizations.keys())
         return Opaque(f"{type(mods[0]).__name__} is parametrized ({names}): its tensors are computed per call",
@@ -121,10 +124,22 @@ def opaque_modules(members: Sequence[nn.Module]) -> dict[str, Opaque]:
         if any(fqn not in modules for modules in per_member[1:]):
             found[fqn] = Opaque(f"{fqn} is not a module of every member")
             continue
-        reason = opaque_reason([modules[fqn] for modules in per_member])
+        reason = opaque_reason([modules[fqn] for modules in per_member], _taken_by_blocks(fqn, per_member[0]))
         if reason is not None:
             found[fqn] = reason
     return found
+
+
+def _taken_by_blocks(fqn: str, modules: dict[str, nn.Module]) -> Callable[[str], bool]:
+    """The attributes of the module at ``fqn`` that a fused block at it or around it takes per member
+    (``member_attribute(relative path, name)``: a LoRA layer's rank, and ``out_features`` of its ``lora_A``)."""
+    rules = []
+    parts = fqn.split(".") if fqn else []
+    for depth in range(len(parts) + 1):
+        block = find_block(modules[".".join(parts[:depth])])
+        if block is not None and hasattr(block, "member_attribute"):
+            rules.append((".".join(parts[depth:]), block.member_attribute))
+    return lambda name: any(rule(relative, name) for relative, rule in rules)
 
 
 def block_structure_known(module: nn.Module) -> str | None:

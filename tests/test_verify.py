@@ -51,13 +51,19 @@ def test_lora_members_loaded_with_peft_from_pretrained(tmp_path):
     assert max_member_error(wide, members, LLAMA.inputs(2, padded=True)) <= TOLERANCE
 
 
-def test_lora_scaling_that_differs_runs_per_member():
-    # lora_alpha differs, so PEFT's per-layer `scaling` does: member 0's must not serve all.
+def test_lora_scaling_that_differs_is_each_members_own():
+    # lora_alpha differs, so PEFT's per-layer `scaling` does: member 0's must not serve all. The LoRA block takes
+    # each member's; a hook on one member's layer keeps that layer as each member's own code instead.
     members = lora_members(alphas=(4, 8, 16))
     wide = WideModel.from_models(members)
     assert max_member_error(wide, members, LLAMA.inputs(2, padded=True)) <= TOLERANCE
-    assert {e.module_class for e in wide.plan.fallbacks} == {"Linear"}  # the lora.Linear wrappers, not the model
-    assert all("lora_alpha" in e.reason for e in wide.plan.fallbacks)
+    assert not wide.plan.fallbacks
+    assert {e.wide_class for e in wide.plan.by_kind(Kind.BLOCK)} == {"WideLoraLinear"}
+    members[1].base_model.model.model.layers[0].self_attn.q_proj.register_forward_hook(lambda m, a, out: out)
+    wide = WideModel.from_models(members)
+    assert max_member_error(wide, members, LLAMA.inputs(2, padded=True)) <= TOLERANCE
+    (loop,) = wide.plan.loops
+    assert loop.name.endswith("layers.0.self_attn.q_proj") and "forward hook" in loop.reason
 
 
 def test_forward_hooks_run_per_member():

@@ -36,11 +36,11 @@ def _ratio(a: float | None, b: float | None) -> float | None:
 
 
 def _measure_config(label: dict, members: Sequence[nn.Module], inputs: dict, flops: int, compiled: bool,
-                    target_s: float) -> dict:
+                    target_s: float, base: nn.Module | None = None) -> dict:
     """One record: every method on ``members`` and ``inputs`` (B rows), timed and checked.
-    ``flops``: one member's forward on the inputs."""
+    ``flops``: one member's forward on the inputs; ``base``: the ideal's model, for LoRA members."""
     n = len(members)
-    methods = measure(members, inputs, compiled, target_s)
+    methods = measure(members, inputs, compiled, target_s, base)
     for method in methods.values():
         method["gflops"] = None if method["ms"] is None else n * flops / (method["ms"] / 1e3) / 1e9
     ms = {name: m["ms"] for name, m in methods.items()}
@@ -58,6 +58,7 @@ def _measure_config(label: dict, members: Sequence[nn.Module], inputs: dict, flo
         "wide_over_ideal": _ratio(ms["wide"], ms["ideal"]),
         "sequential_over_wide_compiled": _ratio(ms["sequential"], ms["wide_compiled"]),
         "wide_compiled_over_ideal_compiled": _ratio(ms["wide_compiled"], ms["ideal_compiled"]),
+        "peft_mixed_over_wide": _ratio(ms["peft_mixed"], ms["wide"]),
     }
 
 
@@ -75,7 +76,8 @@ def _preset_records(configs: list[BenchConfig], target_s: float, max_gflop: floa
             skipped.append(f"{report.label({**label, 'n': config.n})} ({config.n * flops / 1e9:.0f} GFLOP)")
             continue
         members = [first] + [config.spec.build(seed) for seed in range(1, config.n)]
-        records.append(_measure_config(label, members, inputs, flops, config.compile, target_s))
+        base = config.spec.base() if config.spec.lora else None
+        records.append(_measure_config(label, members, inputs, flops, config.compile, target_s, base))
         del first, members, inputs
         gc.collect()
         _progress(f"[{i}/{len(configs)}]", records[-1], time.perf_counter() - start)

@@ -25,15 +25,17 @@ HEAD_DIM = 64
 
 @dataclasses.dataclass(frozen=True)
 class ModelSpec:
-    """A BERT-like, Llama-like, T5 encoder or MPNet model of a given width and depth."""
+    """A BERT-like, Llama-like, T5 encoder or MPNet model of a given width and depth; with ``-lora``
+    (``bert-lora``, ``llama-lora``), LoRA members of one such base: rank 8 on every linear of its layers."""
 
-    family: str  # "bert" | "llama" | "t5" | "mpnet"
+    family: str  # "bert" | "llama" | "t5" | "mpnet" | "bert-lora" | "llama-lora"
     hidden: int
     layers: int = 2
 
     def __post_init__(self):
-        if self.family not in _BUILDERS:
-            raise ValueError(f"Unknown family {self.family!r}; supported: {sorted(_BUILDERS)}")
+        if self.base_family not in _BUILDERS or (self.lora and self.base_family not in LORA_TARGETS):
+            supported = sorted([*_BUILDERS, *(f"{f}-lora" for f in LORA_TARGETS)])
+            raise ValueError(f"Unknown family {self.family!r}; supported: {supported}")
         if self.hidden % HEAD_DIM:
             raise ValueError(f"hidden must be a multiple of {HEAD_DIM} (head dim); got {self.hidden}")
 
@@ -42,14 +44,29 @@ class ModelSpec:
         return f"{self.family}-h{self.hidden}-l{self.layers}"
 
     @property
+    def lora(self) -> bool:
+        return self.family.endswith("-lora")
+
+    @property
+    def base_family(self) -> str:
+        return self.family.removesuffix("-lora")
+
+    @property
     def compiles(self) -> bool:
         """Whether the benchmark compiles this family: the fused ones (vmapped modules are not compiled here)."""
         return self.family in ("bert", "llama")
 
     def build(self, seed: int) -> nn.Module:
-        """Member ``seed``: a fresh model in eval mode, every parameter perturbed from the seed."""
+        """Member ``seed``: a fresh model in eval mode, every parameter perturbed from the seed; for a LoRA
+        family, the seed-0 base with an adapter of its own (A and B random from the seed)."""
+        if self.lora:
+            return _adapted(self.base(), seed, LORA_TARGETS[self.base_family])
+        return self.base(seed)
+
+    def base(self, seed: int = 0) -> nn.Module:
+        """The model without adapters: member ``seed`` of the base family (a LoRA family's ideal)."""
         torch.manual_seed(seed)
-        model = _BUILDERS[self.family](self.hidden, self.layers).eval()
+        model = _BUILDERS[self.base_family](self.hidden, self.layers).eval()
         gen = torch.Generator().manual_seed(seed)
         with torch.no_grad():
             for param in model.parameters():  # unique tensors: a tied weight is perturbed once
@@ -88,8 +105,24 @@ def _mpnet(hidden: int, layers: int) -> nn.Module:
 
 
 # bert and llama have fused blocks; t5 (an encoder) and mpnet have relative position biases no block knows, which
-# run vectorised (hf_wide.primitives.vectorised).
+# run vectorised (hf_wide.primitives.vectorised) and rewritten (hf_wide.rewrites).
 _BUILDERS = {"bert": _bert, "llama": _llama, "t5": _t5, "mpnet": _mpnet}
+# Every linear of the layers: what the LoRA configs adapt (rank 8, alpha 16).
+LORA_TARGETS = {"llama": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+                "bert": ["query", "key", "value", "dense"]}
+LORA_RANK = 8
+
+
+def _adapted(base: nn.Module, seed: int, targets: list[str]) -> nn.Module:
+    import peft
+
+    model = peft.get_peft_model(base, peft.LoraConfig(r=LORA_RANK, lora_alpha=2 * LORA_RANK, target_modules=targets))
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_" in name:  # PEFT starts B at zero: no update to measure
+                param.copy_(0.05 * torch.randn(param.shape, generator=gen, dtype=param.dtype))
+    return model.eval()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,10 +159,11 @@ def preset_configs(name: str) -> Preset:
     if name == "quick":
         small = _grid([ModelSpec("bert", 128), ModelSpec("llama", 128)], (2, 8), (1, 8), (16, 64))
         larger = [BenchConfig(ModelSpec("bert", 384), 4, 8, 64), BenchConfig(ModelSpec("llama", 256), 4, 8, 64)]
-        return Preset(small + larger + _relative_bias_configs(), "subset", 0.2, 50.0)
+        return Preset(small + larger + _relative_bias_configs() + _lora_configs(), "subset", 0.2, 50.0)
     if name == "full":
         specs = [ModelSpec(f, h) for f in ("bert", "llama") for h in (128, 384, 768)]
-        return Preset(_grid(specs, (2, 4, 8, 16), (1, 8), (16, 64, 128)) + _relative_bias_configs(), "all", 0.5, 100.0)
+        return Preset(_grid(specs, (2, 4, 8, 16), (1, 8), (16, 64, 128)) + _relative_bias_configs() + _lora_configs(),
+                      "all", 0.5, 100.0)
     raise ValueError(f"Unknown preset {name!r}; supported: {PRESETS}")
 
 
@@ -139,6 +173,12 @@ PRESETS = ("tiny", "quick", "full")
 def _relative_bias_configs() -> list[BenchConfig]:
     """Families without a fused block, run vectorised: the T5 encoder and MPNet, N=8, B=1 and 8, seq 16."""
     return [BenchConfig(ModelSpec(f, 128), 8, b, 16, compile=False) for f in ("t5", "mpnet") for b in (1, 8)]
+
+
+def _lora_configs() -> list[BenchConfig]:
+    """N=8 LoRA adapters of rank 8 on every linear of one Llama and one BERT base (hidden 256, 2 layers)."""
+    return [BenchConfig(ModelSpec(f"{f}-lora", 256), 8, b, t, compile=False)
+            for f in ("llama", "bert") for b in (1, 8) for t in (16, 64)]
 
 
 def apply_compile_policy(configs: list[BenchConfig], policy: str) -> list[BenchConfig]:

@@ -7,7 +7,9 @@ apart: it compiles, for compiled ones) all methods are called round-robin (see :
 - ``vmap``: ``torch.func.stack_module_state`` + ``functional_call`` under ``torch.vmap`` (the official recipe);
 - ``wide`` / ``wide_compiled``: :class:`~hf_wide.WideModel`, eager and under ``torch.compile``;
 - ``ideal`` / ``ideal_compiled``: member 0 alone on the N*B rows: the same FLOPs with one weight set,
-  the bound no fusion can beat (DESIGN.md, "Performance model").
+  the bound no fusion can beat (DESIGN.md, "Performance model"); for LoRA members, the base alone;
+- ``peft_mixed``: LoRA members only: PEFT's own mixed-adapter batch, one model holding every adapter, each
+  row repeated once per adapter (``model(**x, adapter_names=[...])``).
 
 Each method's output is checked once against the members run alone, so a wrong fast path shows up as a
 large ``max_abs_diff`` rather than as a fast time.
@@ -15,6 +17,7 @@ large ``max_abs_diff`` rather than as a fast time.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import statistics
 import time
@@ -100,11 +103,33 @@ def ideal(member: nn.Module, inputs: dict, n: int, compiled: bool = False) -> Me
     return Method(lambda: model(**rows), outputs, same_weights=True)
 
 
+def peft_mixed(members: Sequence[nn.Module], inputs: dict) -> Method:
+    """One PeftModel with every member's adapter; each row once per adapter, routed by ``adapter_names``."""
+    from peft import get_peft_model_state_dict, set_peft_model_state_dict
+
+    model = copy.deepcopy(members[0])
+    names = [f"member{i}" for i in range(len(members))]
+    for name, member in zip(names, members):
+        model.add_adapter(name, member.peft_config["default"])
+        set_peft_model_state_dict(model, get_peft_model_state_dict(member), adapter_name=name)
+    model.eval()
+    n, rows = len(members), _repeat_rows(inputs, len(members))
+    batch = next(v for v in inputs.values() if isinstance(v, torch.Tensor)).shape[0]
+    adapter_names = [name for name in names for _ in range(batch)]
+
+    def outputs(out):
+        return {k: v.view(n, -1, *v.shape[1:]) for k, v in _tensors(out).items()}
+
+    return Method(lambda: model(**rows, adapter_names=adapter_names), outputs)
+
+
 COMPILED = ("wide_compiled", "ideal_compiled")
 
 
-def builders(members: Sequence[nn.Module], inputs: dict) -> dict[str, Callable[[], Method]]:
-    """name -> a function that builds the method. ``wide`` and ``wide_compiled`` share one fused model."""
+def builders(members: Sequence[nn.Module], inputs: dict, base: nn.Module | None = None
+             ) -> dict[str, Callable[[], Method]]:
+    """name -> a function that builds the method. ``wide`` and ``wide_compiled`` share one fused model.
+    ``base``: what the ideal runs (the base of LoRA members; member 0 otherwise)."""
     fused = []
 
     def wide_model() -> WideModel:
@@ -112,18 +137,21 @@ def builders(members: Sequence[nn.Module], inputs: dict) -> dict[str, Callable[[
             fused.append(WideModel.from_models(members))
         return fused[0]
 
-    n = len(members)
-    return {
+    n, base = len(members), members[0] if base is None else base
+    found = {
         "sequential": lambda: sequential(members, inputs),
         "vmap": lambda: vmap(members, inputs),
         "wide": lambda: wide(wide_model(), inputs),
         "wide_compiled": lambda: wide(wide_model(), inputs, compiled=True),
-        "ideal": lambda: ideal(members[0], inputs, n),
-        "ideal_compiled": lambda: ideal(members[0], inputs, n, compiled=True),
+        "ideal": lambda: ideal(base, inputs, n),
+        "ideal_compiled": lambda: ideal(base, inputs, n, compiled=True),
     }
+    if hasattr(members[0], "peft_config"):
+        found["peft_mixed"] = lambda: peft_mixed(members, inputs)
+    return found
 
 
-METHOD_NAMES = ("sequential", "vmap", "wide", "wide_compiled", "ideal", "ideal_compiled")  # builders' keys
+METHOD_NAMES = ("sequential", "vmap", "wide", "wide_compiled", "ideal", "ideal_compiled", "peft_mixed")
 
 
 def max_abs_diff(got: Outputs, reference: Outputs, same_weights: bool) -> float:
@@ -185,16 +213,19 @@ def blank_record(skipped: str | None = None) -> dict:
             "error": None, "skipped": skipped}
 
 
-def measure(members: Sequence[nn.Module], inputs: dict, compiled: bool, target_s: float) -> dict[str, dict]:
+def measure(members: Sequence[nn.Module], inputs: dict, compiled: bool, target_s: float,
+            base: nn.Module | None = None) -> dict[str, dict]:
     """Every method on ``members`` and ``inputs`` (B rows): its build time, its first call (compilation,
     for compiled ones), its agreement with the members run alone, and its steady-state median.
-    A failure is recorded with its error string instead of raised."""
+    A failure is recorded with its error string instead of raised. ``base``: the ideal's model (LoRA)."""
     records = {name: blank_record() for name in METHOD_NAMES}
+    records["peft_mixed"]["skipped"] = "the members are not LoRA adapters"
     methods: dict[str, Method] = {}
     reference = None  # (N, B, ...) per output: the members run alone, from the sequential method
     if compiled:
         torch._dynamo.reset()  # fresh caches: honest compile times, no recompile limit across configs
-    for name, build in builders(members, inputs).items():
+    for name, build in builders(members, inputs, base).items():
+        records[name]["skipped"] = None
         record = records[name]
         if name in COMPILED and not compiled:
             record["skipped"] = "not compiled in this run (see --compile)"

@@ -20,7 +20,7 @@ SLOW_VS_IDEAL = 1.3  # wide more than this much slower than the ideal is worth o
 BUSY_CPUS = 0.25  # other processes using more CPUs than this on average make the timings unreliable
 ATOL = 1e-3  # float32: a method whose outputs differ from the members run alone by more is wrong
 SHORT = {"sequential": "seq", "vmap": "vmap", "wide": "wide", "wide_compiled": "wide_c", "ideal": "ideal",
-         "ideal_compiled": "ideal_c"}
+         "ideal_compiled": "ideal_c", "peft_mixed": "peft_mix"}
 
 
 def cpu_model() -> str:

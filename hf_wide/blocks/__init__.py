@@ -4,10 +4,11 @@ from .attention import WideAttention
 from .base import WideBlock
 from .deberta import WideDebertaAttention
 from .deberta_v2 import WideDebertaV2Attention
+from .lora import WideLoraLinear
 from .mlp import WideGatedMLP, WidePlainMLP
 from .vit_embeddings import WideViTEmbeddings
 
 __all__ = [
-    "WideAttention", "WideBlock", "WideDebertaAttention", "WideDebertaV2Attention", "WideGatedMLP", "WidePlainMLP",
+    "WideAttention", "WideBlock", "WideDebertaAttention", "WideDebertaV2Attention", "WideGatedMLP", "WideLoraLinear", "WidePlainMLP",
     "WideViTEmbeddings",
 ]

@@ -41,6 +41,11 @@ class WideBlock(nn.Module):
         return True
 
     @classmethod
+    def refusal(cls, module: nn.Module) -> str | None:
+        """Why the block cannot take this instance (None if it can): what the plan says."""
+        return None if cls.accepts(module) else f"{cls.__name__} declines this configuration"
+
+    @classmethod
     def from_modules(cls, mods: Sequence[nn.Module], fold: Fold) -> "WideBlock":
         if len(mods) != fold.num_members:
             raise ValueError(f"{cls.__name__} needs {fold.num_members} modules, got {len(mods)}.")

@@ -16,6 +16,8 @@ splits into N blocks is split so, member-major, and the outputs are concatenated
 from __future__ import annotations
 
 import copy
+import functools
+import types
 from collections.abc import Sequence
 
 import torch
@@ -77,6 +79,8 @@ class PerMemberFallback(nn.Module):
         except AttributeError:
             members = self._modules["members"]
             value = getattr(members[0], name)
+            if is_own_method(value, members[0]):  # PEFT's ``generate`` on its model: every member's, on its rows
+                return per_member_method(self.fold, [getattr(m, name) for m in members], self.token_rows)
             if not isinstance(value, nn.Module):
                 return value
             views = self.__dict__.setdefault("_submodule_views", {})  # not children: no second state dict
@@ -86,6 +90,23 @@ class PerMemberFallback(nn.Module):
 
     def forward(self, *args, **kwargs):
         return run_per_member(self.fold, list(self.members), self.token_rows, args, kwargs)
+
+
+def is_own_method(value, module: nn.Module) -> bool:
+    """Whether ``value`` is a method bound to ``module`` or to a module inside it (PEFT's tuner hands on its
+    model's ``generate``), and not one of ``nn.Module``'s, which a fallback has itself: called on a fallback, it
+    must run every member's."""
+    return isinstance(value, types.MethodType) and any(value.__self__ is m for m in module.modules())
+
+
+def per_member_method(fold: Fold, methods: Sequence, token_rows: bool):
+    """A method of the members' modules called on the fallback: member m's on member m's rows, outputs
+    concatenated, as the forward is. Member 0's alone would give every member member 0's result."""
+    return functools.partial(_call_per_member, fold, list(methods), token_rows)
+
+
+def _call_per_member(fold: Fold, methods: list, token_rows: bool, *args, **kwargs):
+    return run_per_member(fold, methods, token_rows, args, kwargs)
 
 
 def run_per_member(fold: Fold, members: Sequence, token_rows: bool, args: tuple, kwargs: dict):

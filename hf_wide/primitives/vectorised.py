@@ -33,7 +33,7 @@ from transformers.cache_utils import Cache
 
 from ..fold import Fold
 from .base import meta_copy
-from .fallback import TOKEN_ROWS, run_per_member
+from .fallback import TOKEN_ROWS, is_own_method, per_member_method, run_per_member
 
 
 def _rebuild(module: nn.Module, source: nn.Module, make: Callable[[torch.Tensor, str], torch.Tensor]) -> nn.Module:
@@ -107,7 +107,11 @@ class VectorisedFallback(nn.Module):
         try:
             return super().__getattr__(name)
         except AttributeError:
-            value = getattr(self._member_view(), name)
+            view = self._member_view()
+            value = getattr(view, name)
+            if is_own_method(value, view):  # a method of the source's class: every member's, on its rows
+                views = [view, *(self.to_module(i, share=True) for i in range(1, self.num_members))]
+                return per_member_method(self.fold, [getattr(v, name) for v in views], type(self.proto) in TOKEN_ROWS)
             if not isinstance(value, nn.Module):
                 return value
             views = self.__dict__.setdefault("_submodule_views", {})  # not children: no second state dict

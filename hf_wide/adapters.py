@@ -1,0 +1,229 @@
+"""PEFT adapters as members: ``WideModel.from_pretrained([adapter, ...])`` over one base model.
+
+An adapter folder (``adapter_config.json`` + ``adapter_model.safetensors``) names its base in
+``base_model_name_or_path``; every adapter must name the same one (or the caller passes ``base_model=``). The
+base is downloaded and loaded **once**; each member is a ``PeftModel`` over a structural copy of it whose
+tensors are the base's own (no copy), with the adapter's weights injected. Fusing then takes each ``lora.Linear``
+as a :class:`~hf_wide.blocks.lora.WideLoraLinear`: one base matmul over all N*B rows plus each member's low-rank
+update. Members must share one structure, so where adapters target different modules, a member without an
+adapter on a module gets one whose update is exactly zero (``lora_B = 0``); where the list also holds full
+checkpoints of the base's architecture (the base itself, say), they are wrapped the same way.
+
+LoRA is fused as such. Any other PEFT type (IA3, LoHa, prompt tuning, ...) or LoRA variant (DoRA, ...) is
+refused with the member and the option named, unless ``merge=True``: then each adapter is merged into its own
+copy of the base (N full weight sets) and the members are fused as full checkpoints.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+import transformers
+from torch import nn
+
+from .compat import IncompatibleMembersError
+
+ADAPTER_CONFIG = "adapter_config.json"
+# PEFT's task types -> the transformers auto class that builds the base for them.
+TASK_CLASSES = {
+    "CAUSAL_LM": transformers.AutoModelForCausalLM,
+    "SEQ_CLS": transformers.AutoModelForSequenceClassification,
+    "TOKEN_CLS": transformers.AutoModelForTokenClassification,
+    "SEQ_2_SEQ_LM": transformers.AutoModelForSeq2SeqLM,
+    "QUESTION_ANS": transformers.AutoModelForQuestionAnswering,
+    "FEATURE_EXTRACTION": transformers.AutoModel,
+}
+
+
+def adapter_config(folder: Path) -> dict | None:
+    """The folder's ``adapter_config.json`` as a dict, or None if it is not a PEFT adapter."""
+    path = Path(folder) / ADAPTER_CONFIG
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def require_peft():
+    try:
+        import peft
+    except ImportError as exc:
+        raise ImportError("Loading PEFT adapters as members needs peft: pip install 'hf-wide[lora]' "
+                          "(or pip install peft).") from exc
+    return peft
+
+
+def lora_refusal(config: dict) -> str | None:
+    """Why an adapter config cannot be fused as LoRA (None if it can): its PEFT type, or a LoRA variant."""
+    if config.get("peft_type") != "LORA":
+        return f"is a {config.get('peft_type')} adapter; hf-wide fuses LoRA adapters"
+    for option in ("use_dora", "use_bdlora", "lora_bias", "fan_in_fan_out"):
+        if config.get(option):
+            return f"uses {option}={config[option]!r}, which hf-wide does not fuse"
+    for option in ("alora_invocation_tokens", "arrow_config", "velora_config", "monteclora_config", "kasa_config",
+                   "mica"):
+        if config.get(option) not in (None, False):
+            return f"uses {option}, a LoRA variant hf-wide does not fuse"
+    return None
+
+
+def base_of(configs: Sequence[dict | None], names: Sequence[str], base_model: str | None) -> str:
+    """The one base every adapter names (or ``base_model``); raise if two adapters name different bases."""
+    if base_model is not None:
+        return base_model
+    named = [(name, c.get("base_model_name_or_path")) for name, c in zip(names, configs) if c is not None]
+    missing = next((name for name, base in named if not base), None)
+    if missing is not None:
+        raise ValueError(f"{missing} names no base model (base_model_name_or_path); pass base_model=.")
+    first_name, first = named[0]
+    for name, base in named[1:]:
+        if base != first:
+            raise IncompatibleMembersError(
+                f"{name} is an adapter of {base!r}, but {first_name} is an adapter of {first!r}: all adapters must "
+                "share one base (pass base_model= to load them over another).")
+    return first
+
+
+def base_class(configs: Sequence[dict | None], base_config, name: str) -> type:
+    """The transformers class to load the base with: the adapters' task type's, else the base's own."""
+    from .saving import model_class_for
+
+    tasks = {c.get("task_type") for c in configs if c is not None}
+    tasks.discard(None)
+    if len(tasks) > 1:
+        raise IncompatibleMembersError(f"The adapters are for different tasks: {sorted(tasks)}.")
+    if tasks and tasks <= TASK_CLASSES.keys():
+        auto = TASK_CLASSES[tasks.pop()]
+        return auto._model_mapping[type(base_config)]
+    return model_class_for(base_config, name)
+
+
+def check_adapter_weights(folder: Path, name: str, allow_pickle: bool) -> None:
+    if (folder / "adapter_model.safetensors").is_file():
+        return
+    if (folder / "adapter_model.bin").is_file():
+        if not allow_pickle:
+            raise ValueError(f"{name} has only pickle weights (adapter_model.bin), which can run arbitrary code when "
+                             "loaded. Pass allow_pickle=True if you trust it.")
+        return
+    raise FileNotFoundError(f"{name} has no adapter weights (adapter_model.safetensors) in {folder}.")
+
+
+def head_labels(folders: Sequence[Path], configs: Sequence[dict | None]) -> int | None:
+    """The number of labels the adapters' saved heads (``modules_to_save``) were trained with, if they hold one."""
+    from safetensors import safe_open
+
+    for folder, config in zip(folders, configs):
+        if config is None or not config.get("modules_to_save") or config.get("task_type") not in (
+                "SEQ_CLS", "TOKEN_CLS", None):
+            continue
+        path = folder / "adapter_model.safetensors"
+        if not path.is_file():
+            continue
+        with safe_open(path, "pt") as f:
+            for key in f.keys():
+                head = key.split(".")
+                if key.endswith(".weight") and any(m in head for m in config["modules_to_save"]) and (
+                        "out_proj" in head or head[-2] in config["modules_to_save"]):
+                    return f.get_slice(key).get_shape()[0]
+    return None
+
+
+def shared_view(model: nn.Module) -> nn.Module:
+    """A structural copy of ``model`` that holds the very same tensors (nothing is copied)."""
+    return copy.deepcopy(model, {id(t): t for t in (*model.parameters(), *model.buffers())})
+
+
+def lora_paths(model: nn.Module) -> set[str]:
+    from peft.tuners.lora import LoraLayer
+
+    return {path for path, m in model.named_modules() if isinstance(m, LoraLayer)}
+
+
+def pad_targets(model: nn.Module, paths: set[str]) -> list[str]:
+    """Wrap each ``nn.Linear`` at ``paths`` (relative to the PEFT model) that has no adapter in a LoRA layer
+    whose update is exactly zero (rank 1, ``lora_B = 0``): then every member has the same structure. Returns the
+    paths wrapped."""
+    peft = require_peft()
+    from peft.tuners.lora import Linear as LoraLinear
+
+    wrapped = []
+    config = peft.LoraConfig(r=1, lora_alpha=1, lora_dropout=0.0, target_modules=[])
+    for path in sorted(paths - lora_paths(model)):
+        parent_path, _, child = path.rpartition(".")
+        parent = model.get_submodule(parent_path)
+        layer = getattr(parent, child)
+        if type(layer) is not nn.Linear:
+            raise IncompatibleMembersError(f"{path} is a {type(layer).__name__}: hf-wide can give it no zero LoRA.")
+        lora = LoraLinear(layer, "default", config=config, r=1, lora_alpha=1)
+        lora.to(layer.weight.device, layer.weight.dtype)
+        nn.init.zeros_(lora.lora_B["default"].weight)
+        lora.requires_grad_(False)
+        setattr(parent, child, lora.eval())
+        wrapped.append(path)
+    tuner = model.base_model  # PEFT's LoraModel: the names it lists as targeted are every member's now
+    tuner.targeted_module_names = sorted(p for p, m in tuner.model.named_modules() if p in {
+        q.removeprefix("base_model.model.") for q in lora_paths(model)})
+    return wrapped
+
+
+def load_adapter_members(ids, folders, configs, *, base_model=None, base_revision=None, merge=False,
+                         allow_pickle=False, dtype=None, device=None, trust_remote_code=False, hub_kwargs=None):
+    """The members of a list that holds adapters: (models, ids of the base's download or None). Each adapter is a
+    ``PeftModel`` over a view of the one base (or, with ``merge``, merged into its own copy); each full
+    checkpoint is loaded and, like the base when it is in the list, given zero LoRA layers."""
+    from .hub import MemberLoadError, _load_member, _weights_format, download_members
+
+    peft = require_peft()
+    names = [f"member {i} ({model_id})" for i, model_id in enumerate(ids)]
+    for name, folder, config in zip(names, folders, configs):
+        if config is None:
+            continue
+        check_adapter_weights(Path(folder), name, allow_pickle)
+        why = lora_refusal(config)
+        if why is not None and not merge:
+            raise NotImplementedError(f"{name} {why}. Pass merge=True to merge each adapter into its own copy of the "
+                                      "base (exact, N full weight sets).")
+    base_id = base_of(configs, names, base_model)
+    try:
+        (base_folder,) = download_members([base_id], base_revision, allow_pickle=allow_pickle, **(hub_kwargs or {}))
+    except (MemberLoadError, OSError) as exc:
+        raise MemberLoadError(f"The base model {base_id!r} of the adapters could not be loaded: {exc}") from exc
+    base_name = f"the base model ({base_id})"
+    base_config = transformers.AutoConfig.from_pretrained(base_folder, trust_remote_code=trust_remote_code)
+    klass = base_class(configs, base_config, base_name)
+    labels = head_labels([Path(f) for f in folders], configs)
+    extra = {"num_labels": labels} if labels is not None and labels != base_config.num_labels else {}
+    base = _load_member(base_folder, base_name, dtype, device=device, klass=klass, trust_remote_code=trust_remote_code,
+                        use_safetensors=_weights_format(Path(base_folder), base_name, allow_pickle), **extra)
+
+    models = []
+    for name, model_id, folder, config in zip(names, ids, folders, configs):
+        if config is None:  # a full checkpoint: the base itself, or one of its architecture
+            if str(model_id) == str(base_id) and base_revision is None:
+                models.append(shared_view(base))
+            else:
+                models.append(_load_member(folder, name, dtype, device=device, klass=klass, trust_remote_code=
+                                           trust_remote_code, use_safetensors=_weights_format(folder, name,
+                                                                                              allow_pickle)))
+            continue
+        target = copy.deepcopy(base) if merge else shared_view(base)
+        try:
+            member = peft.PeftModel.from_pretrained(target, str(folder), is_trainable=False)
+        except Exception as exc:
+            raise IncompatibleMembersError(f"{name} does not load over {base_name}: {type(exc).__name__}: {exc}") from exc
+        models.append(member.merge_and_unload().eval() if merge else member.eval())
+    if merge:
+        return models
+    union = set().union(*(lora_paths(m) for m in models if isinstance(m, peft.PeftModel)))
+    reference = next(m for m in models if isinstance(m, peft.PeftModel))
+    for i, model in enumerate(models):
+        if not isinstance(model, peft.PeftModel):  # a full member: the adapters' structure, with zero updates
+            model = peft.get_peft_model(model, copy.deepcopy(reference.peft_config["default"])).eval()
+            for path in lora_paths(model):  # the fresh adapter's own random A: zero B keeps it a no-op
+                nn.init.zeros_(model.get_submodule(path).lora_B["default"].weight)
+            model.requires_grad_(False)
+            models[i] = model
+        pad_targets(models[i], union)
+    return models

@@ -1,0 +1,141 @@
+"""LoRA members: PEFT's ``lora.Linear``, one base matmul for every member plus each member's low-rank update.
+
+    y = base(x) + scale_m * (x_m @ A_m.T) @ B_m.T        x_m: member m's rows
+    A: (N, r, D_in), B: (N, D_out, r), scale: (N,)
+
+The base layer stays one ``nn.Linear`` where every member's base weights are equal (adapters of one base: one
+matmul over all N*B rows with the base's one weight, the ideal's weight traffic), and is a ``WideLinear`` where
+they differ. The updates run as two batched matmuls over the members. Ranks may differ: ``A`` and ``B`` are
+zero-padded to the largest rank (the padded rows and columns add zeros). ``lora_alpha`` and ``use_rslora``, and
+so the scaling, may differ: ``scale`` holds each member's.
+
+Only vanilla LoRA with one adapter, active, unmerged, is taken: DoRA and PEFT's other variants, a bias on
+``lora_B``, ``fan_in_fan_out`` or a base layer that is not an exact ``nn.Linear`` are declined, and the module
+then runs as each member's own code.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from ..primitives.base import meta_copy
+from ..primitives.linear import WideLinear
+from ..registry import register_block
+from .base import WideBlock
+
+try:
+    from peft.tuners.lora import Linear as LoraLinear
+except ImportError:  # peft is optional: without it there are no LoRA members to fuse
+    LoraLinear = None
+
+
+def lora_refusal(module: nn.Module) -> str | None:
+    """Why :class:`WideLoraLinear` cannot take this ``lora.Linear``, or None."""
+    names = list(module.lora_A.keys())
+    if len(names) != 1 or list(module.active_adapters) != names:
+        return f"it holds adapters {names}, active {list(module.active_adapters)}: one adapter, active, is needed"
+    (name,) = names
+    if module.merged or module.disable_adapters:
+        return "its adapter is merged into the base weight or disabled"
+    if name in module.lora_variant:
+        return f"its adapter is a {type(module.lora_variant[name]).__name__} (not vanilla LoRA)"
+    if module.fan_in_fan_out or type(module.base_layer) is not nn.Linear:
+        return f"its base layer is a {type(module.base_layer).__name__} (fan_in_fan_out={module.fan_in_fan_out})"
+    if module.lora_B[name].bias is not None or module.lora_A[name].bias is not None:
+        return "its adapter has a bias (lora_bias=True)"
+    return None
+
+
+class WideLoraLinear(WideBlock):
+    """N members' ``lora.Linear`` layers: ``base_layer`` shared or wide, ``lora_A`` (N, r, D_in), ``lora_B``
+    (N, D_out, r), ``scaling`` (N,), ``rank`` (N,) each member's own rank (``r`` is the padded one)."""
+
+    @staticmethod
+    def member_attribute(path: str, name: str) -> bool:
+        """Whether attribute ``name`` of the submodule at ``path`` (relative; "" is the layer) may differ between
+        members, taken here per member: the rank and the scaling it comes from (and ``kwargs``, PEFT's record of
+        how the layer was made, which its forward does not read)."""
+        if not path:
+            return name in ("r", "lora_alpha", "scaling", "use_rslora", "kwargs")
+        return (path.startswith("lora_A.") and name == "out_features") or (
+            path.startswith("lora_B.") and name == "in_features")
+
+    @classmethod
+    def accepts(cls, module: nn.Module) -> bool:
+        return lora_refusal(module) is None
+
+    @classmethod
+    def refusal(cls, module: nn.Module) -> str | None:
+        return lora_refusal(module)
+
+    @staticmethod
+    def shapes_may_differ(name: str) -> bool:
+        """Whether a tensor of this name (relative to the module) may differ in shape between members: the rank."""
+        return name.startswith(("lora_A.", "lora_B."))
+
+    def build(self, mods: Sequence[nn.Module]) -> None:
+        (self.adapter,) = mods[0].lora_A.keys()
+        bases = [m.base_layer for m in mods]
+        if any(b.weight.shape != bases[0].weight.shape for b in bases):
+            raise ValueError("WideLoraLinear: the members' base layers differ in shape.")
+        same = all(_equal_tensors(b, bases[0]) for b in bases[1:])
+        self.base_layer = copy.deepcopy(bases[0]) if same else WideLinear.from_modules(bases, self.fold)
+        ranks = [m.r[self.adapter] for m in mods]
+        r = max(ranks)
+        a = torch.zeros(len(mods), r, bases[0].in_features, dtype=bases[0].weight.dtype)
+        b = torch.zeros(len(mods), bases[0].out_features, r, dtype=bases[0].weight.dtype)
+        for i, (m, rank) in enumerate(zip(mods, ranks)):
+            a[i, :rank] = m.lora_A[self.adapter].weight.detach()
+            b[i, :, :rank] = m.lora_B[self.adapter].weight.detach()
+        self.lora_A = nn.Parameter(a.to(bases[0].weight.device), requires_grad=False)
+        self.lora_B = nn.Parameter(b.to(bases[0].weight.device), requires_grad=False)
+        self.__dict__.pop("scaling", None)  # member 0's {adapter: scaling}, copied from the source: each member's here
+        self.register_buffer("scaling", torch.tensor([m.scaling[self.adapter] for m in mods],
+                                                     dtype=bases[0].weight.dtype, device=bases[0].weight.device))
+        self.register_buffer("rank", torch.tensor(ranks), persistent=False)
+        self.lora_dropout = copy.deepcopy(mods[0].lora_dropout[self.adapter])
+        object.__setattr__(self, "protos", [meta_copy(m) for m in mods])  # each member's ranks and attributes
+
+    def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:  # x: (N*B, ..., D_in)
+        result = self.base_layer(x)  # (N*B, ..., D_out): one matmul over every member's rows
+        n = self.num_members
+        if x.shape[0] % n:
+            raise RuntimeError(f"A wide LoRA layer got {x.shape[0]} rows, which do not split into {n} members.")
+        flat = self.lora_dropout(x).reshape(n, -1, x.shape[-1])  # (N, M, D_in)
+        low = torch.bmm(flat, self.lora_A.transpose(1, 2))  # (N, M, r)
+        up = (self.lora_B * self.scaling.view(n, 1, 1)).transpose(1, 2)  # (N, r, D_out): scale_m * B_m.T, small
+        # result += scale_m * low_m @ B_m.T, in the batched matmul itself: no pass over a separate delta (the
+        # base layer's output is this call's own tensor, which the base's backward does not keep)
+        result.view(n, -1, result.shape[-1]).baddbmm_(low, up)
+        return result
+
+    def member_state_dict(self, i: int) -> dict[str, torch.Tensor]:
+        rank = int(self.rank[i])
+        base = self.base_layer
+        if isinstance(base, WideLinear):
+            state = {f"base_layer.{k}": t[i] for k, t in base._parameters.items() if t is not None}
+        else:
+            state = {f"base_layer.{k}": t for k, t in base._parameters.items() if t is not None}
+        state[f"lora_A.{self.adapter}.weight"] = self.lora_A[i, :rank]
+        state[f"lora_B.{self.adapter}.weight"] = self.lora_B[i, :, :rank]
+        return state
+
+    def to_module(self, i: int, share: bool = False) -> nn.Module:
+        mod = copy.deepcopy(self.protos[i])  # member i's own rank, scaling and the rest
+        state = {k: v.detach() if share else v.detach().clone() for k, v in self.member_state_dict(i).items()}
+        mod.load_state_dict(state, strict=True, assign=True)
+        return mod
+
+
+def _equal_tensors(a: nn.Module, b: nn.Module) -> bool:
+    ta, tb = dict(a.named_parameters()), dict(b.named_parameters())
+    return ta.keys() == tb.keys() and all(
+        ta[k] is tb[k] or (ta[k].shape == tb[k].shape and torch.equal(ta[k], tb[k])) for k in ta)
+
+
+if LoraLinear is not None:
+    register_block(LoraLinear)(WideLoraLinear)
