@@ -20,6 +20,7 @@ import copy
 from collections.abc import Sequence
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from ..primitives.base import meta_copy
@@ -101,17 +102,28 @@ class WideLoraLinear(WideBlock):
         object.__setattr__(self, "protos", [meta_copy(m) for m in mods])  # each member's ranks and attributes
 
     def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:  # x: (N*B, ..., D_in)
-        result = self.base_layer(x)  # (N*B, ..., D_out): one matmul over every member's rows
         n = self.num_members
         if x.shape[0] % n:
             raise RuntimeError(f"A wide LoRA layer got {x.shape[0]} rows, which do not split into {n} members.")
-        flat = self.lora_dropout(x).reshape(n, -1, x.shape[-1])  # (N, M, D_in)
-        low = torch.bmm(flat, self.lora_A.transpose(1, 2))  # (N, M, r)
-        up = (self.lora_B * self.scaling.view(n, 1, 1)).transpose(1, 2)  # (N, r, D_out): scale_m * B_m.T, small
+        base = self.base_layer  # one matmul over every member's rows: (N*B, ..., D_out)
+        result = F.linear(x, base.weight, base.bias) if type(base) is nn.Linear else base(x)
+        if self.training:  # dropout is the identity in eval mode
+            x = self.lora_dropout(x)
+        low = torch.bmm(x.reshape(n, -1, x.shape[-1]), self.lora_A.transpose(1, 2))  # (N, M, r)
         # result += scale_m * low_m @ B_m.T, in the batched matmul itself: no pass over a separate delta (the
         # base layer's output is this call's own tensor, which the base's backward does not keep)
-        result.view(n, -1, result.shape[-1]).baddbmm_(low, up)
+        result.view(n, -1, result.shape[-1]).baddbmm_(low, self._up())
         return result
+
+    def _up(self) -> torch.Tensor:
+        """``scale_m * B_m.T``, (N, r, D_out); without autograd, kept while B and the scaling stay as they are."""
+        if torch.is_grad_enabled() or torch.compiler.is_compiling():
+            return (self.lora_B * self.scaling.view(-1, 1, 1)).transpose(1, 2)
+        key = (self.lora_B._version, self.lora_B.data_ptr(), self.scaling._version, self.scaling.data_ptr())
+        cached = self.__dict__.get("_up_cache")
+        if cached is None or cached[0] != key:
+            cached = self.__dict__["_up_cache"] = (key, (self.lora_B * self.scaling.view(-1, 1, 1)).transpose(1, 2))
+        return cached[1]
 
     def member_state_dict(self, i: int) -> dict[str, torch.Tensor]:
         rank = int(self.rank[i])
