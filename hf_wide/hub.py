@@ -240,7 +240,9 @@ def load_wide(
                                       merge=merge, allow_pickle=allow_pickle, dtype=torch_dtype, device=device,
                                       trust_remote_code=trust_remote_code, hub_kwargs=hub_kwargs)
         wide = cls.from_models(models, validate=validate, allow_label_mismatch=allow_label_mismatch,
-                               member_ids=ids, share_identical=share_identical, verify=verify)
+                               member_ids=ids, share_identical=share_identical, verify=verify,
+                               copy_shared=False)  # our own members: the base's tensors become the wide model's
+        del models
         wide.member_revisions = [commit_sha(folder) for folder in folders]
         validate = False  # done against the models themselves
     else:

@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import threading
 import warnings
@@ -22,6 +23,7 @@ from .capture import asks_for_capture, install_capture_hooks
 from .compat import check_compatible, member_names
 from .fold import Fold, fold_inputs, unfold_outputs
 from .plan import Demotions, Kind, WidePlan
+from .primitives.base import keeping_storage
 from .structure import opaque_modules
 from .planner import make_plan, tensor_aliases, trace_members
 from .swap import build_wide, member_copy
@@ -83,6 +85,7 @@ class WideModel(nn.Module):
         share_identical: bool = True,
         verify: bool = True,
         atol: float = 1e-4,
+        copy_shared: bool = True,
     ) -> "WideModel":
         """Fuse ``models`` (same class and architecture). The models are left untouched.
 
@@ -93,7 +96,8 @@ class WideModel(nn.Module):
         sample gives it (:mod:`hf_wide.verify`: one forward per member) and runs a module that disagrees one
         strategy further down, with the reason in the plan.
         Modules identical in every member are kept once (``share_identical``); pass False to train the
-        members independently, since a shared module's parameters would stay one tensor.
+        members independently, since a shared module's parameters would stay one tensor. They are copies, unless
+        ``copy_shared=False``: then they are member 0's own tensors (what loading adapters over one base uses).
         """
         models = list(models)
         check_compatible(models, member_ids, allow_label_mismatch)
@@ -111,8 +115,10 @@ class WideModel(nn.Module):
             for _ in range(MAX_VERIFY_ROUNDS):
                 plan = make_plan(models, *traced, share_identical=share_identical, demotions=demotions, opaque=opaque)
                 fold = Fold(len(models))
+                with contextlib.nullcontext() if copy_shared else keeping_storage():
+                    folded = build_wide(models, plan, fold)
                 wide = cls(
-                    build_wide(models, plan, fold),
+                    folded,
                     plan,
                     fold,
                     tensor_aliases(template),

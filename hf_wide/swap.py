@@ -20,6 +20,7 @@ from .plan import STACKED_LOOP, Kind, WidePlan
 from .planner import tensor_aliases
 from .blocks import WideBlock
 from .primitives import PerMemberFallback, VectorisedFallback, WideModule
+from .primitives.base import keeps_storage
 from .registry import find_block, find_rewrite, get_wide, rewrite_classes
 
 
@@ -41,6 +42,8 @@ def build_wide(members: Sequence[nn.Module], plan: WidePlan, fold: Fold) -> nn.M
             memo[id(mods[0])] = VectorisedFallback.from_modules(mods, fold, loop=entry.kind == Kind.FALLBACK)
         elif entry.kind == Kind.FALLBACK:
             memo[id(mods[0])] = PerMemberFallback.from_modules([copy.deepcopy(m) for m in mods], fold)
+    if keeps_storage():  # what is kept whole holds the members' own tensors (hf_wide.primitives.base)
+        memo.update({id(t): t for t in (*template.parameters(), *template.buffers())})
     # If the whole model is one fallback, it is its own replacement.
     wide = memo[id(template)] if id(template) in memo else copy.deepcopy(template, memo)
     for fqn, entry in plan.entries.items():

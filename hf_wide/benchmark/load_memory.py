@@ -8,7 +8,10 @@ to a temporary folder, then loads them in fresh subprocesses and reads each one'
 - ``members``:  ``WideModel.from_pretrained(member folders)``, the low-memory path;
 - ``fused``:    ``WideModel.from_pretrained(fused folder)``;
 - ``whole``:    every member loaded as a model, then ``WideModel.from_models`` (what the low-memory path
-  replaced), for comparison.
+  replaced), for comparison;
+- ``adapters``: ``WideModel.from_pretrained(adapter folders)``: N LoRA adapters (rank 8 on every linear of the
+  layers, the classifier saved whole) of one such base, whose cost is measured against the base plus the
+  adapters (their files' bytes) rather than the fused model.
 
 A load's cost is its peak minus the baseline's, as a multiple of the fused model's size (the bytes of its
 parameters and buffers). Loading pulls in libraries the baseline has not imported (``torch.export`` for the
@@ -44,7 +47,10 @@ result = {"imports": peak()}
 if warmup != "-":
     WideModel.from_pretrained([os.path.join(warmup, "tiny-0"), os.path.join(warmup, "tiny-1")])
 result["warm"] = peak()
-if mode == "members" or mode == "fused":
+if warmup != "-" and mode == "adapters":  # peft's imports and the adapter path, on tiny ones
+    WideModel.from_pretrained([os.path.join(warmup, "tiny-lora-0"), os.path.join(warmup, "tiny-lora-1")])
+    result["warm"] = peak()
+if mode in ("members", "fused", "adapters"):
     wide = WideModel.from_pretrained(paths)
 elif mode == "whole":
     from hf_wide.hub import load_members
@@ -85,6 +91,34 @@ def write_members(folder: Path, num_members: int, hidden: int, layers: int, voca
     return paths
 
 
+def write_adapters(folder: Path, num_members: int, hidden: int, layers: int, vocab: int) -> tuple[list[str], int]:
+    """A base checkpoint and N LoRA adapters of it under ``folder``, two tiny ones for the warm-up; returns the
+    adapters' folders and the bytes of the base and the adapters (their safetensors files)."""
+    import peft
+    import torch
+    from transformers import BertForSequenceClassification
+
+    def adapters(base_dir: Path, name: str, n: int, config) -> list[str]:
+        paths = []
+        for i in range(n):
+            torch.manual_seed(i)
+            model = peft.get_peft_model(BertForSequenceClassification.from_pretrained(base_dir), peft.LoraConfig(
+                r=8, lora_alpha=16, target_modules=["query", "key", "value", "dense"], modules_to_save=["classifier"],
+                task_type="SEQ_CLS", init_lora_weights=False))
+            model.save_pretrained(folder / f"{name}-{i}")
+            paths.append(str(folder / f"{name}-{i}"))
+        return paths
+
+    torch.manual_seed(0)
+    BertForSequenceClassification(_bert_config(hidden, layers, vocab)).save_pretrained(folder / "base")
+    BertForSequenceClassification(_bert_config(32, 1, 100)).save_pretrained(folder / "tiny-base")
+    adapters(folder / "tiny-base", "tiny-lora", 2, None)
+    paths = adapters(folder / "base", "lora", num_members, None)
+    size = sum(p.stat().st_size for p in [folder / "base" / "model.safetensors",
+                                         *(Path(p) / "adapter_model.safetensors" for p in paths)])
+    return paths, size
+
+
 def _run_child(mode: str, warmup: str, paths: list[str]) -> dict:
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1", "TRANSFORMERS_VERBOSITY": "error"}
     out = subprocess.run([sys.executable, "-c", CHILD, mode, warmup, *paths], env=env, check=True,
@@ -93,20 +127,26 @@ def _run_child(mode: str, warmup: str, paths: list[str]) -> dict:
 
 
 def measure_load_memory(num_members: int = 4, hidden: int = 256, layers: int = 4, vocab: int = 30_000,
-                        modes: tuple[str, ...] = ("members", "fused", "whole"), folder: str | None = None) -> dict:
+                        modes: tuple[str, ...] = ("members", "fused", "whole", "adapters"),
+                        folder: str | None = None) -> dict:
     """Peak-RSS figures (bytes, and ratios to the fused model's size) of loading ``num_members`` BERT checkpoints
     each way in ``modes``. Checkpoints are written to ``folder`` (a temporary one if None)."""
     with tempfile.TemporaryDirectory(prefix="hf-wide-mem-") as tmp:
         root = Path(folder or tmp)
         paths = write_members(root, num_members, hidden, layers, vocab)
+        adapter_paths, adapter_bytes = write_adapters(root, num_members, hidden, layers, vocab) if (
+            "adapters" in modes) else ([], None)
         baseline = _run_child("baseline", "-", [])
         report = {"num_members": num_members, "hidden": hidden, "layers": layers, "vocab": vocab,
                   "baseline_peak": baseline["peak"], "loads": {}}
         for mode in modes:
-            sources = [str(root / "fused")] if mode == "fused" else paths
+            sources = {"fused": [str(root / "fused")], "adapters": adapter_paths}.get(mode, paths)
             cold, warm = _run_child(mode, "-", sources), _run_child(mode, str(root), sources)
-            size = cold["fused_bytes"]
-            report["fused_bytes"] = size
+            size = adapter_bytes if mode == "adapters" else cold["fused_bytes"]
+            if mode != "adapters":
+                report["fused_bytes"] = size
+            else:
+                report["base_and_adapters_bytes"] = size
             report["loads"][mode] = {
                 "peak": cold["peak"],
                 "over_baseline": cold["peak"] - baseline["peak"],
@@ -122,10 +162,13 @@ def _format(report: dict) -> str:
     mb = 1 << 20
     lines = [
         f"{report['num_members']} x BERT (hidden {report['hidden']}, {report['layers']} layers, vocab "
-        f"{report['vocab']}): fused model {report['fused_bytes'] / mb:.1f} MiB; baseline process (imports) "
+        f"{report['vocab']}): fused model {report.get('fused_bytes', 0) / mb:.1f} MiB; baseline process (imports) "
         f"{report['baseline_peak'] / mb:.1f} MiB",
         f"{'load':<8} {'peak MiB':>9} {'- baseline':>11} {'x fused':>8} {'- warm':>8} {'x fused':>8}",
     ]
+    if "base_and_adapters_bytes" in report:
+        lines.insert(1, f"adapters: the base and {report['num_members']} LoRA adapters, "
+                        f"{report['base_and_adapters_bytes'] / mb:.1f} MiB (their x is of this, not of the fused model)")
     for mode, r in report["loads"].items():
         lines.append(f"{mode:<8} {r['peak'] / mb:>9.1f} {r['over_baseline'] / mb:>11.1f} {r['ratio']:>8.2f} "
                      f"{r['over_warm'] / mb:>8.1f} {r['ratio_over_warm']:>8.2f}")
@@ -138,8 +181,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--vocab", type=int, default=30_000)
-    parser.add_argument("--modes", nargs="+", default=["members", "fused", "whole"],
-                        choices=["members", "fused", "whole"])
+    parser.add_argument("--modes", nargs="+", default=["members", "fused", "whole", "adapters"],
+                        choices=["members", "fused", "whole", "adapters"])
     parser.add_argument("--json", help="also write the figures to this file")
     args = parser.parse_args(argv)
     report = measure_load_memory(args.members, args.hidden, args.layers, args.vocab, tuple(args.modes))

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..primitives.base import meta_copy
+from ..primitives.base import kept, meta_copy
 from ..primitives.linear import WideLinear
 from ..registry import register_block
 from .base import WideBlock
@@ -84,7 +84,7 @@ class WideLoraLinear(WideBlock):
         if any(b.weight.shape != bases[0].weight.shape for b in bases):
             raise ValueError("WideLoraLinear: the members' base layers differ in shape.")
         same = all(_equal_tensors(b, bases[0]) for b in bases[1:])
-        self.base_layer = copy.deepcopy(bases[0]) if same else WideLinear.from_modules(bases, self.fold)
+        self.base_layer = kept(bases[0]) if same else WideLinear.from_modules(bases, self.fold)
         ranks = [m.r[self.adapter] for m in mods]
         r = max(ranks)
         a = torch.zeros(len(mods), r, bases[0].in_features, dtype=bases[0].weight.dtype)

@@ -8,13 +8,38 @@ with a leading member dim: member i's ``weight`` is ``wide.weight[i]``. That con
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import copy
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import torch
 from torch import nn
 
 from ..fold import Fold
+
+
+_KEEP_STORAGE = contextvars.ContextVar("hf_wide_keep_storage", default=False)
+
+
+@contextlib.contextmanager
+def keeping_storage() -> Iterator[None]:
+    """Within it, what a wide model keeps whole from its members (shared modules, the one base layer of LoRA
+    members) is the members' own tensors, not copies: loading adapters over one base then holds the base once."""
+    token = _KEEP_STORAGE.set(True)
+    try:
+        yield
+    finally:
+        _KEEP_STORAGE.reset(token)
+
+
+def keeps_storage() -> bool:
+    return _KEEP_STORAGE.get()
+
+
+def kept(module: nn.Module) -> nn.Module:
+    """``module`` for the wide model to hold: a copy, or itself within :func:`keeping_storage`."""
+    return module if keeps_storage() else copy.deepcopy(module)
 
 
 def meta_copy(module: nn.Module) -> nn.Module:
