@@ -11,8 +11,9 @@ each member's module returned: errors upstream cannot leak into a module's verdi
 inputs, not the wide forward's. A module that disagrees is reported with its error, and the caller moves it one
 rung down the ladder (a block to its parts, a primitive to a fallback) and verifies again.
 
-The cost, where everything agrees: one forward of the sample input per member and one wide forward, whose output
-is also the whole model's check (:func:`diagnose`).
+The cost, where everything agrees: one forward of the sample input per member, keeping each module's output, and
+one wide forward, whose output is also the whole model's check (:func:`diagnose`); the members run again, to
+record their inputs, only for modules that disagreed there.
 """
 
 from __future__ import annotations
@@ -35,13 +36,21 @@ def tolerance(reference: torch.Tensor) -> float:
     return rel * max(1.0, reference.detach().abs().max().item()) if reference.numel() else 0.0
 
 
+_AGREED = object()  # a wide module's call that agreed with its members there and then: nothing kept
+_NO_INPUTS = object()  # a member's call recorded by its output alone
+
+
 class _Recorder:
     """Forward hooks that keep the first call of each named module: ``calls[path] = (args, kwargs, output)``.
-    ``running`` holds the paths entered and not yet left: after an exception, where it was raised."""
+    ``running`` holds the paths entered and not yet left: after an exception, where it was raised.
+    With ``inputs=False`` only outputs are kept (``_NO_INPUTS`` for the inputs); a call for which
+    ``agrees(path, output)`` holds is kept as ``_AGREED`` alone. The sample's activations are not small next to a
+    model's weights, and only a module that disagrees needs its inputs."""
 
-    def __init__(self, model: nn.Module, paths: Sequence[str]):
+    def __init__(self, model: nn.Module, paths: Sequence[str], inputs: bool = True, agrees=None):
         self.calls: dict[str, tuple] = {}
         self.running: list[str] = []
+        self.inputs, self.agrees = inputs, agrees
         modules = dict(model.named_modules())
         self.handles = []
         for p in paths:
@@ -57,8 +66,14 @@ class _Recorder:
     def _hook(self, path: str):
         def hook(module, args, kwargs, output):
             self.running.pop()
-            if path not in self.calls:  # copies: later code may write into these tensors in place
+            if path in self.calls:
+                return
+            if self.agrees is not None and self.agrees(path, output):
+                self.calls[path] = _AGREED
+            elif self.inputs:  # copies: later code may write into these tensors in place
                 self.calls[path] = _copy((args, dict(kwargs), output))
+            else:
+                self.calls[path] = (_NO_INPUTS, _NO_INPUTS, _copy(output))
         return hook
 
     def __enter__(self) -> "_Recorder":
@@ -81,12 +96,13 @@ def sample_kwargs(model: nn.Module, kwargs: dict) -> dict:
     return kwargs
 
 
-def record_members(references: Sequence[nn.Module], paths: Sequence[str], args: tuple, kwargs: dict) -> list[dict]:
-    """For each reference model, the first call (args, kwargs, output) of every module in ``paths``; the
-    model's own output under the key ``None``."""
+def record_members(references: Sequence[nn.Module], paths: Sequence[str], args: tuple, kwargs: dict,
+                   inputs: bool = True) -> list[dict]:
+    """For each reference model, the first call (args, kwargs, output) of every module in ``paths`` (with
+    ``inputs=False``, its output alone); the model's own output under the key ``None``."""
     recorded = []
     for model in references:
-        with _Recorder(model, paths) as recorder, torch.no_grad():
+        with _Recorder(model, paths, inputs) as recorder, torch.no_grad():
             output = model(*args, **sample_kwargs(model, kwargs))
         recorder.calls[None] = ((), {}, _copy(output))
         recorded.append(recorder.calls)
@@ -201,13 +217,19 @@ def verify_modules(wide, paths: Sequence[str], references: Sequence[nn.Module], 
     recorded = recorded if recorded is not None else [{} for _ in references]
     missing = [p for p in paths if p not in recorded[0]]
     if missing or None not in recorded[0]:
-        for calls, new in zip(recorded, record_members(references, missing, args, kwargs)):
+        for calls, new in zip(recorded, record_members(references, missing, args, kwargs, inputs=False)):
             calls.update({k: v for k, v in new.items() if k not in calls})
     modules = dict(wide.model.named_modules())
     for path in paths:  # a vectorised module notes where vmap refused it: in this forward, not an earlier one
         if path in modules:
             modules[path].__dict__.pop("vmap_refused", None)
-    with _Recorder(wide.model, paths) as recorder, torch.no_grad():
+    rows = wide.num_members * _sample_batch(args, kwargs)
+
+    def agrees(path: str, output) -> bool:  # in the wide forward itself, on the wide model's own inputs
+        return path not in recorded[0] or (modules[path].__dict__.get("vmap_refused") is None and compare_outputs(
+            output, [r[path][2] for r in recorded], rows) is None)
+
+    with _Recorder(wide.model, paths, agrees=agrees) as recorder, torch.no_grad():
         try:
             output = wide(*args, **sample_kwargs(wide.model, kwargs))
         except Exception as exc:  # the innermost checked module it was raised in disagrees with its members
@@ -215,16 +237,15 @@ def verify_modules(wide, paths: Sequence[str], references: Sequence[nn.Module], 
                 raise
             failure = {recorder.running[-1]: f"raised {type(exc).__name__}: {str(exc).splitlines()[0][:160]}"}
             return failure, recorded, None
-    rows = wide.num_members * _sample_batch(args, kwargs)
+    suspects = [p for p, call in recorder.calls.items() if call is not _AGREED and p in recorded[0]]
+    unrecorded = [p for p in suspects if recorded[0][p][0] is _NO_INPUTS]
+    if unrecorded:  # the members' inputs of the modules to check on them
+        for calls, new in zip(recorded, record_members(references, unrecorded, args, kwargs)):
+            calls.update({p: new[p] for p in unrecorded if p in new})
     failures = {}
-    for path in paths:
-        if path not in recorder.calls or path not in recorded[0]:
-            continue  # not called on the sample: nothing to check it with
-        member_calls = [r[path] for r in recorded]
-        refused = modules[path].__dict__.get("vmap_refused")  # a vectorised module that had to loop
-        if refused is None and compare_outputs(recorder.calls[path][2], [o for _, _, o in member_calls], rows) is None:
-            continue  # agrees in the wide forward itself
-        reason = check_module(modules[path], wide.fold, recorder.calls[path], member_calls, rows)
+    for path in suspects:  # on its members' inputs: an error upstream is not this module's
+        reason = modules[path].__dict__.get("vmap_refused") or check_module(
+            modules[path], wide.fold, recorder.calls[path], [r[path] for r in recorded], rows)
         if reason is not None:
             failures[path] = reason
     return failures, recorded, output
