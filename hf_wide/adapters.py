@@ -25,6 +25,7 @@ import torch
 import transformers
 from torch import nn
 
+from .adapter_repos import AdapterSources
 from .compat import IncompatibleMembersError
 
 ADAPTER_CONFIG = "adapter_config.json"
@@ -208,10 +209,11 @@ def pad_targets(model: nn.Module, paths: set[str]) -> list[str]:
 
 def load_adapter_members(ids, folders, configs, *, base_model=None, base_revision=None, merge=False,
                          allow_pickle=False, dtype=None, device=None, trust_remote_code=False, hub_kwargs=None):
-    """The members of a list that holds adapters: (models, ids of the base's download or None). Each adapter is a
-    ``PeftModel`` over a view of the one base (or, with ``merge``, merged into its own copy); each full
-    checkpoint is loaded and, like the base when it is in the list, given zero LoRA layers."""
-    from .hub import MemberLoadError, _load_member, _weights_format, download_members
+    """The members of a list that holds adapters, and where they came from (:class:`AdapterSources`, for saving;
+    None after ``merge`` or with full checkpoints other than the base). Each adapter is a ``PeftModel`` over a
+    view of the one base (or, with ``merge``, merged into its own copy); each full checkpoint is loaded and,
+    like the base when it is in the list, given zero LoRA layers."""
+    from .hub import MemberLoadError, _load_member, _weights_format, commit_sha, download_members
 
     peft = require_peft()
     names = [f"member {i} ({model_id})" for i, model_id in enumerate(ids)]
@@ -244,7 +246,7 @@ def load_adapter_members(ids, folders, configs, *, base_model=None, base_revisio
     models = []
     for name, model_id, folder, config in zip(names, ids, folders, configs):
         if config is None:  # a full checkpoint: the base itself, or one of its architecture
-            if str(model_id) == str(base_id) and base_revision is None:
+            if str(model_id) == str(base_id):
                 models.append(shared_view(base))
             else:
                 models.append(_load_member(folder, name, dtype, device=device, klass=klass, trust_remote_code=
@@ -258,9 +260,10 @@ def load_adapter_members(ids, folders, configs, *, base_model=None, base_revisio
             raise IncompatibleMembersError(f"{name} does not load over {base_name}: {type(exc).__name__}: {exc}") from exc
         models.append(member.merge_and_unload().eval() if merge else member.eval())
     if merge:
-        return models
+        return models, None
     union = set().union(*(lora_paths(m) for m in models if isinstance(m, peft.PeftModel)))
     reference = next(m for m in models if isinstance(m, peft.PeftModel))
+    padded = []
     for i, model in enumerate(models):
         if not isinstance(model, peft.PeftModel):  # a full member: the adapters' structure, with zero updates
             model = peft.get_peft_model(model, copy.deepcopy(reference.peft_config["default"])).eval()
@@ -268,5 +271,8 @@ def load_adapter_members(ids, folders, configs, *, base_model=None, base_revisio
                 nn.init.zeros_(model.get_submodule(path).lora_B["default"].weight)
             model.requires_grad_(False)
             models[i] = model
-        pad_targets(models[i], union)
-    return models
+        padded.append(pad_targets(models[i], union))
+    full = any(c is None and str(i) != str(base_id) for c, i in zip(configs, ids))  # a full checkpoint, not the base
+    sources = None if full else AdapterSources(base_id, base_revision or commit_sha(Path(base_folder)), list(configs),
+                                               padded)
+    return models, sources

@@ -30,6 +30,7 @@ from huggingface_hub.errors import RepositoryNotFoundError
 from huggingface_hub.utils import tqdm as hf_tqdm
 from torch import nn
 
+from .adapter_repos import adapter_folders
 from .adapters import adapter_config, load_adapter_members
 from .compat import IncompatibleMembersError, check_configs
 from .planner import plan_members, tensor_aliases
@@ -231,19 +232,30 @@ def load_wide(
     names = [f"member {i} ({model_id})" for i, model_id in enumerate(ids)]
     fused = [name for name, folder in zip(names, folders) if read_section(folder) is not None]
     adapters = [adapter_config(folder) for folder in folders]
+    saved = read_section(folders[0]) if len(ids) == 1 and fused else None
+    if saved is not None and "adapters" in saved:  # a saved ensemble of adapters: its base, then its adapters
+        member_folders, adapters = adapter_folders(folders[0], saved)
+        sources = saved["adapters"]
+        fused, ids, revisions = [], saved["member_ids"], saved["member_revisions"]
+        base_model, base_revision = base_model or sources["base_model"], base_revision or sources["base_revision"]
+        source_dirs = [folders[0]]
+    else:
+        member_folders, revisions, source_dirs = folders, [commit_sha(folder) for folder in folders], folders
     if fused:
         if len(ids) > 1:
             raise ValueError(f"{fused[0]} is a fused hf-wide repo: load it on its own, not as a member.")
         wide = load_fused(cls, folders[0], name=ids[0], dtype=torch_dtype, device=device)
     elif any(adapters):
-        models = load_adapter_members(ids, folders, adapters, base_model=base_model, base_revision=base_revision,
-                                      merge=merge, allow_pickle=allow_pickle, dtype=torch_dtype, device=device,
-                                      trust_remote_code=trust_remote_code, hub_kwargs=hub_kwargs)
+        models, sources = load_adapter_members(
+            ids, member_folders, adapters, base_model=base_model, base_revision=base_revision, merge=merge,
+            allow_pickle=allow_pickle, dtype=torch_dtype, device=device, trust_remote_code=trust_remote_code,
+            hub_kwargs=hub_kwargs)
         wide = cls.from_models(models, validate=validate, allow_label_mismatch=allow_label_mismatch,
                                member_ids=ids, share_identical=share_identical, verify=verify,
                                copy_shared=False)  # our own members: the base's tensors become the wide model's
         del models
-        wide.member_revisions = [commit_sha(folder) for folder in folders]
+        wide.adapter_sources, wide._source_dirs = sources, source_dirs
+        wide.member_revisions = list(revisions)
         validate = False  # done against the models themselves
     else:
         if base_model is not None or base_revision is not None or merge:

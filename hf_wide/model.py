@@ -41,8 +41,11 @@ class WideModel(nn.Module):
     """N members folded into the batch of one model (see DESIGN.md, "Execution").
 
     Attributes: ``model`` (the folded template: the members' class with wide modules swapped in),
-    ``plan`` (:class:`WidePlan`), ``num_members``, ``member_ids`` and ``member_configs``.
+    ``plan`` (:class:`WidePlan`), ``num_members``, ``member_ids`` and ``member_configs``; ``adapter_sources``
+    for members loaded as PEFT adapters (:mod:`hf_wide.adapter_repos`: their base and adapter configs).
     """
+
+    adapter_sources = None
 
     def __init__(
         self,

@@ -350,6 +350,17 @@ def save_wide(wide, save_directory: str | Path, *, max_shard_size: int | str = D
                         "save plain modules with torch.save(wide.state_dict()).")
     directory = Path(save_directory)
     directory.mkdir(parents=True, exist_ok=True)
+    if getattr(wide, "adapter_sources", None) is not None:  # adapters of one base: the base referenced
+        from .adapter_repos import save_adapter_ensemble
+
+        section = {k: v for k, v in wide_config_section(wide, []).items() if k in (
+            "format_version", "num_members", "member_ids", "member_revisions")}
+        save_adapter_ensemble(wide, directory, section, repo_id, overwrite_readme)
+        copy_tokenizer_files(getattr(wide, "_source_dirs", None) or [], directory)
+        for preprocessor in (tokenizer, processor):
+            if preprocessor is not None:
+                preprocessor.save_pretrained(directory)
+        return directory
     states = [state_tensors(wide.member(i, share=True)) for i in range(wide.num_members)]  # views, no copies
     shared = [k for k, t in states[0].items() if all(_identical(t, s[k]) for s in states[1:])]
     # Plan the shards on meta tensors of the stored shapes, then stack one shard at a time.
@@ -493,4 +504,8 @@ def save_members(wide, save_directory: str | Path, names: Sequence[str] | None =
     names = list(names) if names is not None else [f"member-{i}" for i in range(wide.num_members)]
     if len(names) != wide.num_members:
         raise ValueError(f"Got {len(names)} names for {wide.num_members} members.")
+    if getattr(wide, "adapter_sources", None) is not None:  # PEFT adapter folders (none for the base itself)
+        from .adapter_repos import save_adapter
+
+        return [save_adapter(wide, i, Path(save_directory) / name) for i, name in enumerate(names)]
     return [save_member(wide, i, Path(save_directory) / name) for i, name in enumerate(names)]

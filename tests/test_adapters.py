@@ -165,3 +165,47 @@ def test_base_and_adapters_as_repos_at_pinned_revisions(hub, tmp_path):
     assert wide.member_revisions == shas
     downloads = [r.path for r in hub.requests if r.method == "GET" and "/resolve/" in r.path and "meta/base" in r.path]
     assert sum(p.endswith("model.safetensors") for p in downloads) == 1  # the base, once
+
+
+def test_an_ensemble_of_adapters_saved_and_loaded_back(llama_adapters, tmp_path):
+    base, adapters = llama_adapters
+    wide = WideModel.from_pretrained([str(base), *adapters])
+    inputs = LLAMA.inputs(2, padded=True)
+    wide.save_pretrained(tmp_path / "ensemble")
+    saved = {p.relative_to(tmp_path / "ensemble").as_posix() for p in (tmp_path / "ensemble").rglob("*.safetensors")}
+    assert saved == {f"members/member-{i}/adapter_model.safetensors" for i in (1, 2, 3)}  # the base: referenced
+    back = WideModel.from_pretrained(str(tmp_path / "ensemble"))
+    with torch.no_grad():
+        assert torch.equal(back(**inputs).logits, wide(**inputs).logits)
+    assert back.member_ids == wide.member_ids
+    folders = wide.save_members(tmp_path / "members")
+    assert folders[0] is None  # the base itself is no adapter
+    for folder, adapter in zip(folders[1:], adapters):  # ordinary PEFT adapters, without the zero updates
+        again, original = alone(LLAMA, base, str(folder)), alone(LLAMA, base, adapter)
+        assert lora_keys(again) == lora_keys(original)
+        with torch.no_grad():
+            assert torch.equal(again(**inputs).logits, original(**inputs).logits)
+
+
+def lora_keys(model) -> set[str]:
+    return {k for k in model.state_dict() if "lora_" in k}
+
+
+def test_an_ensemble_of_adapters_pushed_and_loaded_in_a_fresh_cache(hub, tmp_path):
+    LLAMA.build(0).save_pretrained(tmp_path / "base")
+    base_sha = hub.publish("meta/llama", tmp_path / "base")
+    ids = []
+    for seed in range(2):
+        hub.publish(f"alice/lora-x{seed}", save_adapter(LLAMA, tmp_path / "base", tmp_path / f"a{seed}", seed,
+                                                     base_name="meta/llama", r=4, lora_alpha=8,
+                                                     target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM"))
+        ids.append(f"alice/lora-x{seed}")
+    wide = WideModel.from_pretrained(ids, token=TOKEN, cache_dir=tmp_path / "cache")
+    assert wide.adapter_sources.base_revision == base_sha
+    wide.push_to_hub("alice/lora-xensemble", token=TOKEN)
+    files = hub.repos["alice/lora-xensemble"].commits[hub.repos["alice/lora-xensemble"].branches["main"]].files
+    assert "model.safetensors" not in files and "members/member-1/adapter_model.safetensors" in files
+    back = WideModel.from_pretrained("alice/lora-xensemble", token=TOKEN, cache_dir=tmp_path / "fresh")
+    inputs = LLAMA.inputs(2, padded=True)
+    with torch.no_grad():
+        assert torch.equal(back(**inputs).logits, wide(**inputs).logits)

@@ -1,0 +1,90 @@
+"""Saving an ensemble of LoRA adapters: the adapters, with the base referenced, not copied.
+
+A wide model loaded from adapters (:mod:`hf_wide.adapters`) remembers its base (repo id and the commit it was
+loaded at) and each member's adapter config. ``save_pretrained`` then writes::
+
+    config.json                       the base's config, with an ``hf_wide`` section: the base, its revision, the
+                                      members' ids and revisions, and ``adapters`` (one entry per member)
+    members/member-{i}/               member i's adapter as PEFT writes one (adapter_config.json and
+                                      adapter_model.safetensors), or nothing where member i is the base itself
+    README.md                         the model card
+
+and ``from_pretrained`` of that folder or repo loads the base (at its revision) and the adapters, as when they
+were first loaded. ``save_members`` writes the same adapter folders: ``PeftModel.from_pretrained(base, folder)``
+loads each. The zero updates that gave members without an adapter on a module the same structure are not saved.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+MEMBERS_DIR = "members"
+
+
+@dataclasses.dataclass
+class AdapterSources:
+    """What a wide model of adapters came from: its base and, per member, the adapter config (None for the base
+    itself) and the modules given a zero update."""
+
+    base_model: str
+    base_revision: str | None
+    configs: list[dict | None]
+    padded: list[list[str]]
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def save_adapter(wide, i: int, folder: Path) -> Path | None:
+    """Member i's adapter as a PEFT adapter folder (None, and nothing written, where member i is the base)."""
+    from peft import get_peft_model_state_dict
+    from safetensors.torch import save_file
+
+    sources: AdapterSources = wide.adapter_sources
+    config = sources.configs[i]
+    if config is None:
+        return None
+    member = wide.member(i, share=True)
+    state = get_peft_model_state_dict(member)
+    padded = tuple(f"{path}." for path in sources.padded[i])
+    state = {k: v.detach().contiguous() for k, v in state.items() if not k.startswith(padded)}
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "adapter_config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    save_file(state, str(folder / "adapter_model.safetensors"), metadata={"format": "pt"})
+    return folder
+
+
+def save_adapter_ensemble(wide, save_directory: str | Path, section: dict, repo_id: str | None = None,
+                          overwrite_readme: bool = False) -> Path:
+    """``save_pretrained`` of a wide model of adapters (see the module docstring). ``section``: the ``hf_wide``
+    section's common fields (format version, member ids and revisions)."""
+    from .card import model_card
+
+    folder = Path(save_directory)
+    folder.mkdir(parents=True, exist_ok=True)
+    sources: AdapterSources = wide.adapter_sources
+    for i in range(wide.num_members):
+        save_adapter(wide, i, folder / MEMBERS_DIR / f"member-{i}")
+    config = wide.member_configs[0].to_dict()
+    config["hf_wide"] = {**section, "adapters": sources.to_dict()}
+    (folder / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    readme = folder / "README.md"
+    if overwrite_readme or not readme.exists():
+        readme.write_text(model_card(wide, repo_id))
+    return folder
+
+
+def adapter_folders(folder: Path, section: dict) -> tuple[list[Path | str], list[dict | None]]:
+    """The members' folders (the base's id for a member that is the base) and adapter configs of a saved
+    adapter ensemble."""
+    sources = section["adapters"]
+    folders, configs = [], []
+    for i, config in enumerate(sources["configs"]):
+        folders.append(folder / MEMBERS_DIR / f"member-{i}" if config is not None else sources["base_model"])
+        configs.append(config)
+    return folders, configs
+
+
+
