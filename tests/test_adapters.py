@@ -2,6 +2,8 @@
 each member against ``PeftModel.from_pretrained(base, adapter)`` run alone."""
 
 import json
+import sys
+from pathlib import Path
 
 import peft
 import pytest
@@ -83,6 +85,28 @@ def test_bert_classifier_with_a_saved_head(tmp_path):
     assert max_member_error(wide, references, BERT.inputs(3, padded=True)) <= TOLERANCE
     heads = [e for e in wide.plan.entries.values() if "modules_to_save.default" in e.fqn]
     assert heads and all(e.kind == Kind.PRIMITIVE for e in heads)  # each member's own head, stacked
+
+
+def test_the_text_classification_pipeline_on_adapters(tmp_path):
+    from hf_wide.pipelines import pipeline
+
+    sys.path.insert(0, str(Path(__file__).parent / "pipelines"))
+    from text_members import bert_tokenizer
+
+    tokenizer = bert_tokenizer(tmp_path / "tok")
+    BERT.build(0).save_pretrained(tmp_path / "base")
+    adapters = [save_adapter(BERT, tmp_path / "base", tmp_path / f"a{seed}", seed, r=4, lora_alpha=8,
+                             target_modules=["query", "value"], modules_to_save=["classifier"], task_type="SEQ_CLS")
+                for seed in range(3)]
+    texts = ["the cat sat on the mat", "a very bad movie"]
+    results = pipeline("text-classification", model=adapters, tokenizer=tokenizer)(texts)
+    with torch.no_grad():
+        probs = torch.stack([alone(BERT, tmp_path / "base", a)(**tokenizer(texts, return_tensors="pt", padding=True))
+                             .logits.softmax(-1) for a in adapters])  # (N, B, C)
+    for b, result in enumerate(results):
+        assert result["score"] == pytest.approx(float(probs[:, b].mean(0).max()), abs=1e-5)
+        for i, member in enumerate(result["members"]):
+            assert member["score"] == pytest.approx(float(probs[i, b].max()), abs=1e-5)
 
 
 def test_vit_image_classifier(tmp_path):

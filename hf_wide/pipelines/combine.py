@@ -76,8 +76,9 @@ def combine(
 
 def ranking(scores: torch.Tensor, member_probs: torch.Tensor) -> torch.Tensor:
     """Scores to sort classes by: the ensemble's, with ties (equal votes) broken by the mean probability.
-    The nudge is far below one vote (1/N), so it never reorders classes whose scores differ."""
-    return scores + 1e-6 * member_probs.mean(0)
+    The nudge is far below one vote (1/N), so it never reorders classes whose scores differ; in float64, where
+    float32 would round it away (a third of the votes plus 1e-6 x a 2% probability is a third, in float32)."""
+    return scores.double() + 1e-6 * member_probs.double().mean(0)
 
 
 def label_permutations(id2labels: Sequence[Mapping[int, str]]) -> list[torch.Tensor] | None:

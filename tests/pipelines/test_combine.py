@@ -65,3 +65,10 @@ def test_labels_realigned_by_name():
     assert label_permutations([{0: "a", 1: "b"}] * 2) is None
     with pytest.raises(ValueError, match="Member 1's labels"):
         label_permutations([{0: "a", 1: "b"}, {0: "a", 1: "c"}])
+
+
+def test_vote_ties_are_broken_by_the_mean_probability_in_float32():
+    # Three members, three different votes: a third each; the nudge (1e-6 x ~2%) is below float32's resolution there.
+    member_probs = torch.tensor([[0.020, 0.021, 0.019], [0.020, 0.021, 0.019], [0.020, 0.021, 0.019]])
+    scores = torch.full((3,), 1 / 3, dtype=torch.float32)
+    assert ranking(scores, member_probs).argmax().item() == 1

@@ -2,7 +2,10 @@
 ensemble decoding (KV cache of N*B rows) equals a reference loop that steps the members separately with no
 cache and averages their softmaxes; sampling and bad input."""
 
+import copy
+
 import numpy as np
+import peft
 import pytest
 import torch
 import transformers
@@ -16,11 +19,26 @@ PROMPTS = [sentences(1, seed=11, min_words=6, max_words=6)[0], sentences(1, seed
 NEW = 6
 
 
-@pytest.fixture(scope="module", params=["llama-causallm", "gpt2-causallm"])
+@pytest.fixture(scope="module", params=["llama-causallm", "gpt2-causallm", "llama-lora"])
 def setup(request, tmp_path_factory):
     tokenizer = decoder_tokenizer(tmp_path_factory.mktemp("tok"))
-    members = build_members(request.param, 3)
+    if request.param == "llama-lora":  # LoRA adapters of one base, ranks 4 and 8 (hf_wide/blocks/lora.py)
+        base = build_members("llama-causallm", 1)[0]
+        members = [lora_member(base, seed, r) for seed, r in enumerate((4, 8, 8))]
+    else:
+        members = build_members(request.param, 3)
     return tokenizer, members, WideModel.from_models(members)
+
+
+def lora_member(base, seed: int, rank: int):
+    model = peft.get_peft_model(copy.deepcopy(base), peft.LoraConfig(
+        r=rank, lora_alpha=2 * rank, target_modules=["q_proj", "v_proj", "down_proj"], task_type="CAUSAL_LM"))
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_" in name:
+                p.copy_(0.2 * torch.randn(p.shape, generator=gen))
+    return model.eval()
 
 
 @torch.no_grad()
