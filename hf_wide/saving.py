@@ -348,6 +348,7 @@ def save_wide(wide, save_directory: str | Path, *, max_shard_size: int | str = D
     if wide.config is None:
         raise TypeError("Only transformers models (with a config) can be saved as a fused repo; "
                         "save plain modules with torch.save(wide.state_dict()).")
+    refuse_peft_without_sources(wide)
     directory = Path(save_directory)
     directory.mkdir(parents=True, exist_ok=True)
     if getattr(wide, "adapter_sources", None) is not None:  # adapters of one base: the base referenced
@@ -499,11 +500,21 @@ def save_member(wide, i: int, save_directory: str | Path) -> Path:
     return directory
 
 
+def refuse_peft_without_sources(wide) -> None:
+    """PEFT members that were not all loaded as adapters of one base (``from_models``, or full checkpoints among
+    the adapters) have no repo layout to save to: neither a transformers class nor an adapter each."""
+    if getattr(wide.model, "peft_config", None) is not None and getattr(wide, "adapter_sources", None) is None:
+        raise NotImplementedError(
+            "hf-wide cannot save this wide model: its members are PEFT models not all loaded as adapters of one base "
+            "(from_models, or full checkpoints among the adapters). Save each member with wide.member(i).")
+
+
 def save_members(wide, save_directory: str | Path, names: Sequence[str] | None = None) -> list[Path]:
     """Every member as an ordinary transformers repo: ``save_directory/member-{i}`` (or ``names[i]``)."""
     names = list(names) if names is not None else [f"member-{i}" for i in range(wide.num_members)]
     if len(names) != wide.num_members:
         raise ValueError(f"Got {len(names)} names for {wide.num_members} members.")
+    refuse_peft_without_sources(wide)
     if getattr(wide, "adapter_sources", None) is not None:  # PEFT adapter folders (none for the base itself)
         from .adapter_repos import save_adapter
 

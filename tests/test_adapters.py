@@ -75,6 +75,19 @@ def test_the_base_in_the_list_is_a_member(llama_adapters):
     assert max_member_error(wide, references, LLAMA.inputs(2, padded=True)) <= TOLERANCE
 
 
+def test_a_full_checkpoint_of_the_base_architecture_among_adapters(llama_adapters, tmp_path):
+    base, adapters = llama_adapters
+    full = LLAMA.build(5)  # another model of the base's architecture: a member with its own weights
+    full.save_pretrained(tmp_path / "full")
+    wide = WideModel.from_pretrained([adapters[0], str(tmp_path / "full")])
+    references = [alone(LLAMA, base, adapters[0]), full]
+    assert max_member_error(wide, references, LLAMA.inputs(2, padded=True)) <= TOLERANCE
+    lora = next(e for e in wide.plan.entries.values() if e.wide_class == "WideLoraLinear")
+    assert wide.model.get_submodule(lora.fqn).base_layer.weight.shape[0] == 2  # the base weights stacked
+    with pytest.raises(NotImplementedError, match="not all loaded as adapters of one base"):
+        wide.save_pretrained(tmp_path / "saved")  # neither adapters of one base nor a plain transformers model
+
+
 def test_bert_classifier_with_a_saved_head(tmp_path):
     BERT.build(0).save_pretrained(tmp_path / "base")
     adapters = [save_adapter(BERT, tmp_path / "base", tmp_path / f"a{seed}", seed, r=4, lora_alpha=8,

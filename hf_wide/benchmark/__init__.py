@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import importlib.util
 import sys
 import time
 from collections.abc import Sequence
@@ -69,6 +70,10 @@ def _preset_records(configs: list[BenchConfig], target_s: float, max_gflop: floa
         start = time.perf_counter()
         label = {"config": config.spec.name, "family": config.spec.family, "hidden": config.spec.hidden,
                  "layers": config.spec.layers, "models": None, "batch": config.batch, "seq": config.seq}
+        if config.spec.lora and importlib.util.find_spec("peft") is None:
+            skipped.append(f"{report.label({**label, 'n': config.n})} (peft is not installed: "
+                           "pip install 'hf-wide[lora]')")
+            continue
         first = config.spec.build(0)
         inputs = make_inputs(first, config.batch, config.seq)
         flops = module_flops(first, (), inputs)[""]
@@ -143,8 +148,8 @@ def run_benchmark(
         configs = apply_compile_policy(chosen.configs, compile or chosen.compile)
         records, skipped = _preset_records(configs, chosen.target_s, budget)
         if skipped:
-            notes.append(f"skipped {len(skipped)} config(s) over the budget of {budget:g} GFLOP per forward of all "
-                         f"members (see --max-gflop): {', '.join(skipped)}")
+            notes.append(f"skipped {len(skipped)} config(s), over the budget of {budget:g} GFLOP per forward of all "
+                         f"members (see --max-gflop) or as noted: {', '.join(skipped)}")
     others_before, others_during = report.other_cpus(idle_start, start), report.other_cpus(start, report.cpu_snapshot())
     machine = report.machine_info(matmul, others_before, others_during)
     print(report.format_table(records, machine, notes))

@@ -74,7 +74,7 @@ def test_quick_preset_compiles_one_config_per_family():
 
 def test_configs_over_the_flop_budget_are_skipped_and_said(capsys):
     assert run_benchmark("tiny", max_gflop=0) == []
-    assert "skipped 1 config(s) over the budget of 0 GFLOP" in capsys.readouterr().out
+    assert "skipped 1 config(s), over the budget of 0 GFLOP" in capsys.readouterr().out
 
 
 def test_saved_checkpoints_through_models(tmp_path, capsys):
@@ -86,3 +86,14 @@ def test_saved_checkpoints_through_models(tmp_path, capsys):
     check_records(records)
     assert records[0]["config"] == "LlamaForCausalLM" and records[0]["models"] == paths
     assert "LlamaForCausalLM" in capsys.readouterr().out
+
+
+def test_lora_configs_time_the_base_as_the_ideal_and_peft_mixed_batches():
+    from hf_wide.benchmark import _preset_records
+
+    (record,), _ = _preset_records([BenchConfig(ModelSpec("llama-lora", 64, 1), 2, 1, 8, compile=False)], 0.02, 1.0)
+    methods = record["methods"]
+    assert methods["wide"]["max_abs_diff"] <= 1e-5 and methods["peft_mixed"]["max_abs_diff"] <= 1e-5
+    assert methods["peft_mixed"]["ms"] is not None and record["peft_mixed_over_wide"] is not None
+    assert methods["ideal"]["ms"] is not None and methods["ideal"]["max_abs_diff"] is None  # the base: no member
+    assert {c.spec.family for c in preset_configs("quick").configs} >= {"llama-lora", "bert-lora"}
