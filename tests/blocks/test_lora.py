@@ -1,8 +1,7 @@
 """WideLoraLinear (hf_wide/blocks/lora.py): PEFT LoRA members fused with from_models, each member against its
 PeftModel run alone."""
 
-import copy
-
+import lora_members
 import peft
 import pytest
 import torch
@@ -16,14 +15,7 @@ EVERY_LINEAR = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", 
 
 
 def adapted(base, seed: int, **config) -> peft.PeftModel:
-    """``base`` (copied) with a LoRA adapter of random A and B (PEFT starts B at zero: no update to test)."""
-    model = peft.get_peft_model(copy.deepcopy(base), peft.LoraConfig(task_type="CAUSAL_LM", **config))
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_" in name:
-                p.copy_(0.1 * torch.randn(p.shape, generator=gen))
-    return model.eval()
+    return lora_members.adapted(base, seed, task_type="CAUSAL_LM", **config)
 
 
 @pytest.fixture(scope="module")

@@ -2,13 +2,11 @@
 ensemble decoding (KV cache of N*B rows) equals a reference loop that steps the members separately with no
 cache and averages their softmaxes; sampling and bad input."""
 
-import copy
-
 import numpy as np
-import peft
 import pytest
 import torch
 import transformers
+from lora_members import adapted
 from text_members import build_members, decoder_tokenizer, sentences
 
 from hf_wide import WideModel
@@ -31,14 +29,8 @@ def setup(request, tmp_path_factory):
 
 
 def lora_member(base, seed: int, rank: int):
-    model = peft.get_peft_model(copy.deepcopy(base), peft.LoraConfig(
-        r=rank, lora_alpha=2 * rank, target_modules=["q_proj", "v_proj", "down_proj"], task_type="CAUSAL_LM"))
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_" in name:
-                p.copy_(0.2 * torch.randn(p.shape, generator=gen))
-    return model.eval()
+    return adapted(base, seed, scale=0.2, r=rank, lora_alpha=2 * rank, target_modules=["q_proj", "v_proj", "down_proj"],
+                   task_type="CAUSAL_LM")
 
 
 @torch.no_grad()

@@ -1,0 +1,18 @@
+"""LoRA members for tests: one base, an adapter of its own per member with random A and B (PEFT starts B at zero,
+which would leave nothing to test)."""
+
+import copy
+
+import peft
+import torch
+
+
+def adapted(base, seed: int, scale: float = 0.1, **config) -> peft.PeftModel:
+    """``base`` (copied) with a LoRA adapter (``peft.LoraConfig(**config)``) whose A and B are random from ``seed``."""
+    model = peft.get_peft_model(copy.deepcopy(base), peft.LoraConfig(**config))
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_" in name:
+                p.copy_(scale * torch.randn(p.shape, generator=gen))
+    return model.eval()
