@@ -131,44 +131,6 @@ def head_labels(folders: Sequence[Path], configs: Sequence[dict | None]) -> int 
     return None
 
 
-def read_base(folder: Path, klass: type, config, dtype, overrides: dict) -> nn.Module | None:
-    """The base, built uninitialised and filled straight from its safetensors files (one copy of its weights in
-    memory at any time; transformers' loader maps the file too, which doubles the peak). None where that cannot
-    be done exactly: then transformers loads it."""
-    from transformers.initialization import no_init_weights
-
-    from .saving import Checkpoint
-
-    if dtype not in (None, "auto", torch.float32) or not (folder / "model.safetensors").is_file():
-        return None
-    config = copy.deepcopy(config)
-    for key, value in overrides.items():
-        setattr(config, key, value)
-    with no_init_weights():  # storage allocated, not written: the file's bytes are its first contents
-        model = klass(config)
-    checkpoint = Checkpoint(folder)
-    try:
-        state = model.state_dict(keep_vars=True)
-        tied = {name for names in _aliases(model).values() for name in names[1:]}
-        expected = {k for k in state if k not in tied}
-        if set(checkpoint.entries) != expected or any(checkpoint.dtype(k) != state[k].dtype for k in expected):
-            return None
-        with torch.no_grad():
-            for key in expected:
-                checkpoint.read_into(key, state[key])
-    finally:
-        checkpoint.close()
-    model.tie_weights()
-    return model.eval()
-
-
-def _aliases(model: nn.Module) -> dict[int, list[str]]:
-    names: dict[int, list[str]] = {}
-    for name, t in model.named_parameters(remove_duplicate=False):
-        names.setdefault(id(t), []).append(name)
-    return names
-
-
 def shared_view(model: nn.Module) -> nn.Module:
     """A structural copy of ``model`` that holds the very same tensors (nothing is copied)."""
     return copy.deepcopy(model, {id(t): t for t in (*model.parameters(), *model.buffers())})
@@ -235,13 +197,8 @@ def load_adapter_members(ids, folders, configs, *, base_model=None, base_revisio
     klass = base_class(configs, base_config, base_name)
     labels = head_labels([Path(f) for f in folders], configs)
     extra = {"num_labels": labels} if labels is not None and labels != base_config.num_labels else {}
-    base = read_base(Path(base_folder), klass, base_config, dtype, extra)
-    if base is None:  # pickle weights, another dtype, names transformers converts: its own loader
-        base = _load_member(base_folder, base_name, dtype, device=device, klass=klass, trust_remote_code=
-                            trust_remote_code, use_safetensors=_weights_format(Path(base_folder), base_name,
-                                                                               allow_pickle), **extra)
-    elif device is not None:
-        base.to(device)
+    base = _load_member(base_folder, base_name, dtype, device=device, klass=klass, trust_remote_code=trust_remote_code,
+                        use_safetensors=_weights_format(Path(base_folder), base_name, allow_pickle), **extra)
 
     models = []
     for name, model_id, folder, config in zip(names, ids, folders, configs):
