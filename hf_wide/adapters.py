@@ -21,7 +21,6 @@ import json
 from collections.abc import Sequence
 from pathlib import Path
 
-import torch
 import transformers
 from torch import nn
 
