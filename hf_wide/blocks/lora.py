@@ -92,8 +92,9 @@ class WideLoraLinear(WideBlock):
         for i, (m, rank) in enumerate(zip(mods, ranks)):
             a[i, :rank] = m.lora_A[self.adapter].weight.detach()
             b[i, :, :rank] = m.lora_B[self.adapter].weight.detach()
-        self.lora_A = nn.Parameter(a.to(bases[0].weight.device), requires_grad=False)
-        self.lora_B = nn.Parameter(b.to(bases[0].weight.device), requires_grad=False)
+        trainable = mods[0].lora_A[self.adapter].weight.requires_grad  # as the source's: PEFT trains only these
+        self.lora_A = nn.Parameter(a.to(bases[0].weight.device), requires_grad=trainable)
+        self.lora_B = nn.Parameter(b.to(bases[0].weight.device), requires_grad=trainable)
         self.__dict__.pop("scaling", None)  # member 0's {adapter: scaling}, copied from the source: each member's here
         self.register_buffer("scaling", torch.tensor([m.scaling[self.adapter] for m in mods],
                                                      dtype=bases[0].weight.dtype, device=bases[0].weight.device))
