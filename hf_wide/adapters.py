@@ -162,9 +162,8 @@ def pad_targets(model: nn.Module, paths: set[str]) -> list[str]:
         lora.requires_grad_(False)
         setattr(parent, child, lora.eval())
         wrapped.append(path)
-    tuner = model.base_model  # PEFT's LoraModel: the names it lists as targeted are every member's now
-    tuner.targeted_module_names = sorted(p for p, m in tuner.model.named_modules() if p in {
-        q.removeprefix("base_model.model.") for q in lora_paths(model)})
+    # PEFT's LoraModel lists the targeted names relative to its model: every member's are now the union
+    model.base_model.targeted_module_names = sorted(p.removeprefix("base_model.model.") for p in lora_paths(model))
     return wrapped
 
 
