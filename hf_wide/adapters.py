@@ -210,7 +210,7 @@ def load_adapter_members(ids, folders, configs, *, base_model=None, base_revisio
             continue
         target = copy.deepcopy(base) if merge else shared_view(base)
         try:
-            member = peft.PeftModel.from_pretrained(target, str(folder), is_trainable=False)
+            member = peft.PeftModel.from_pretrained(target, str(folder), is_trainable=False, low_cpu_mem_usage=True)
         except Exception as exc:
             raise IncompatibleMembersError(f"{name} does not load over {base_name}: {type(exc).__name__}: {exc}") from exc
         models.append(member.merge_and_unload().eval() if merge else member.eval())

@@ -28,7 +28,7 @@ from .structure import opaque_modules
 from .planner import make_plan, tensor_aliases, trace_members
 from .swap import build_wide, member_copy
 from .tracer import sample_inputs as build_sample_inputs
-from .verify import diagnose
+from .verify import diagnose, record_members, wide_paths
 
 MAX_VERIFY_ROUNDS = 16  # each round moves every module that disagreed one strategy down
 
@@ -100,7 +100,9 @@ class WideModel(nn.Module):
         strategy further down, with the reason in the plan.
         Modules identical in every member are kept once (``share_identical``); pass False to train the
         members independently, since a shared module's parameters would stay one tensor. They are copies, unless
-        ``copy_shared=False``: then they are member 0's own tensors (what loading adapters over one base uses).
+        ``copy_shared=False``: then they are member 0's own tensors, and the members' LoRA tensors become views
+        of the stacked ones (what loading adapters over one base uses: each tensor held once). The members'
+        outputs that verification checks against are recorded before that, from their own tensors.
         """
         models = list(models)
         check_compatible(models, member_ids, allow_label_mismatch)
@@ -118,6 +120,8 @@ class WideModel(nn.Module):
             for _ in range(MAX_VERIFY_ROUNDS):
                 plan = make_plan(models, *traced, share_identical=share_identical, demotions=demotions, opaque=opaque)
                 fold = Fold(len(models))
+                if verify and recorded is None:  # before the build, which may take the members' tensors
+                    recorded = record_members(models, wide_paths(plan), args, kwargs, inputs=False)
                 with contextlib.nullcontext() if copy_shared else keeping_storage():
                     folded = build_wide(models, plan, fold)
                 wide = cls(

@@ -44,12 +44,10 @@ import hf_wide, hf_wide.hub
 from hf_wide import WideModel
 mode, warmup, paths = sys.argv[1], sys.argv[2], sys.argv[3:]
 result = {"imports": peak()}
-if warmup != "-":
-    WideModel.from_pretrained([os.path.join(warmup, "tiny-0"), os.path.join(warmup, "tiny-1")])
+if warmup != "-":  # for adapters, peft's imports and the adapter path too: on tiny adapters
+    tiny = "tiny-lora" if mode == "adapters" else "tiny"
+    WideModel.from_pretrained([os.path.join(warmup, f"{tiny}-0"), os.path.join(warmup, f"{tiny}-1")])
 result["warm"] = peak()
-if warmup != "-" and mode == "adapters":  # peft's imports and the adapter path, on tiny ones
-    WideModel.from_pretrained([os.path.join(warmup, "tiny-lora-0"), os.path.join(warmup, "tiny-lora-1")])
-    result["warm"] = peak()
 if mode in ("members", "fused", "adapters"):
     wide = WideModel.from_pretrained(paths)
 elif mode == "whole":
@@ -133,7 +131,8 @@ def measure_load_memory(num_members: int = 4, hidden: int = 256, layers: int = 4
     each way in ``modes``. Checkpoints are written to ``folder`` (a temporary one if None)."""
     with tempfile.TemporaryDirectory(prefix="hf-wide-mem-") as tmp:
         root = Path(folder or tmp)
-        paths = write_members(root, num_members, hidden, layers, vocab)
+        full = [mode for mode in modes if mode != "adapters"]
+        paths = write_members(root, num_members, hidden, layers, vocab) if full else []
         adapter_paths, adapter_bytes = write_adapters(root, num_members, hidden, layers, vocab) if (
             "adapters" in modes) else ([], None)
         baseline = _run_child("baseline", "-", [])
@@ -160,15 +159,15 @@ def measure_load_memory(num_members: int = 4, hidden: int = 256, layers: int = 4
 
 def _format(report: dict) -> str:
     mb = 1 << 20
+    fused = f"fused model {report['fused_bytes'] / mb:.1f} MiB; " if "fused_bytes" in report else ""
     lines = [
         f"{report['num_members']} x BERT (hidden {report['hidden']}, {report['layers']} layers, vocab "
-        f"{report['vocab']}): fused model {report.get('fused_bytes', 0) / mb:.1f} MiB; baseline process (imports) "
-        f"{report['baseline_peak'] / mb:.1f} MiB",
-        f"{'load':<8} {'peak MiB':>9} {'- baseline':>11} {'x fused':>8} {'- warm':>8} {'x fused':>8}",
+        f"{report['vocab']}): {fused}baseline process (imports) {report['baseline_peak'] / mb:.1f} MiB",
+        f"{'load':<8} {'peak MiB':>9} {'- baseline':>11} {'x size':>8} {'- warm':>8} {'x size':>8}",
     ]
     if "base_and_adapters_bytes" in report:
         lines.insert(1, f"adapters: the base and {report['num_members']} LoRA adapters, "
-                        f"{report['base_and_adapters_bytes'] / mb:.1f} MiB (their x is of this, not of the fused model)")
+                        f"{report['base_and_adapters_bytes'] / mb:.1f} MiB (the size its x is of; the others', the fused model)")
     for mode, r in report["loads"].items():
         lines.append(f"{mode:<8} {r['peak'] / mb:>9.1f} {r['over_baseline'] / mb:>11.1f} {r['ratio']:>8.2f} "
                      f"{r['over_warm'] / mb:>8.1f} {r['ratio_over_warm']:>8.2f}")
