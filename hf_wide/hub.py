@@ -255,6 +255,8 @@ def load_wide(
                                copy_shared=False)  # our own members: the base's tensors become the wide model's
         del models
         wide.adapter_sources, wide._source_dirs = sources, source_dirs
+        if not merge:  # (merged, every member is a plain model already)
+            wide.full_members = frozenset(i for i, config in enumerate(adapters) if config is None)
         wide.member_revisions = list(revisions)
         validate = False  # done against the models themselves
     else:

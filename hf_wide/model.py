@@ -42,10 +42,12 @@ class WideModel(nn.Module):
 
     Attributes: ``model`` (the folded template: the members' class with wide modules swapped in),
     ``plan`` (:class:`WidePlan`), ``num_members``, ``member_ids`` and ``member_configs``; ``adapter_sources``
-    for members loaded as PEFT adapters (:mod:`hf_wide.adapter_repos`: their base and adapter configs).
+    for members loaded as PEFT adapters (:mod:`hf_wide.adapter_repos`: their base and adapter configs), and
+    ``full_members``: which of those members were full checkpoints (the base in the list, say), not adapters.
     """
 
     adapter_sources = None
+    full_members: frozenset[int] = frozenset()
 
     def __init__(
         self,
@@ -266,8 +268,9 @@ class WideModel(nn.Module):
 
     # ---------------------------------------------------------------- members
     def member(self, i: int, share: bool = False) -> nn.Module:
-        """Member i as an ordinary model (its own class, config and weights): the inverse of fusion.
-        With ``share=True`` its tensors are views into the wide model's: no memory, but one storage."""
+        """Member i as an ordinary model (its own class, config and weights): the inverse of fusion. A member
+        loaded as a PEFT adapter is a ``PeftModel``; one loaded as a full checkpoint beside adapters, the plain
+        model. With ``share=True`` its tensors are views into the wide model's: no memory, but one storage."""
         if not -self.num_members <= i < self.num_members:
             raise IndexError(f"member {i} out of range for {self.num_members} members")
         i %= self.num_members
@@ -277,7 +280,10 @@ class WideModel(nn.Module):
         gen = getattr(self.model, "generation_config", None)
         if gen is not None and self.member_generation_configs and self.member_generation_configs[i] is not None:
             memo[id(gen)] = copy.deepcopy(self.member_generation_configs[i])
-        return member_copy(self.model, i, self._aliases, memo, share=share)
+        model = member_copy(self.model, i, self._aliases, memo, share=share)
+        if i in self.full_members:  # a full checkpoint among adapters: PEFT's zero-update layers taken out
+            model = model.unload()  # (nothing is merged: its own weights, exactly)
+        return model
 
     def validate(self, models: Sequence[nn.Module], args: tuple = (), kwargs: dict | None = None, *, atol=1e-4):
         """Check member i of the fused model against ``models[i]`` run alone on the given inputs."""

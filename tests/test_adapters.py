@@ -73,6 +73,10 @@ def test_the_base_in_the_list_is_a_member(llama_adapters):
     wide = WideModel.from_pretrained([str(base), adapters[1]])
     references = [LLAMA.model_class.from_pretrained(base).eval(), alone(LLAMA, base, adapters[1])]
     assert max_member_error(wide, references, LLAMA.inputs(2, padded=True)) <= TOLERANCE
+    bare, adapter = wide.member(0), wide.member(1)  # the base itself, and a PeftModel
+    assert type(bare) is LLAMA.model_class and isinstance(adapter, peft.PeftModel)
+    want = references[0].state_dict()
+    assert bare.state_dict().keys() == want.keys() and all(torch.equal(bare.state_dict()[k], want[k]) for k in want)
 
 
 def test_a_full_checkpoint_of_the_base_architecture_among_adapters(llama_adapters, tmp_path):
@@ -82,6 +86,8 @@ def test_a_full_checkpoint_of_the_base_architecture_among_adapters(llama_adapter
     wide = WideModel.from_pretrained([adapters[0], str(tmp_path / "full")])
     references = [alone(LLAMA, base, adapters[0]), full]
     assert max_member_error(wide, references, LLAMA.inputs(2, padded=True)) <= TOLERANCE
+    assert type(wide.member(1)) is LLAMA.model_class and torch.equal(
+        wide.member(1).model.embed_tokens.weight, full.model.embed_tokens.weight)
     lora = next(e for e in wide.plan.entries.values() if e.wide_class == "WideLoraLinear")
     assert wide.model.get_submodule(lora.fqn).base_layer.weight.shape[0] == 2  # the base weights stacked
     with pytest.raises(NotImplementedError, match="not all loaded as adapters of one base"):
