@@ -223,8 +223,10 @@ def build_parser() -> argparse.ArgumentParser:
     run.set_defaults(func=_run)
 
     from .benchmark import register_cli
+    from .serving.cli import register_cli as register_serve
 
     register_cli(sub)
+    register_serve(sub)
     return parser
 
 

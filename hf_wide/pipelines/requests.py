@@ -1,0 +1,75 @@
+"""Many callers' requests in shared forwards: what a server's batch runs (:mod:`hf_wide.serving`).
+
+``pipe(items, **options)`` runs one caller's inputs with one set of options. A server gathers the requests
+of many callers, each with its own options and its own chance of being wrong, and must answer each as the
+pipeline would answer it alone while running them together:
+
+- each request's options and inputs are checked and preprocessed on their own (a bad one gets its error
+  back, and the others run);
+- requests whose ``_forward`` options agree share forwards (sorted by length, ``batch_size`` at a time);
+  ``postprocess`` runs with each request's own options;
+- a forward that raises is run again one request at a time, so that only the request that fails does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from .base import WidePipeline, _item, _length
+
+
+def run_requests(pipe: WidePipeline, requests: Sequence[tuple[list, dict]]) -> list[list | Exception]:
+    """For each ``(items, options)``, the list of the pipeline's answers for its items, or the exception that
+    refused it (``TypeError``/``ValueError``: the request's fault; anything else: the model's)."""
+    answers: list[list | Exception | None] = [None] * len(requests)
+    groups: dict[str, list[tuple[int, dict, list]]] = {}  # _forward options -> (request, post, features)
+    for r, (items, options) in enumerate(requests):
+        try:
+            pre, fwd, post = _options(pipe, options)
+            features = pipe.preprocess_many(list(items), **pre)
+        except (TypeError, ValueError) as exc:
+            answers[r] = exc
+            continue
+        answers[r] = [None] * len(features)
+        groups.setdefault(repr(sorted(fwd.items())), []).append((r, post, features))
+    for members in groups.values():
+        fwd = _options(pipe, requests[members[0][0]][1])[1]
+        rows = [(r, j, f) for r, _, features in members for j, f in enumerate(features)]
+        rows.sort(key=lambda row: -_length(row[2]))  # similar lengths together: less padding
+        posts = {r: post for r, post, _ in members}
+        for start in range(0, len(rows), pipe.batch_size):
+            chunk = rows[start:start + pipe.batch_size]
+            try:
+                _run(pipe, chunk, fwd, posts, answers)
+            except Exception:  # the model failed on this batch: each request again alone, to fail only its own
+                for r in dict.fromkeys(r for r, _, _ in chunk):
+                    try:
+                        _run(pipe, [row for row in chunk if row[0] == r], fwd, posts, answers)
+                    except Exception as exc:
+                        answers[r] = exc
+    return answers
+
+
+def _options(pipe: WidePipeline, options: dict) -> tuple[dict, dict, dict]:
+    pre, fwd, post = pipe._defaults
+    if options:
+        extra = pipe._sanitize_parameters(**options)
+        pre, fwd, post = {**pre, **extra[0]}, {**fwd, **extra[1]}, {**post, **extra[2]}
+    return pre, fwd, post
+
+
+def _run(pipe: WidePipeline, rows: list[tuple[int, int, dict]], fwd: dict, posts: dict[int, dict],
+         answers: list) -> None:
+    """One forward over ``rows`` (request, item, features); each answer into its request's list."""
+    batch = pipe.collate([features for _, _, features in rows])
+    with torch.inference_mode():
+        outputs = pipe._forward({k: v.to(pipe.device) for k, v in batch.items()}, **fwd)
+    outputs = {k: v.cpu() for k, v in outputs.items()}  # one transfer per batch
+    done: list[tuple[int, int, Any]] = [(r, j, pipe.postprocess(_item(outputs, b, features), **posts[r]))
+                                        for b, (r, j, features) in enumerate(rows)]
+    for r, j, answer in done:  # only once every row of the batch is answered
+        if not isinstance(answers[r], Exception):
+            answers[r][j] = answer

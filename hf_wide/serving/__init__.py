@@ -1,0 +1,55 @@
+"""Serving: an ensemble endpoint that Hugging Face clients can call, on Ray Serve (``hf-wide serve``).
+
+:mod:`.payloads` reads and writes the Inference API's payloads (no server code); :mod:`.app` is the Ray Serve
+application (``build_app``); :func:`serve` runs it until interrupted. Ray is an extra:
+``pip install "hf-wide[serve]"``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+INSTALL = 'hf-wide serve needs Ray Serve: pip install "hf-wide[serve]" (or: pip install "ray[serve]")'
+
+
+def require_ray():
+    try:
+        from ray import serve  # noqa: F401
+    except ImportError as exc:
+        raise ImportError(INSTALL) from exc
+
+
+def build_app(model_ids: Sequence[str] | str, task: str = "text-classification", **kwargs):
+    """The Ray Serve application (see :func:`hf_wide.serving.app.build_app`)."""
+    require_ray()
+    from .app import build_app as build
+
+    return build(model_ids, task, **kwargs)
+
+
+def serve(model_ids: Sequence[str] | str, task: str = "text-classification", *, host: str = "127.0.0.1",
+          port: int = 8000, address: str | None = None, blocking: bool = True, **kwargs):
+    """Start Ray (a local instance, or join the cluster at ``address``), run the application on
+    ``host:port`` and, with ``blocking``, serve until Ctrl-C, then shut Serve (and a local Ray) down."""
+    require_ray()
+    import ray
+    from ray import serve as ray_serve
+
+    app = build_app(model_ids, task, **kwargs)
+    local = address is None
+    ray.init(address=address, include_dashboard=False, logging_level="ERROR") if local else ray.init(address=address)
+    ray_serve.start(http_options={"host": host, "port": port})
+    ray_serve.run(app, name="hf-wide", route_prefix="/")
+    if not blocking:
+        return app
+    try:
+        while True:
+            time.sleep(1)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        ray_serve.shutdown()
+        if local:
+            ray.shutdown()
+    return app

@@ -1,0 +1,85 @@
+"""The Ray Serve application: one wide pipeline per replica, concurrent requests batched into its forwards.
+
+    app = build_app(["org/a", "org/b"], task="text-classification", max_batch_size=32)
+    serve.run(app)          # or compose it into your own Ray Serve graph, or ``serve run module:app``
+
+Routes: ``POST /`` (the Inference API payloads of :mod:`hf_wide.serving.payloads`), ``GET /health`` (answered
+once the replica's model is loaded: Ray Serve routes to a replica only after its constructor returns) and
+``GET /info`` (members, revisions, task, plan summary). Batching is Ray Serve's ``@serve.batch``: the
+requests that arrive within ``batch_wait_ms`` of each other, up to ``max_batch_size``, run as one call of
+:func:`hf_wide.pipelines.requests.run_requests`, which answers each one as the pipeline would alone.
+"""
+
+
+from collections.abc import Sequence  # (no postponed annotations: FastAPI reads the route signatures)
+
+from fastapi import FastAPI
+from ray import serve
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+
+from .payloads import BadRequest, read_json, task_format
+
+api = FastAPI(title="hf-wide ensemble")
+
+
+def _error(message: str, status: int) -> JSONResponse:
+    return JSONResponse({"error": message}, status_code=status)
+
+
+@serve.deployment(max_ongoing_requests=256)
+@serve.ingress(api)
+class WideServer:
+    """One replica: the members fused into one wide model, behind a pipeline for ``task``."""
+
+    def __init__(self, model_ids: Sequence[str] | str, task: str, pipeline_options: dict,
+                 max_batch_size: int = 32, batch_wait_ms: float = 5.0):
+        from ..pipelines import pipeline  # in the replica's process
+
+        self.task = task
+        self.pipe = pipeline(task, model=model_ids, **pipeline_options)
+        self.format = task_format(task, self.pipe)
+        self.batched.set_max_batch_size(max_batch_size)
+        self.batched.set_batch_wait_timeout_s(batch_wait_ms / 1000)
+
+    @api.get("/health")
+    def health(self) -> dict:
+        return {"status": "ok"}
+
+    @api.get("/info")
+    def info(self) -> dict:
+        wide = self.pipe.model
+        return {"task": self.task, "num_members": wide.num_members, "members": list(wide.member_ids),
+                "revisions": list(getattr(wide, "member_revisions", None) or []),
+                "combine": self.pipe.combine.value, "plan": wide.plan.summary()}
+
+    @api.post("/")
+    async def infer(self, request: Request) -> JSONResponse:
+        try:
+            checked = self.format.parse(read_json(await request.body()))
+        except BadRequest as exc:
+            return _error(str(exc), exc.status)
+        answers = await self.batched((checked.items, checked.options))
+        if isinstance(answers, (TypeError, ValueError)):  # the request's inputs or options, refused
+            return _error(str(answers), 422)
+        if isinstance(answers, Exception):
+            return _error(f"The model failed on this request: {type(answers).__name__}: {answers}", 500)
+        return JSONResponse(self.format.respond(checked, answers))
+
+    @serve.batch(max_batch_size=32, batch_wait_timeout_s=0.005)
+    async def batched(self, requests: list[tuple[list, dict]]) -> list:
+        from ..pipelines.requests import run_requests
+
+        return run_requests(self.pipe, requests)
+
+
+def build_app(model_ids: Sequence[str] | str, task: str = "text-classification", *, replicas: int = 1,
+              max_batch_size: int = 32, batch_wait_ms: float = 5.0, **pipeline_options) -> serve.Application:
+    """The Ray Serve application serving ``model_ids`` (members, a fused repo, adapters, local folders) for
+    ``task``; ``pipeline_options`` go to :func:`hf_wide.pipeline` (``combine``, ``compile``, ``batch_size``,
+    ``revision``, ``token``, ...)."""
+    if max_batch_size < 1 or replicas < 1:
+        raise ValueError(f"max_batch_size and replicas must be at least 1, got {max_batch_size} and {replicas}.")
+    pipeline_options.setdefault("batch_size", max_batch_size)  # one Ray batch, one forward where it fits
+    return WideServer.options(num_replicas=replicas).bind(
+        model_ids, task, pipeline_options, max_batch_size, batch_wait_ms)

@@ -1,0 +1,47 @@
+"""``hf-wide serve``: the command line of :func:`hf_wide.serving.serve`."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from .payloads import FORMATS
+
+
+def register_cli(sub) -> None:
+    serve = sub.add_parser(
+        "serve", help="serve the ensemble over HTTP (Hugging Face Inference API payloads) on Ray Serve",
+        description="Fuses the members into one wide model and serves TASK at http://HOST:PORT/ (POST, the payloads "
+                    "huggingface_hub.InferenceClient sends), /health and /info, batching concurrent requests into "
+                    "one forward with Ray Serve. Ctrl-C stops it. Needs: pip install \"hf-wide[serve]\".")
+    serve.add_argument("models", nargs="+", metavar="ID", help="member repo ids or local folders, a fused repo, or adapters")
+    serve.add_argument("--task", default="text-classification", choices=sorted(FORMATS))
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--combine", default="mean", help="mean, logit_mean, vote, weighted, median or none")
+    serve.add_argument("--compile", action="store_true", help="torch.compile the wide model in each replica")
+    serve.add_argument("--replicas", type=int, default=1, help="Ray Serve replicas (each holds the wide model)")
+    serve.add_argument("--max-batch-size", type=int, default=32, help="requests batched into one forward, at most")
+    serve.add_argument("--batch-wait-ms", type=float, default=5.0,
+                       help="how long a batch waits for more requests once one arrives")
+    serve.add_argument("--address", default=None,
+                       help="join the Ray cluster at this address ('auto': the local one); default: start Ray here")
+    serve.add_argument("--revision", default=None)
+    serve.set_defaults(func=_serve)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from . import INSTALL, serve
+
+    try:
+        import ray  # noqa: F401
+    except ImportError:
+        print(f"hf-wide serve: error: {INSTALL}", file=sys.stderr)
+        return 2
+    options = {"combine": args.combine, "compile": args.compile}
+    if args.revision is not None:
+        options["revision"] = args.revision
+    print(f"hf-wide serve: {args.task} on http://{args.host}:{args.port}/ (Ctrl-C stops)", file=sys.stderr)
+    serve(args.models, args.task, host=args.host, port=args.port, address=args.address, replicas=args.replicas,
+          max_batch_size=args.max_batch_size, batch_wait_ms=args.batch_wait_ms, **options)
+    return 0

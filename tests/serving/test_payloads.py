@@ -1,0 +1,72 @@
+"""hf_wide/serving/payloads.py: the Inference API's payloads checked and answered, without a server."""
+
+import pytest
+
+from hf_wide.serving.payloads import MAX_INPUTS, BadRequest, TextClassification, read_json
+
+
+class Pipe:  # what TextClassification.setup reads of a pipeline
+    def label_order(self):
+        return ["neg", "pos", "mixed"], None
+
+
+@pytest.fixture
+def fmt():
+    fmt = TextClassification()
+    fmt.setup(Pipe())
+    return fmt
+
+
+def test_a_text_and_a_list_of_texts(fmt):
+    one = fmt.parse({"inputs": "great movie", "parameters": {"top_k": 2, "function_to_apply": "sigmoid"}})
+    assert (one.items, one.single, one.options) == (["great movie"], True, {"top_k": 3, "truncation": False, "multi_label": True})
+    many = fmt.parse({"inputs": ["a", "b"], "options": {"wait_for_model": True}})
+    assert (many.items, many.single, many.options) == (["a", "b"], False, {"top_k": 3, "truncation": False})
+
+
+def test_the_answer_ranks_every_label_and_the_best_carries_the_extras(fmt):
+    answer = {"label": "pos", "score": 0.6, "top_k": [{"label": "pos", "score": 0.6}, {"label": "neg", "score": 0.3},
+                                                      {"label": "mixed", "score": 0.1}],
+              "members": [{"label": "pos", "score": 0.7}], "uncertainty": {"agreement": 1.0}}
+    request = fmt.parse({"inputs": "x", "parameters": {"top_k": 2}})
+    (ranked,) = fmt.respond(request, [answer])
+    assert [e["label"] for e in ranked] == ["pos", "neg"]
+    assert ranked[0]["members"] == answer["members"] and "members" not in ranked[1]
+    assert "members" not in answer["top_k"][0]  # the pipeline's answer is not written into
+
+
+@pytest.mark.parametrize("body, status, says", [
+    (b"{not json", 400, "not valid JSON"),
+    (b'["a list"]', 400, "JSON object"),
+])
+def test_bodies_that_are_not_a_json_object(body, status, says):
+    with pytest.raises(BadRequest, match=says) as info:
+        read_json(body)
+    assert info.value.status == status
+
+
+@pytest.mark.parametrize("payload, says", [
+    ({}, 'no "inputs"'),
+    ({"inputs": "x", "stream": True}, "Unknown field.*'stream'"),
+    ({"inputs": 3}, "must be a text or a list of texts, got a number"),
+    ({"inputs": []}, "got an empty list"),
+    ({"inputs": ["ok", 5]}, r"item 1\) must be a text"),
+    ({"inputs": "   "}, "empty text"),
+    ({"inputs": {"text": "a", "text_pair": "b"}}, "Text pairs"),
+    ({"inputs": "x", "parameters": {"temperature": 2}}, "Unknown parameter.*'temperature'.*known: function_to_apply, top_k"),
+    ({"inputs": "x", "parameters": {"top_k": 0}}, "'top_k' must be a positive integer"),
+    ({"inputs": "x", "parameters": {"top_k": True}}, "'top_k' must be a positive integer"),
+    ({"inputs": "x", "parameters": {"function_to_apply": "none"}}, "no meaning for an ensemble"),
+    ({"inputs": "x", "parameters": {"function_to_apply": "relu"}}, "must be one of"),
+    ({"inputs": "x", "parameters": [1]}, '"parameters" must be an object'),
+])
+def test_bad_requests_say_what_is_wrong(fmt, payload, says):
+    with pytest.raises(BadRequest, match=says) as info:
+        fmt.parse(payload)
+    assert info.value.status == 422
+
+
+def test_too_many_texts_in_one_request(fmt):
+    with pytest.raises(BadRequest, match=f"at most {MAX_INPUTS}") as info:
+        fmt.parse({"inputs": ["x"] * (MAX_INPUTS + 1)})
+    assert info.value.status == 413

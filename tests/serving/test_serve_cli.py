@@ -1,0 +1,51 @@
+"""``hf-wide serve`` as a user runs it: a process serving local members until Ctrl-C (SIGINT)."""
+
+import json
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "pipelines"))  # the text members
+
+from test_server import free_port
+from text_members import bert_tokenizer, build_members, save_members
+
+pytest.importorskip("ray.serve")
+
+from huggingface_hub import InferenceClient  # noqa: E402
+
+from hf_wide.pipelines import pipeline  # noqa: E402
+
+
+def test_serve_answers_until_ctrl_c_and_then_stops_cleanly(tmp_path):
+    paths = save_members(tmp_path, build_members("bert-seqcls", 2), bert_tokenizer(tmp_path / "tok"))
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "hf_wide.cli", "serve", *paths, "--port", str(port),
+                             "--max-batch-size", "4"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.time() + 180
+        while True:  # /health answers once the replica has loaded the model
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as response:
+                    assert json.loads(response.read()) == {"status": "ok"}
+                    break
+            except OSError:
+                assert proc.poll() is None, proc.stdout.read().decode(errors="replace")[-3000:]
+                assert time.time() < deadline, "hf-wide serve did not come up in 180 s"
+                time.sleep(1)
+        got = InferenceClient(base_url=f"http://127.0.0.1:{port}").text_classification("a good day")
+        want = pipeline("text-classification", model=paths)("a good day", top_k=3)["top_k"]
+        assert [(e.label, e.score) for e in got] == [(e["label"], pytest.approx(e["score"], abs=1e-6)) for e in want]
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            code = proc.wait(timeout=90)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            raise
+    assert code == 0
