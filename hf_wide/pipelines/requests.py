@@ -4,8 +4,9 @@
 of many callers, each with its own options and its own chance of being wrong, and must answer each as the
 pipeline would answer it alone while running them together:
 
-- each request's options and inputs are checked and preprocessed on their own (a bad one gets its error
-  back, and the others run);
+- each request's options are checked on its own, and the inputs of requests whose preprocess options agree
+  are preprocessed in one call (one tokenizer call); where that call refuses one, each request's again on its
+  own (a bad one gets its error back, and the others run);
 - requests whose ``_forward`` options agree share forwards (sorted by length, ``batch_size`` at a time);
   ``postprocess`` runs with each request's own options;
 - a forward that raises is run again one request at a time, so that only the request that fails does.
@@ -25,16 +26,19 @@ def run_requests(pipe: WidePipeline, requests: Sequence[tuple[list, dict]]) -> l
     """For each ``(items, options)``, the list of the pipeline's answers for its items, or the exception that
     refused it (``TypeError``/``ValueError``: the request's fault; anything else: the model's)."""
     answers: list[list | Exception | None] = [None] * len(requests)
-    groups: dict[str, list[tuple[int, dict, list]]] = {}  # _forward options -> (request, post, features)
-    for r, (items, options) in enumerate(requests):
+    checked: dict[str, list[tuple[int, dict, dict, dict]]] = {}  # preprocess options -> (request, pre, fwd, post)
+    for r, (_, options) in enumerate(requests):
         try:
             pre, fwd, post = _options(pipe, options)
-            features = pipe.preprocess_many(list(items), **pre)
         except (TypeError, ValueError) as exc:
             answers[r] = exc
             continue
-        answers[r] = [None] * len(features)
-        groups.setdefault(repr(sorted(fwd.items())), []).append((r, post, features))
+        checked.setdefault(repr(sorted(pre.items())), []).append((r, pre, fwd, post))
+    groups: dict[str, list[tuple[int, dict, list]]] = {}  # _forward options -> (request, post, features)
+    for same_pre in checked.values():
+        for r, fwd, post, features in _preprocess(pipe, requests, same_pre, answers):
+            answers[r] = [None] * len(features)
+            groups.setdefault(repr(sorted(fwd.items())), []).append((r, post, features))
     for members in groups.values():
         fwd = _options(pipe, requests[members[0][0]][1])[1]
         rows = [(r, j, f) for r, _, features in members for j, f in enumerate(features)]
@@ -51,6 +55,29 @@ def run_requests(pipe: WidePipeline, requests: Sequence[tuple[list, dict]]) -> l
                     except Exception as exc:
                         answers[r] = exc
     return answers
+
+
+def _preprocess(pipe: WidePipeline, requests, same_pre: list, answers: list) -> list[tuple[int, dict, dict, list]]:
+    """(request, fwd, post, features) of requests that share preprocess options: their items in one call (one
+    tokenizer call for all, where the pipeline batches it); if that call refuses something, each request alone,
+    and a request refused alone gets its exception in ``answers``."""
+    pre = same_pre[0][1]
+    try:
+        features = pipe.preprocess_many([item for r, *_ in same_pre for item in requests[r][0]], **pre)
+    except (TypeError, ValueError):
+        done = []
+        for r, _, fwd, post in same_pre:
+            try:
+                done.append((r, fwd, post, pipe.preprocess_many(list(requests[r][0]), **pre)))
+            except (TypeError, ValueError) as exc:
+                answers[r] = exc
+        return done
+    done, start = [], 0
+    for r, _, fwd, post in same_pre:
+        count = len(requests[r][0])
+        done.append((r, fwd, post, features[start:start + count]))
+        start += count
+    return done
 
 
 def _options(pipe: WidePipeline, options: dict) -> tuple[dict, dict, dict]:

@@ -1,0 +1,203 @@
+"""Load test of ``hf-wide serve``: ``python -m hf_wide.benchmark.serve [--requests 2000] [--clients 16]``.
+
+Saves N BERT text classifiers (random weights, hidden 128, 2 layers, 3 labels) with a tokenizer, then serves them
+on loopback with Ray Serve four ways, one after another, and sends each the same requests from concurrent
+clients (one keep-alive connection each, one text per request):
+
+- ``wide``: hf-wide's application, requests batched by Ray Serve (``--max-batch-size``);
+- ``wide_unbatched``: the same with ``max_batch_size=1``;
+- ``members``: the N transformers models run one after another for each request (what is deployed today);
+- ``members_batched``: the same on Ray Serve's batches (one padded batch per model).
+
+Every answer is checked against ``hf_wide.pipeline`` run here on that text: the same best label, scores within
+1e-4. Reports, per way: errors, wrong answers, throughput (requests/s), p50 and p99 latency (ms), as a table
+and, with ``--json``, a file.
+"""
+
+import argparse
+import http.client
+import json
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import torch
+import transformers
+from ray import serve
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+
+from .pipeline import make_texts, make_tokenizer
+
+WAYS = ("wide", "wide_unbatched", "members", "members_batched")
+
+
+def _ranked(probs: torch.Tensor, labels: list[str]) -> list[dict]:
+    order = probs.argsort(descending=True)
+    return [{"label": labels[int(i)], "score": float(probs[i])} for i in order]
+
+
+@serve.deployment(max_ongoing_requests=256)
+class MembersServer:
+    """The baseline: the members as transformers models, run one after another on each request (or on each of
+    Ray Serve's batches); the answer is the mean of their probabilities, as hf-wide's ``combine="mean"``."""
+
+    def __init__(self, paths: list[str], max_batch_size: int, batch_wait_ms: float):
+        self.tokenizer = transformers.AutoTokenizer.from_pretrained(paths[0])
+        self.models = [transformers.AutoModelForSequenceClassification.from_pretrained(p).eval() for p in paths]
+        config = self.models[0].config
+        self.labels = [config.id2label[i] for i in range(config.num_labels)]
+        self.answer.set_max_batch_size(max_batch_size)
+        self.answer.set_batch_wait_timeout_s(batch_wait_ms / 1000)
+
+    async def __call__(self, request: Request) -> JSONResponse:
+        payload = json.loads(await request.body())
+        return JSONResponse([await self.answer(payload["inputs"])])
+
+    @serve.batch(max_batch_size=32, batch_wait_timeout_s=0.005)
+    async def answer(self, texts: list[str]) -> list[list[dict]]:
+        batch = self.tokenizer(texts, padding=True, truncation=True, return_tensors="pt")
+        with torch.inference_mode():
+            probs = torch.stack([m(**batch).logits.softmax(-1) for m in self.models]).mean(0)  # (B, C)
+        return [_ranked(p, self.labels) for p in probs]
+
+
+def write_members(folder: Path, num_members: int, hidden: int) -> list[str]:
+    tokenizer = make_tokenizer(folder)
+    config = transformers.BertConfig(vocab_size=len(tokenizer), hidden_size=hidden, num_hidden_layers=2,
+                                     num_attention_heads=4, intermediate_size=2 * hidden, max_position_embeddings=128,
+                                     num_labels=3)
+    paths = []
+    for seed in range(num_members):
+        torch.manual_seed(seed)
+        path = folder / f"member-{seed}"
+        transformers.BertForSequenceClassification(config).save_pretrained(path)
+        tokenizer.save_pretrained(path)
+        paths.append(str(path))
+    return paths
+
+
+def load(port: int, texts: list[str], expected: list[list[dict]], clients: int) -> dict:
+    """Send every text once (``clients`` threads, one connection each); errors, wrong answers and timings."""
+    latencies, errors, wrong, lock, next_index = [], [], [], threading.Lock(), iter(range(len(texts)))
+
+    def client():
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+        while True:
+            with lock:
+                i = next(next_index, None)
+            if i is None:
+                break
+            body = json.dumps({"inputs": texts[i]})
+            start = time.perf_counter()
+            try:
+                conn.request("POST", "/", body, {"content-type": "application/json"})
+                response = conn.getresponse()
+                data = response.read()
+                elapsed = time.perf_counter() - start
+                if response.status != 200:
+                    raise RuntimeError(f"HTTP {response.status}: {data[:200]!r}")
+                (answer,) = json.loads(data)
+            except Exception as exc:  # counted, and the connection opened again
+                with lock:
+                    errors.append(f"{type(exc).__name__}: {exc}")
+                conn.close()
+                conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+                continue
+            want = expected[i]
+            right = answer[0]["label"] == want[0]["label"] and all(
+                abs(a["score"] - w["score"]) <= 1e-4 for a, w in zip(answer, want))
+            with lock:
+                latencies.append(elapsed)
+                if not right:
+                    wrong.append(i)
+        conn.close()
+
+    threads = [threading.Thread(target=client) for _ in range(clients)]
+    start = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - start
+    ms = sorted(x * 1e3 for x in latencies)
+    return {"requests": len(texts), "errors": len(errors), "wrong": len(wrong), "first_error": errors[:1],
+            "seconds": wall, "requests_per_s": len(latencies) / wall,
+            "p50_ms": statistics.median(ms) if ms else None,
+            "p99_ms": ms[min(len(ms) - 1, int(0.99 * len(ms)))] if ms else None}
+
+
+def run(num_requests: int = 2000, clients: int = 16, num_members: int = 8, hidden: int = 128,
+        max_batch_size: int = 32, batch_wait_ms: float = 5.0, port: int = 8765, ways=WAYS) -> dict:
+    import ray
+
+    from ..pipelines import pipeline
+    from ..serving.app import build_app
+
+    with tempfile.TemporaryDirectory(prefix="hf-wide-serve-") as tmp:
+        paths = write_members(Path(tmp), num_members, hidden)
+        texts = make_texts(num_requests, min_words=4, max_words=24)
+        reference = pipeline("text-classification", model=paths, batch_size=64)
+        expected = [r["top_k"] for r in reference(texts, top_k=3)]
+        ray.init(include_dashboard=False, logging_level="ERROR")
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        report = {"requests": num_requests, "clients": clients, "members": num_members, "hidden": hidden,
+                  "max_batch_size": max_batch_size, "batch_wait_ms": batch_wait_ms, "ways": {}}
+        try:
+            for way in ways:
+                batch = 1 if way in ("wide_unbatched", "members") else max_batch_size
+                if way.startswith("wide"):
+                    app = build_app(paths, "text-classification", max_batch_size=batch, batch_wait_ms=batch_wait_ms)
+                else:
+                    app = MembersServer.bind(paths, batch, batch_wait_ms)
+                serve.run(app, name=way, route_prefix="/")
+                load(port, texts[:clients * 2], expected, clients)  # warm-up
+                report["ways"][way] = load(port, texts, expected, clients)
+                serve.delete(way)
+                print(f"{way}: {_row(report['ways'][way])}", file=sys.stderr)
+        finally:
+            serve.shutdown()
+            ray.shutdown()
+    ways_done = report["ways"]
+    if "wide" in ways_done:
+        for base in ("members", "members_batched"):
+            if base in ways_done:
+                report[f"wide_over_{base}"] = ways_done["wide"]["requests_per_s"] / ways_done[base]["requests_per_s"]
+    return report
+
+
+def _row(r: dict) -> str:
+    return (f"{r['requests_per_s']:.1f} req/s, p50 {r['p50_ms']:.1f} ms, p99 {r['p99_ms']:.1f} ms, "
+            f"{r['errors']} errors, {r['wrong']} wrong")
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--requests", type=int, default=2000)
+    parser.add_argument("--clients", type=int, default=16)
+    parser.add_argument("--members", type=int, default=8)
+    parser.add_argument("--max-batch-size", type=int, default=32)
+    parser.add_argument("--batch-wait-ms", type=float, default=5.0)
+    parser.add_argument("--port", type=int, default=8765)
+    parser.add_argument("--ways", nargs="+", choices=WAYS, default=list(WAYS))
+    parser.add_argument("--json", help="also write the report to this file")
+    args = parser.parse_args(argv)
+    report = run(args.requests, args.clients, args.members, max_batch_size=args.max_batch_size,
+                 batch_wait_ms=args.batch_wait_ms, port=args.port, ways=args.ways)
+    print(f"{report['members']} BERTs (hidden {report['hidden']}), {report['requests']} requests from "
+          f"{report['clients']} clients")
+    for way, r in report["ways"].items():
+        print(f"{way:<16} {_row(r)}")
+    for key in ("wide_over_members", "wide_over_members_batched"):
+        if key in report:
+            print(f"{key}: {report[key]:.2f}x")
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+    return report
+
+
+if __name__ == "__main__":
+    main()

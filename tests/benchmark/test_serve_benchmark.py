@@ -1,0 +1,22 @@
+"""hf_wide/benchmark/serve.py: the load test's four ways, tiny (the figures are the benchmark's to report)."""
+
+import pytest
+
+pytest.importorskip("ray.serve")
+
+from hf_wide.benchmark.serve import WAYS, run  # noqa: E402
+
+
+
+def test_every_way_answers_every_request_right():
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    report = run(num_requests=24, clients=4, num_members=2, hidden=32, max_batch_size=4, port=port)
+    assert set(report["ways"]) == set(WAYS)
+    for way, r in report["ways"].items():
+        assert (r["errors"], r["wrong"]) == (0, 0), (way, r["first_error"])
+        assert r["requests_per_s"] > 0 and r["p99_ms"] >= r["p50_ms"] > 0
+    assert report["wide_over_members"] > 0 and report["wide_over_members_batched"] > 0
