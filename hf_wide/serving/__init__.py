@@ -38,18 +38,27 @@ def serve(model_ids: Sequence[str] | str, task: str = "text-classification", *, 
 
     app = build_app(model_ids, task, **kwargs)
     local = address is None
-    ray.init(address=address, include_dashboard=False, logging_level="ERROR") if local else ray.init(address=address)
-    ray_serve.start(http_options={"host": host, "port": port})
-    ray_serve.run(app, name="hf-wide", route_prefix="/")
-    if not blocking:
-        return app
+    if local:
+        ray.init(include_dashboard=False, logging_level="ERROR")
+    else:
+        ray.init(address=address)
     try:
+        ray_serve.start(http_options={"host": host, "port": port})
+        ray_serve.run(app, name="hf-wide", route_prefix="/")  # returns once the replicas have loaded the model
+        if not blocking:
+            return app
         while True:
             time.sleep(1)
     except KeyboardInterrupt:
         pass
-    finally:
-        ray_serve.shutdown()
-        if local:
-            ray.shutdown()
+    except BaseException:  # the model did not load, say: nothing left running
+        _stop(ray, ray_serve, local)
+        raise
+    _stop(ray, ray_serve, local)
     return app
+
+
+def _stop(ray, ray_serve, local: bool) -> None:
+    ray_serve.shutdown()
+    if local:
+        ray.shutdown()

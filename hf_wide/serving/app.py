@@ -10,7 +10,6 @@ requests that arrive within ``batch_wait_ms`` of each other, up to ``max_batch_s
 :func:`hf_wide.pipelines.requests.run_requests`, which answers each one as the pipeline would alone.
 """
 
-
 from collections.abc import Sequence  # (no postponed annotations: FastAPI reads the route signatures)
 
 from fastapi import FastAPI
