@@ -98,10 +98,7 @@ class WidePipeline:
         items = [inputs] if single else list(inputs)
         if not items:
             raise ValueError(f"{self.task} got an empty list of inputs.")
-        pre, fwd, post = self._defaults
-        if kwargs:
-            extra = self._sanitize_parameters(**kwargs)
-            pre, fwd, post = {**pre, **extra[0]}, {**fwd, **extra[1]}, {**post, **extra[2]}
+        pre, fwd, post = self.call_options(kwargs)
         features = self.preprocess_many(items, **pre)
         results: list[Any] = [None] * len(items)
         size = batch_size or self.batch_size
@@ -109,13 +106,25 @@ class WidePipeline:
         order = sorted(range(len(items)), key=lambda i: -_length(features[i]))
         chunks = [order[i : i + size] for i in range(0, len(order), size)]
         for chunk in tqdm(chunks, desc=self.task, unit="batch", disable=len(items) < PROGRESS_MIN_ITEMS):
-            batch = self.collate([features[i] for i in chunk])
-            with torch.inference_mode():
-                outputs = self._forward({k: v.to(self.device) for k, v in batch.items()}, **fwd)
-            outputs = {k: v.cpu() for k, v in outputs.items()}  # one transfer per batch, then plain Python
+            outputs = self.forward_batch([features[i] for i in chunk], fwd)
             for j, i in enumerate(chunk):
                 results[i] = self.postprocess(_item(outputs, j, features[i]), **post)
         return results[0] if single else results
+
+    def call_options(self, kwargs: dict) -> tuple[dict, dict, dict]:
+        """The (preprocess, _forward, postprocess) parameters of a call: the pipeline's own, updated by ``kwargs``."""
+        pre, fwd, post = self._defaults
+        if kwargs:
+            extra = self._sanitize_parameters(**kwargs)
+            pre, fwd, post = {**pre, **extra[0]}, {**fwd, **extra[1]}, {**post, **extra[2]}
+        return pre, fwd, post
+
+    def forward_batch(self, features: list[dict[str, torch.Tensor]], fwd: dict) -> dict[str, torch.Tensor]:
+        """One forward of these items' features, collated, on the model's device; its outputs back on the CPU."""
+        batch = self.collate(features)
+        with torch.inference_mode():
+            outputs = self._forward({k: v.to(self.device) for k, v in batch.items()}, **fwd)
+        return {k: v.cpu() for k, v in outputs.items()}  # one transfer per batch, then plain Python
 
     def collate(self, features: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
         """Stack one-item features into a batch; token inputs are right-padded to a length bucket."""

@@ -17,8 +17,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-import torch
-
 from .base import WidePipeline, _item, _length
 
 
@@ -29,18 +27,17 @@ def run_requests(pipe: WidePipeline, requests: Sequence[tuple[list, dict]]) -> l
     checked: dict[str, list[tuple[int, dict, dict, dict]]] = {}  # preprocess options -> (request, pre, fwd, post)
     for r, (_, options) in enumerate(requests):
         try:
-            pre, fwd, post = _options(pipe, options)
+            pre, fwd, post = pipe.call_options(options)
         except (TypeError, ValueError) as exc:
             answers[r] = exc
             continue
         checked.setdefault(repr(sorted(pre.items())), []).append((r, pre, fwd, post))
-    groups: dict[str, list[tuple[int, dict, list]]] = {}  # _forward options -> (request, post, features)
+    groups: dict[str, tuple[dict, list]] = {}  # _forward options -> (them, [(request, post, features)])
     for same_pre in checked.values():
         for r, fwd, post, features in _preprocess(pipe, requests, same_pre, answers):
             answers[r] = [None] * len(features)
-            groups.setdefault(repr(sorted(fwd.items())), []).append((r, post, features))
-    for members in groups.values():
-        fwd = _options(pipe, requests[members[0][0]][1])[1]
+            groups.setdefault(repr(sorted(fwd.items())), (fwd, []))[1].append((r, post, features))
+    for fwd, members in groups.values():
         rows = [(r, j, f) for r, _, features in members for j, f in enumerate(features)]
         rows.sort(key=lambda row: -_length(row[2]))  # similar lengths together: less padding
         posts = {r: post for r, post, _ in members}
@@ -80,21 +77,10 @@ def _preprocess(pipe: WidePipeline, requests, same_pre: list, answers: list) -> 
     return done
 
 
-def _options(pipe: WidePipeline, options: dict) -> tuple[dict, dict, dict]:
-    pre, fwd, post = pipe._defaults
-    if options:
-        extra = pipe._sanitize_parameters(**options)
-        pre, fwd, post = {**pre, **extra[0]}, {**fwd, **extra[1]}, {**post, **extra[2]}
-    return pre, fwd, post
-
-
 def _run(pipe: WidePipeline, rows: list[tuple[int, int, dict]], fwd: dict, posts: dict[int, dict],
          answers: list) -> None:
     """One forward over ``rows`` (request, item, features); each answer into its request's list."""
-    batch = pipe.collate([features for _, _, features in rows])
-    with torch.inference_mode():
-        outputs = pipe._forward({k: v.to(pipe.device) for k, v in batch.items()}, **fwd)
-    outputs = {k: v.cpu() for k, v in outputs.items()}  # one transfer per batch
+    outputs = pipe.forward_batch([features for _, _, features in rows], fwd)
     done: list[tuple[int, int, Any]] = [(r, j, pipe.postprocess(_item(outputs, b, features), **posts[r]))
                                         for b, (r, j, features) in enumerate(rows)]
     for r, j, answer in done:  # only once every row of the batch is answered
