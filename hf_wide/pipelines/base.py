@@ -126,6 +126,11 @@ class WidePipeline:
             outputs = self._forward({k: v.to(self.device) for k, v in batch.items()}, **fwd)
         return {k: v.cpu() for k, v in outputs.items()}  # one transfer per batch, then plain Python
 
+    def batch_invariant(self, fwd: dict) -> bool:
+        """Whether an input's answer with these ``_forward`` options is the same in a batch with others as alone
+        (so that a server may run many callers' inputs in one forward): yes, unless a task says otherwise."""
+        return True
+
     def collate(self, features: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
         """Stack one-item features into a batch; token inputs are right-padded to a length bucket."""
         keys = features[0].keys()

@@ -7,7 +7,8 @@ pipeline would answer it alone while running them together:
 - each request's options are checked on its own, and the inputs of requests whose preprocess options agree
   are preprocessed in one call (one tokenizer call); where that call refuses one, each request's again on its
   own (a bad one gets its error back, and the others run);
-- requests whose ``_forward`` options agree share forwards (sorted by length, ``batch_size`` at a time);
+- requests whose ``_forward`` options agree share forwards (sorted by length, ``batch_size`` at a time), unless
+  the pipeline says an answer with them depends on its batch (sampling: those requests run alone);
   ``postprocess`` runs with each request's own options;
 - a forward that raises is run again one request at a time, so that only the request that fails does.
 """
@@ -36,7 +37,8 @@ def run_requests(pipe: WidePipeline, requests: Sequence[tuple[list, dict]]) -> l
     for same_pre in checked.values():
         for r, fwd, post, features in _preprocess(pipe, requests, same_pre, answers):
             answers[r] = [None] * len(features)
-            groups.setdefault(repr(sorted(fwd.items())), (fwd, []))[1].append((r, post, features))
+            key = repr(sorted(fwd.items())) + ("" if pipe.batch_invariant(fwd) else f" request {r}")
+            groups.setdefault(key, (fwd, []))[1].append((r, post, features))
     for fwd, members in groups.values():
         rows = [(r, j, f) for r, _, features in members for j, f in enumerate(features)]
         rows.sort(key=lambda row: -_length(row[2]))  # similar lengths together: less padding

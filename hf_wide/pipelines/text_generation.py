@@ -130,6 +130,10 @@ class TextGenerationPipeline(WidePipeline):
                                  for i, t in enumerate(outputs["per_member_tokens"])]
         return result
 
+    def batch_invariant(self, fwd: dict) -> bool:
+        """Greedy decoding is; sampling is not (the draws of a batch come from one generator, in batch order)."""
+        return not fwd.get("do_sample", False)
+
     # ---------------------------------------------------------------- decoding
     def _ensemble_decode(self, batch, max_new_tokens: int, do_sample: bool, temperature: float | None,
                          top_k: int | None, top_p: float | None, generator: torch.Generator | None):

@@ -1,6 +1,6 @@
 """Serving: an ensemble endpoint that Hugging Face clients can call, on Ray Serve (``hf-wide serve``).
 
-:mod:`.payloads` reads and writes the Inference API's payloads (no server code); :mod:`.app` is the Ray Serve
+:mod:`.payloads` and :mod:`.tasks` read and write the Inference API's payloads (no server code); :mod:`.app` is the Ray Serve
 application (``build_app``); :func:`serve` runs it until interrupted. Ray is an extra:
 ``pip install "hf-wide[serve]"``.
 """

@@ -3,7 +3,7 @@
     app = build_app(["org/a", "org/b"], task="text-classification", max_batch_size=32)
     serve.run(app)          # or compose it into your own Ray Serve graph, or ``serve run module:app``
 
-Routes: ``POST /`` (the Inference API payloads of :mod:`hf_wide.serving.payloads`), ``GET /health`` (answered
+Routes: ``POST /`` (the Inference API payloads of :mod:`hf_wide.serving.tasks`), ``GET /health`` (answered
 once the replica's model is loaded: Ray Serve routes to a replica only after its constructor returns) and
 ``GET /info`` (members, revisions, task, plan summary). Batching is Ray Serve's ``@serve.batch``: the
 requests that arrive within ``batch_wait_ms`` of each other, up to ``max_batch_size``, run as one call of
@@ -17,9 +17,27 @@ from ray import serve
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 
-from .payloads import BadRequest, read_json, task_format
+from .payloads import BadRequest
+from .tasks import task_format
 
 api = FastAPI(title="hf-wide ensemble")
+
+
+class _RoutePrefixItself:
+    """``POST /prefix`` as ``POST /prefix/`` (what InferenceClient sends for ``base_url=".../prefix"``), rather
+    than a redirect, which curl and urllib do not follow for a POST. Plain ASGI: nothing else per request."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        root = scope.get("root_path", "")
+        if root and scope.get("path") == root:
+            scope = {**scope, "path": root + "/"}
+        await self.app(scope, receive, send)
+
+
+api.add_middleware(_RoutePrefixItself)
 
 
 def _error(message: str, status: int) -> JSONResponse:
@@ -55,7 +73,7 @@ class WideServer:
     @api.post("/")
     async def infer(self, request: Request) -> JSONResponse:
         try:
-            checked = self.format.parse(read_json(await request.body()))
+            checked = self.format.parse_body(await request.body(), request.headers.get("content-type", ""))
         except BadRequest as exc:
             return _error(str(exc), exc.status)
         answers = await self.batched((checked.items, checked.options))
@@ -73,12 +91,23 @@ class WideServer:
 
 
 def build_app(model_ids: Sequence[str] | str, task: str = "text-classification", *, replicas: int = 1,
-              max_batch_size: int = 32, batch_wait_ms: float = 5.0, **pipeline_options) -> serve.Application:
+              max_batch_size: int = 32, batch_wait_ms: float = 5.0, num_cpus: float | None = None,
+              **pipeline_options) -> serve.Application:
     """The Ray Serve application serving ``model_ids`` (members, a fused repo, adapters, local folders) for
-    ``task``; ``pipeline_options`` go to :func:`hf_wide.pipeline` (``combine``, ``compile``, ``batch_size``,
-    ``revision``, ``token``, ...)."""
+    ``task``; ``num_cpus`` is what Ray reserves for each replica (Ray's default: 1; it also sets the replica's
+    torch threads), and ``pipeline_options`` go to :func:`hf_wide.pipeline` (``combine``, ``compile``,
+    ``batch_size``, ``revision``, ``token``, ...)."""
+    from ..pipelines import Combine
+    from .tasks import FORMATS
+
+    if task not in FORMATS:
+        raise ValueError(f"hf-wide serve does not serve {task!r}; it serves {', '.join(sorted(FORMATS))}.")
     if max_batch_size < 1 or replicas < 1:
         raise ValueError(f"max_batch_size and replicas must be at least 1, got {max_batch_size} and {replicas}.")
+    if Combine.parse(pipeline_options.get("combine", Combine.MEAN)) == Combine.NONE:
+        raise ValueError("hf-wide serve answers with the ensemble's answer, and combine='none' has none: choose a "
+                         "combination rule (mean, vote, ...); every member's answer comes with it.")
     pipeline_options.setdefault("batch_size", max_batch_size)  # one Ray batch, one forward where it fits
-    return WideServer.options(num_replicas=replicas).bind(
+    actor_options = {} if num_cpus is None else {"num_cpus": num_cpus}
+    return WideServer.options(num_replicas=replicas, ray_actor_options=actor_options).bind(
         model_ids, task, pipeline_options, max_batch_size, batch_wait_ms)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .payloads import FORMATS
+from .tasks import FORMATS
 
 
 def register_cli(sub) -> None:
@@ -18,9 +18,11 @@ def register_cli(sub) -> None:
     serve.add_argument("--task", default="text-classification", choices=sorted(FORMATS))
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
-    serve.add_argument("--combine", default="mean", help="mean, logit_mean, vote, weighted, median or none")
+    serve.add_argument("--combine", default="mean", help="mean, logit_mean, vote, weighted or median")
     serve.add_argument("--compile", action="store_true", help="torch.compile the wide model in each replica")
     serve.add_argument("--replicas", type=int, default=1, help="Ray Serve replicas (each holds the wide model)")
+    serve.add_argument("--num-cpus", type=float, default=None,
+                       help="CPUs Ray reserves for each replica, and its torch threads (default: Ray's, 1)")
     serve.add_argument("--max-batch-size", type=int, default=32, help="requests batched into one forward, at most")
     serve.add_argument("--batch-wait-ms", type=float, default=5.0,
                        help="how long a batch waits for more requests once one arrives")
@@ -43,5 +45,5 @@ def _serve(args: argparse.Namespace) -> int:
         options["revision"] = args.revision
     print(f"hf-wide serve: {args.task} on http://{args.host}:{args.port}/ (Ctrl-C stops)", file=sys.stderr)
     serve(args.models, args.task, host=args.host, port=args.port, address=args.address, replicas=args.replicas,
-          max_batch_size=args.max_batch_size, batch_wait_ms=args.batch_wait_ms, **options)
+          num_cpus=args.num_cpus, max_batch_size=args.max_batch_size, batch_wait_ms=args.batch_wait_ms, **options)
     return 0

@@ -1,13 +1,12 @@
 """The Hugging Face Inference API's payloads, read and written for a wide pipeline; no server code here.
 
 A request is ``{"inputs": ..., "parameters": {...}}`` as ``huggingface_hub.InferenceClient`` sends it to a base
-URL. Each task's :class:`TaskFormat` checks it (a :class:`BadRequest` that says what is wrong: the server answers
-it with its status and ``{"error": message}``, the Inference API's error body), turns it into the pipeline's
-inputs and options, and turns the pipeline's answers into the task's response, which ``InferenceClient`` parses.
-
-The ensemble's extras ride along as extra fields, which ``InferenceClient`` keeps as attributes of what it
-returns: in text classification, the first (best) label of each input carries ``members`` (each member's answer)
-and ``uncertainty`` (the pipeline's measures).
+URL (feature extraction sends its parameters at the top level, image classification may send the image's bytes
+as the body). A task's :class:`TaskFormat` (:mod:`.tasks`) checks it (a :class:`BadRequest` that says what is
+wrong: the server answers it with its status and ``{"error": message}``, the Inference API's error body), turns
+it into the pipeline's inputs and options, and turns the pipeline's answers into the task's response, which
+``InferenceClient`` parses. This module holds what every task shares: the request's envelope and the checks of
+parameter values.
 """
 
 from __future__ import annotations
@@ -50,17 +49,30 @@ def read_json(body: bytes) -> dict:
 
 
 class TaskFormat:
-    """One task's payloads. Subclasses set ``task`` and ``parameters`` (name -> check), and write ``options``
-    (the pipeline's options from the checked parameters) and ``answer`` (one item's response)."""
+    """One task's payloads. Subclasses set ``task`` and ``parameters`` (name -> check), and write ``inputs``
+    (the pipeline's items), ``options`` (the pipeline's options from the checked parameters) and ``answer``
+    (one item's response). ``refused`` names parameters of the API that hf-wide does not do, with the reason;
+    ``top_level`` names parameters that may also come outside ``"parameters"`` (as InferenceClient sends
+    feature extraction's)."""
 
     task = ""
     parameters: dict[str, Any] = {}
+    refused: dict[str, str] = {}
+    top_level: tuple[str, ...] = ()
 
     def setup(self, pipe) -> None:
         """Read what the responses need from the pipeline (its labels, say)."""
+        if pipe.combine.value == "none":
+            raise ValueError(f"hf-wide serve answers with the ensemble's {self.task} answer, and combine='none' has "
+                             "none: choose a combination rule (mean, vote, ...); every member's answer comes too.")
+
+    def parse_body(self, body: bytes, content_type: str = "application/json") -> Request:
+        """A request body (JSON here; image classification also takes an image's bytes)."""
+        return self.parse(read_json(body))
 
     def parse(self, payload: dict) -> Request:
-        unknown = sorted(set(payload) - {"inputs", "parameters", "options"})  # "options": the API's cache hints
+        fields = {"inputs", "parameters", "options", *self.top_level}  # "options": the API's cache hints
+        unknown = sorted(set(payload) - fields)
         if unknown:
             raise BadRequest(f"Unknown field(s) {', '.join(map(repr, unknown))}: a request has \"inputs\" and, "
                              "optionally, \"parameters\".")
@@ -69,6 +81,9 @@ class TaskFormat:
         parameters = payload.get("parameters") or {}
         if not isinstance(parameters, dict):
             raise BadRequest(f'"parameters" must be an object, got a {_kind(parameters)}.')
+        parameters = {**{k: payload[k] for k in self.top_level if k in payload}, **parameters}
+        self.refuse({k: v for k, v in parameters.items() if k in self.refused})
+        parameters = {k: v for k, v in parameters.items() if k not in self.refused}  # those that ask for nothing
         unknown = sorted(set(parameters) - set(self.parameters))
         if unknown:
             known = ", ".join(sorted(self.parameters)) or "none"
@@ -76,6 +91,12 @@ class TaskFormat:
         checked = {name: self.parameters[name](name, value) for name, value in parameters.items() if value is not None}
         single, items = self.inputs(payload["inputs"])
         return Request(items, self.options(checked), single, checked)
+
+    def refuse(self, parameters: dict) -> None:
+        """Refuse the API parameters that hf-wide does not do, where they ask for something (not null/false)."""
+        asked = sorted(k for k, v in parameters.items() if v not in (None, False))
+        if asked:
+            raise BadRequest(" ".join(f"Parameter {k!r} is not supported: {self.refused[k]}" for k in asked))
 
     def inputs(self, inputs) -> tuple[bool, list]:
         raise NotImplementedError
@@ -115,58 +136,42 @@ def positive_int(name: str, value) -> int:
     return value
 
 
+def boolean(name: str, value) -> bool:
+    if not isinstance(value, bool):
+        raise BadRequest(f"Parameter {name!r} must be true or false, got {value!r}.")
+    return value
+
+
+def non_negative_int(name: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise BadRequest(f"Parameter {name!r} must be an integer of 0 or more, got {value!r}.")
+    return value
+
+
+def positive_number(name: str, value) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0 or value == float("inf"):
+        raise BadRequest(f"Parameter {name!r} must be a positive number, got {value!r}.")
+    return float(value)
+
+
+def probability(name: str, value) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
+        raise BadRequest(f"Parameter {name!r} must be a number in (0, 1], got {value!r}.")
+    return float(value)
+
+
+def list_of_texts(name: str, value) -> list[str]:
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise BadRequest(f"Parameter {name!r} must be a list of texts, got {value!r}.")
+    return value
+
+
 def one_of(*choices: str):
     def check(name: str, value) -> str:
         if value not in choices:
             raise BadRequest(f"Parameter {name!r} must be one of {', '.join(map(repr, choices))}, got {value!r}.")
         return value
     return check
-
-
-class TextClassification(TaskFormat):
-    """``[[{"label", "score"}, ...]]`` per input, best first (all labels, or ``top_k``); the first carries the
-    ensemble's extras. ``function_to_apply``: ``softmax`` (one label) or ``sigmoid`` (each label on its own,
-    the pipeline's ``multi_label``); ``none`` (raw logits) has no meaning for an ensemble's combined
-    probabilities, and is refused. A text longer than the model takes is refused, not truncated."""
-
-    task = "text-classification"
-    parameters = {"top_k": positive_int, "function_to_apply": one_of("softmax", "sigmoid", "none")}
-
-    def setup(self, pipe) -> None:
-        self.num_labels = len(pipe.label_order()[0])
-
-    def inputs(self, inputs) -> tuple[bool, list]:
-        if isinstance(inputs, dict):
-            raise BadRequest("Text pairs ({\"text\", \"text_pair\"}) are not supported: send a text or a list of texts.")
-        return texts(inputs)
-
-    def options(self, parameters: dict) -> dict:
-        if parameters.get("function_to_apply") == "none":
-            raise BadRequest("function_to_apply='none' (raw logits) has no meaning for an ensemble, whose answer "
-                             "combines the members' probabilities: use 'softmax' or 'sigmoid'.")
-        # every label's score, to rank and cut to the caller's top_k; a text over the model's maximum length
-        # refused (a 422 that says so) rather than cut silently
-        options = {"top_k": self.num_labels, "truncation": False}
-        if "function_to_apply" in parameters:
-            options["multi_label"] = parameters["function_to_apply"] == "sigmoid"
-        return options
-
-    def answer(self, answer: dict, parameters: dict) -> list[dict]:
-        ranked = [dict(entry) for entry in answer["top_k"][:parameters.get("top_k", self.num_labels)]]
-        ranked[0].update(members=answer["members"], uncertainty=answer["uncertainty"])
-        return ranked
-
-
-FORMATS: dict[str, type[TaskFormat]] = {TextClassification.task: TextClassification}
-
-
-def task_format(task: str, pipe) -> TaskFormat:
-    """The payloads of ``task``, set up for ``pipe``."""
-    if task not in FORMATS:
-        raise ValueError(f"hf-wide serve does not serve {task!r} yet; it serves {', '.join(sorted(FORMATS))}.")
-    fmt = FORMATS[task]()
-    fmt.setup(pipe)
-    return fmt
 
 
 def _kind(value) -> str:

@@ -1,11 +1,16 @@
-"""hf_wide/serving/payloads.py: the Inference API's payloads checked and answered, without a server."""
+"""hf_wide/serving/payloads.py: the request's envelope and the parameter checks (through text classification's
+format), without a server or a model."""
 
 import pytest
 
-from hf_wide.serving.payloads import MAX_INPUTS, BadRequest, TextClassification, read_json
+from hf_wide.pipelines import Combine
+from hf_wide.serving.payloads import MAX_INPUTS, BadRequest, read_json
+from hf_wide.serving.tasks import TextClassification
 
 
 class Pipe:  # what TextClassification.setup reads of a pipeline
+    combine = Combine.MEAN
+
     def label_order(self):
         return ["neg", "pos", "mixed"], None
 

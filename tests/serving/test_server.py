@@ -1,7 +1,11 @@
-"""hf_wide/serving: the Ray Serve application on loopback, called with InferenceClient and raw HTTP, against
-hf_wide.pipeline run on the same members."""
+"""hf_wide/serving: the Ray Serve application on loopback, every task called with InferenceClient and raw HTTP,
+against hf_wide.pipeline run on the same members. Text classification loads its members from the test Hub and
+runs two replicas; the other tasks load local folders. One Ray instance holds them all, each task an
+application under its own route prefix."""
 
+import base64
 import concurrent.futures
+import io
 import json
 import socket
 import sys
@@ -9,11 +13,17 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+import numpy as np
 import pytest
+import torch
+import transformers
+from PIL import Image
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "pipelines"))  # the text members
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the test Hub
 
-from text_members import bert_tokenizer, build_members, save_members, sentences
+from hub_server import running_hub  # noqa: E402
+from text_members import CASES, bert_tokenizer, build_members, decoder_tokenizer, save_members, sentences  # noqa: E402
 
 pytest.importorskip("ray.serve")
 
@@ -21,7 +31,10 @@ from huggingface_hub import InferenceClient  # noqa: E402
 from huggingface_hub.errors import HfHubHTTPError  # noqa: E402
 
 from hf_wide.pipelines import pipeline  # noqa: E402
-from hf_wide.serving import serve  # noqa: E402
+from hf_wide.serving import build_app, serve  # noqa: E402
+
+TAGS = {0: "O", 1: "B-ENT", 2: "I-ENT"}
+SMALL = 0.25  # CPUs Ray reserves per replica: six replicas on a 2-core machine
 
 
 def free_port() -> int:
@@ -30,25 +43,52 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def members_of(root: Path, task: str) -> list[str]:
+    """Local member folders for ``task``, each with its tokenizer or image processor."""
+    folder = root / task
+    if task == "image-classification":
+        processor = transformers.ViTImageProcessorPil(size={"height": 32, "width": 32}, image_mean=[0.5] * 3,
+                                                      image_std=[0.5] * 3)
+        return save_members(folder, [CASES["vit-imgcls"].build(seed) for seed in range(3)], processor)
+    case, labels = {"token-classification": ("bert-tokcls", TAGS), "feature-extraction": ("bert-base", None),
+                    "text-generation": ("llama-causallm", None)}[task]
+    tokenizer = decoder_tokenizer(folder / "tok") if task == "text-generation" else bert_tokenizer(folder / "tok")
+    return save_members(folder, build_members(case, 3, labels), tokenizer)
+
+
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
+def servers(tmp_path_factory):
+    """task -> (base URL, the pipeline on the same members in this process)."""
     import ray
     from ray import serve as ray_serve
 
     root = tmp_path_factory.mktemp("serve")
-    paths = save_members(root, build_members("bert-seqcls", 3, id2label={0: "neg", 1: "pos", 2: "mixed"}),
-                         bert_tokenizer(root / "tok"))
-    port = free_port()
-    serve(paths, "text-classification", port=port, blocking=False, max_batch_size=8, batch_wait_ms=20)
-    try:
-        yield f"http://127.0.0.1:{port}", pipeline("text-classification", model=paths)
-    finally:
-        ray_serve.shutdown()
-        ray.shutdown()
+    with running_hub(root / "hub") as hub:  # before Ray starts: its workers inherit the Hub's environment
+        ids = []
+        folders = save_members(root / "tc", build_members("bert-seqcls", 3, id2label={0: "neg", 1: "pos", 2: "mixed"}),
+                               bert_tokenizer(root / "tc" / "tok"))
+        for i, folder in enumerate(folders):
+            hub.publish(f"alice/tc-{i}", folder)
+            ids.append(f"alice/tc-{i}")
+        port = free_port()
+        serve(ids, "text-classification", port=port, blocking=False, replicas=2, num_cpus=SMALL,
+              max_batch_size=8, batch_wait_ms=20)
+        try:
+            url = f"http://127.0.0.1:{port}"
+            found = {"text-classification": (url, pipeline("text-classification", model=ids))}
+            for task in ("token-classification", "feature-extraction", "image-classification", "text-generation"):
+                paths = members_of(root, task)
+                ray_serve.run(build_app(paths, task, num_cpus=SMALL, batch_wait_ms=20), name=task,
+                              route_prefix=f"/{task}")
+                found[task] = (f"{url}/{task}", pipeline(task, model=paths))
+            yield found
+        finally:
+            ray_serve.shutdown()
+            ray.shutdown()
 
 
-def post(url: str, body: bytes) -> tuple[int, object]:
-    request = urllib.request.Request(url, data=body, headers={"content-type": "application/json"})
+def post(url: str, body: bytes, content_type: str = "application/json") -> tuple[int, object]:
+    request = urllib.request.Request(url, data=body, headers={"content-type": content_type})
     try:
         with urllib.request.urlopen(request) as response:
             return response.status, json.loads(response.read())
@@ -56,35 +96,60 @@ def post(url: str, body: bytes) -> tuple[int, object]:
         return exc.code, json.loads(exc.read())
 
 
-def expected(pipe, text: str, top_k: int | None = None) -> list[tuple[str, float]]:
-    answer = pipe(text, top_k=3)
-    return [(e["label"], e["score"]) for e in answer["top_k"][:top_k]]
+def post_json(url: str, payload) -> tuple[int, object]:
+    return post(url, json.dumps(payload).encode())
 
 
-def test_inference_client_gets_the_ensembles_answer(server):
-    url, pipe = server
+def close(got, expected, tol: float = 1e-5) -> bool:
+    """Nested answers equal, floats within ``tol``."""
+    if isinstance(expected, dict):
+        return isinstance(got, dict) and got.keys() == expected.keys() and all(
+            close(got[k], expected[k], tol) for k in expected)
+    if isinstance(expected, (list, tuple)):
+        return isinstance(got, list) and len(got) == len(expected) and all(close(g, e, tol) for g, e in zip(got, expected))
+    if isinstance(expected, float):
+        return got == pytest.approx(expected, abs=tol)
+    return got == expected
+
+
+def ranked(pipe, item, top_k: int | None = None) -> list[tuple[str, float]]:
+    answer = pipe(item, top_k=3)
+    return [(e["label"], pytest.approx(e["score"], abs=1e-5)) for e in answer["top_k"][:top_k]]
+
+
+def png(seed: int) -> bytes:
+    pixels = (torch.rand(20, 24, 3, generator=torch.Generator().manual_seed(seed)) * 255).byte().numpy()
+    buffer = io.BytesIO()
+    Image.fromarray(pixels).save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+# ---------------------------------------------------------------- text classification (test Hub, two replicas)
+
+def test_text_classification_inference_client_gets_the_ensembles_answer(servers):
+    url, pipe = servers["text-classification"]
     client = InferenceClient(base_url=url)
     text = sentences(1, seed=7)[0]
     got = client.text_classification(text)
-    assert [(e.label, e.score) for e in got] == [(l, pytest.approx(s, abs=1e-6)) for l, s in expected(pipe, text)]
+    assert [(e.label, e.score) for e in got] == ranked(pipe, text)
     assert len(client.text_classification(text, top_k=1)) == 1
     alone = pipe(text)
     assert got[0].members == alone["members"] and got[0].uncertainty == pytest.approx(alone["uncertainty"])
 
 
-def test_raw_http_health_and_info(server):
-    url, pipe = server
+def test_text_classification_raw_http_health_and_info(servers):
+    url, pipe = servers["text-classification"]
     texts = sentences(3, seed=8)
-    status, body = post(url + "/", json.dumps({"inputs": texts, "parameters": {"top_k": 1}}).encode())
+    status, body = post_json(url + "/", {"inputs": texts, "parameters": {"top_k": 1}})
     assert status == 200 and len(body) == 3
-    for text, ranked in zip(texts, body):
-        assert [(e["label"], e["score"]) for e in ranked] == [
-            (l, pytest.approx(s, abs=1e-6)) for l, s in expected(pipe, text, 1)]
+    for text, answer in zip(texts, body):
+        assert [(e["label"], e["score"]) for e in answer] == ranked(pipe, text, 1)
     with urllib.request.urlopen(url + "/health") as response:
         assert json.loads(response.read()) == {"status": "ok"}
     with urllib.request.urlopen(url + "/info") as response:
         info = json.loads(response.read())
-    assert info["task"] == "text-classification" and info["num_members"] == 3 and len(info["members"]) == 3
+    assert info["task"] == "text-classification" and info["members"] == [f"alice/tc-{i}" for i in range(3)]
+    assert len(info["revisions"]) == 3 and all(len(r) == 40 for r in info["revisions"])  # commits on the test Hub
 
 
 @pytest.mark.parametrize("body, status, says", [
@@ -95,22 +160,22 @@ def test_raw_http_health_and_info(server):
     (b'{"inputs": "x", "parameters": {"colour": 1}}', 422, "Unknown parameter"),
     (json.dumps({"inputs": " ".join(["word"] * 3000)}).encode(), 422, "maximum"),
 ])
-def test_bad_input_is_a_4xx_that_says_why_and_the_server_keeps_serving(server, body, status, says):
-    url, pipe = server
+def test_bad_input_is_a_4xx_that_says_why_and_the_server_keeps_serving(servers, body, status, says):
+    url, _ = servers["text-classification"]
     code, answer = post(url + "/", body)
     assert code == status and says in answer["error"]
     ok, _ = post(url + "/", b'{"inputs": "still serving"}')
     assert ok == 200
 
 
-def test_inference_client_raises_with_the_servers_message(server):
-    url, _ = server
+def test_inference_client_raises_with_the_servers_message(servers):
+    url, _ = servers["text-classification"]
     with pytest.raises(HfHubHTTPError, match="empty text"):
         InferenceClient(base_url=url).text_classification("   ")
 
 
-def test_concurrent_requests_are_each_answered_exactly(server):
-    url, pipe = server
+def test_concurrent_requests_on_two_replicas_are_each_answered_exactly(servers):
+    url, pipe = servers["text-classification"]
     texts = sentences(24, seed=9)
     bodies = [json.dumps({"inputs": t}).encode() if i % 5 else b'{"inputs": "  "}' for i, t in enumerate(texts)]
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
@@ -119,19 +184,83 @@ def test_concurrent_requests_are_each_answered_exactly(server):
         if i % 5 == 0:  # the bad ones fail alone
             assert status == 422
         else:
-            assert status == 200
-            assert [(e["label"], e["score"]) for e in body[0]] == [
-                (l, pytest.approx(s, abs=1e-6)) for l, s in expected(pipe, text)]
+            assert status == 200 and [(e["label"], e["score"]) for e in body[0]] == ranked(pipe, text)
 
 
-def test_the_example_client(server, capsys):
+def test_the_example_client(servers, capsys):
     import runpy
 
-    url, pipe = server
+    url, pipe = servers["text-classification"]
     main = runpy.run_path(str(Path(__file__).resolve().parents[2] / "examples" / "serve_client.py"))["main"]
     texts = sentences(2, seed=11)
     answers = main([*texts, "--url", url, "--top-k", "2"])
-    for text, ranked in zip(texts, answers):
-        assert [(e.label, e.score) for e in ranked] == [
-            (l, pytest.approx(s, abs=1e-6)) for l, s in expected(pipe, text, 2)]
+    for text, answer in zip(texts, answers):
+        assert [(e.label, e.score) for e in answer] == ranked(pipe, text, 2)
     assert "members:" in capsys.readouterr().out
+
+
+# ---------------------------------------------------------------- the other tasks (local folders)
+
+def test_token_classification(servers):
+    url, pipe = servers["token-classification"]
+    text, other = sentences(2, seed=12, min_words=5)
+    got = InferenceClient(base_url=url).token_classification(text)
+    alone = pipe(text, aggregation_strategy="simple")["entities"]
+    assert [(e.entity_group, e.word, e.start, e.end) for e in got] == [
+        (e["entity_group"], e["word"], e["start"], e["end"]) for e in alone]
+    assert [e.score for e in got] == pytest.approx([e["score"] for e in alone], abs=1e-5)
+    status, body = post_json(url, {"inputs": [other], "parameters": {"aggregation_strategy": "none",
+                                                                     "return_members": True}})
+    expected = pipe(other, aggregation_strategy="none")
+    assert status == 200 and close(body, [{"entities": expected["entities"], "members": expected["members"]}])
+    status, body = post_json(url, {"inputs": text, "parameters": {"stride": 16}})
+    assert status == 422 and "'stride' is not supported" in body["error"]
+
+
+def test_feature_extraction(servers):
+    url, pipe = servers["feature-extraction"]
+    texts = sentences(2, seed=13)
+    got = InferenceClient(base_url=url).feature_extraction(texts[0], normalize=True)
+    assert isinstance(got, np.ndarray) and got.shape == (1, pipe.model.config.hidden_size)
+    assert got[0] == pytest.approx(np.array(pipe(texts[0], normalize=True)["embedding"]), abs=1e-5)
+    status, body = post_json(url, {"inputs": texts, "parameters": {"return_members": True}})
+    assert status == 200
+    for text, embedding, members in zip(texts, body["embeddings"], body["members"]):
+        alone = pipe(text)
+        assert close(embedding, alone["embedding"]) and close(members, alone["members"])
+    status, body = post_json(url, {"inputs": texts[0], "prompt_name": "query"})
+    assert status == 422 and "no prompts" in body["error"]
+
+
+def test_image_classification(servers):
+    url, pipe = servers["image-classification"]
+    client = InferenceClient(base_url=url)
+    image = png(0)
+    got = client.image_classification(image)  # the bytes as the body
+    alone = pipe(Image.open(io.BytesIO(image)), top_k=3)
+    assert [(e.label, e.score) for e in got] == ranked(pipe, Image.open(io.BytesIO(image)))
+    assert close(got[0].members, alone["members"])
+    assert len(client.image_classification(image, top_k=1)) == 1  # parameters: base64 in JSON
+    status, body = post(url, png(1), "image/png")
+    assert status == 200 and [(e["label"], e["score"]) for e in body] == ranked(pipe, Image.open(io.BytesIO(png(1))))
+    status, body = post(url, b"GIF89a but broken", "image/gif")
+    assert status == 400 and "does not decode" in body["error"]
+    status, body = post_json(url, {"inputs": base64.b64encode(b"no image").decode()})
+    assert status == 400 and "does not decode" in body["error"]
+
+
+def test_text_generation(servers):
+    url, pipe = servers["text-generation"]
+    client = InferenceClient(base_url=url)
+    prompt, other = sentences(2, seed=14)
+    got = client.text_generation(prompt, max_new_tokens=5)
+    assert got == pipe(prompt, max_new_tokens=5, return_full_text=False)["generated_text"]
+    with pytest.warns(UserWarning, match="not served via TGI"):  # TGI's details: the client drops them and asks again
+        again = client.text_generation(prompt, max_new_tokens=5, details=True)
+    assert again == got
+    status, body = post_json(url, {"inputs": other, "parameters": {"max_new_tokens": 4, "return_members": True}})
+    alone = pipe(other, max_new_tokens=4, return_members=True, return_full_text=False)
+    assert status == 200 and body[0]["generated_text"] == alone["generated_text"]
+    assert body[0]["members"] == alone["members"] and close(body[0]["uncertainty"], alone["uncertainty"])
+    status, body = post_json(url, {"inputs": other, "parameters": {"max_new_tokens": 10 ** 6}})
+    assert status == 422 and "leaves no room" in body["error"]
