@@ -1,4 +1,4 @@
-"""Load test of ``hf-wide serve``: ``python -m hf_wide.benchmark.serve [--requests 2000] [--clients 16]``.
+"""Load test of ``hf-wide serve``: ``python -m hf_wide.benchmark.serve [--requests 2000] [--clients 16] [--replicas 1]``.
 
 Saves N BERT text classifiers (random weights, hidden 128, 2 layers, 3 labels) with a tokenizer, then serves them
 on loopback with Ray Serve four ways, one after another, and sends each the same requests from concurrent
@@ -131,7 +131,8 @@ def load(port: int, texts: list[str], expected: list[list[dict]], clients: int) 
 
 
 def run(num_requests: int = 2000, clients: int = 16, num_members: int = 8, hidden: int = 128,
-        max_batch_size: int = 32, batch_wait_ms: float = 5.0, port: int = 8765, ways=WAYS) -> dict:
+        max_batch_size: int = 32, batch_wait_ms: float = 5.0, port: int = 8765, ways=WAYS,
+        replicas: int = 1) -> dict:
     import ray
 
     from ..pipelines import pipeline
@@ -145,14 +146,15 @@ def run(num_requests: int = 2000, clients: int = 16, num_members: int = 8, hidde
         ray.init(include_dashboard=False, logging_level="ERROR")
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         report = {"requests": num_requests, "clients": clients, "members": num_members, "hidden": hidden,
-                  "max_batch_size": max_batch_size, "batch_wait_ms": batch_wait_ms, "ways": {}}
+                  "max_batch_size": max_batch_size, "batch_wait_ms": batch_wait_ms, "replicas": replicas, "ways": {}}
         try:
             for way in ways:
                 batch = 1 if way in ("wide_unbatched", "members") else max_batch_size
                 if way.startswith("wide"):
-                    app = build_app(paths, "text-classification", max_batch_size=batch, batch_wait_ms=batch_wait_ms)
+                    app = build_app(paths, "text-classification", max_batch_size=batch, batch_wait_ms=batch_wait_ms,
+                                    replicas=replicas)
                 else:
-                    app = MembersServer.bind(paths, batch, batch_wait_ms)
+                    app = MembersServer.options(num_replicas=replicas).bind(paths, batch, batch_wait_ms)
                 serve.run(app, name=way, route_prefix="/")
                 load(port, texts[:clients * 2], expected, clients)  # warm-up
                 report["ways"][way] = load(port, texts, expected, clients)
@@ -182,13 +184,14 @@ def main(argv=None) -> dict:
     parser.add_argument("--max-batch-size", type=int, default=32)
     parser.add_argument("--batch-wait-ms", type=float, default=5.0)
     parser.add_argument("--port", type=int, default=8765)
+    parser.add_argument("--replicas", type=int, default=1, help="replicas of every way's deployment")
     parser.add_argument("--ways", nargs="+", choices=WAYS, default=list(WAYS))
     parser.add_argument("--json", help="also write the report to this file")
     args = parser.parse_args(argv)
     report = run(args.requests, args.clients, args.members, max_batch_size=args.max_batch_size,
-                 batch_wait_ms=args.batch_wait_ms, port=args.port, ways=args.ways)
+                 batch_wait_ms=args.batch_wait_ms, port=args.port, ways=args.ways, replicas=args.replicas)
     print(f"{report['members']} BERTs (hidden {report['hidden']}), {report['requests']} requests from "
-          f"{report['clients']} clients")
+          f"{report['clients']} clients, {report['replicas']} replica(s) per way")
     for way, r in report["ways"].items():
         print(f"{way:<16} {_row(r)}")
     for key in ("wide_over_members", "wide_over_members_batched"):

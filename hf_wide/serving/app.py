@@ -111,3 +111,41 @@ def build_app(model_ids: Sequence[str] | str, task: str = "text-classification",
     actor_options = {} if num_cpus is None else {"num_cpus": num_cpus}
     return WideServer.options(num_replicas=replicas, ray_actor_options=actor_options).bind(
         model_ids, task, pipeline_options, max_batch_size, batch_wait_ms)
+
+
+def app_builder(args: dict) -> serve.Application:
+    """:func:`build_app` from text arguments, for Ray Serve's command line and config files::
+
+        serve run hf_wide.serving.app:app_builder models=org/a,org/b task=text-classification replicas=2
+
+        # serve_config.yaml (serve deploy / serve run serve_config.yaml)
+        applications:
+          - name: ensemble
+            route_prefix: /
+            import_path: hf_wide.serving.app:app_builder
+            args: {models: [org/a, org/b], task: text-classification, max_batch_size: 32}
+    """
+    options = dict(args)
+    if "models" not in options:
+        raise ValueError("app_builder needs models=: member repo ids or folders, comma-separated (or a YAML list).")
+    models = options.pop("models")
+    models = [m.strip() for m in models.split(",") if m.strip()] if isinstance(models, str) else list(models)
+    unknown = sorted(set(options) - set(_ARGS))
+    if unknown:
+        raise ValueError(f"app_builder got unknown argument(s) {', '.join(unknown)}; it takes models, "
+                         f"{', '.join(_ARGS)}.")
+    return build_app(models, **{name: _ARGS[name](value) for name, value in options.items()})
+
+
+def _flag(value) -> bool:
+    if isinstance(value, bool):
+        return value
+    if str(value).lower() in ("1", "true", "yes"):
+        return True
+    if str(value).lower() in ("0", "false", "no"):
+        return False
+    raise ValueError(f"Expected true or false, got {value!r}.")
+
+
+_ARGS = {"task": str, "replicas": int, "max_batch_size": int, "batch_wait_ms": float, "num_cpus": float,
+         "combine": str, "compile": _flag, "revision": str, "batch_size": int}

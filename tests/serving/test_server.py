@@ -32,6 +32,7 @@ from huggingface_hub.errors import HfHubHTTPError  # noqa: E402
 
 from hf_wide.pipelines import pipeline  # noqa: E402
 from hf_wide.serving import build_app, serve  # noqa: E402
+from hf_wide.serving.app import app_builder  # noqa: E402
 
 TAGS = {0: "O", 1: "B-ENT", 2: "I-ENT"}
 SMALL = 0.25  # CPUs Ray reserves per replica: six replicas on a 2-core machine
@@ -78,8 +79,12 @@ def servers(tmp_path_factory):
             found = {"text-classification": (url, pipeline("text-classification", model=ids))}
             for task in ("token-classification", "feature-extraction", "image-classification", "text-generation"):
                 paths = members_of(root, task)
-                ray_serve.run(build_app(paths, task, num_cpus=SMALL, batch_wait_ms=20), name=task,
-                              route_prefix=f"/{task}")
+                if task == "feature-extraction":  # as `serve run hf_wide.serving.app:app_builder models=...` builds it
+                    app = app_builder({"models": ",".join(paths), "task": task, "num_cpus": str(SMALL),
+                                       "batch_wait_ms": "20"})
+                else:
+                    app = build_app(paths, task, num_cpus=SMALL, batch_wait_ms=20)
+                ray_serve.run(app, name=task, route_prefix=f"/{task}")
                 found[task] = (f"{url}/{task}", pipeline(task, model=paths))
             yield found
         finally:
@@ -200,6 +205,15 @@ def test_the_example_client(servers, capsys):
 
 
 # ---------------------------------------------------------------- the other tasks (local folders)
+
+def test_app_builder_refuses_what_it_does_not_know():
+    with pytest.raises(ValueError, match="unknown argument.*colour"):
+        app_builder({"models": "a,b", "colour": "red"})
+    with pytest.raises(ValueError, match="needs models="):
+        app_builder({"task": "text-classification"})
+    with pytest.raises(ValueError, match="combine='none' has none"):
+        app_builder({"models": "a,b", "combine": "none"})
+
 
 def test_token_classification(servers):
     url, pipe = servers["token-classification"]
