@@ -1,6 +1,6 @@
 """hf_wide/serving: the Ray Serve application on loopback, every task called with InferenceClient and raw HTTP,
 against hf_wide.pipeline run on the same members. Text classification loads its members from the test Hub and
-runs two replicas; the other tasks load local folders. One Ray instance holds them all, each task an
+runs two replicas; the other tasks load local folders (text generation: LoRA adapters of one base). One Ray instance holds them all, each task an
 application under its own route prefix."""
 
 import base64
@@ -23,6 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "pipelines"))  # th
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the test Hub
 
 from hub_server import running_hub  # noqa: E402
+from lora_members import adapted  # noqa: E402
 from text_members import CASES, bert_tokenizer, build_members, decoder_tokenizer, save_members, sentences  # noqa: E402
 
 pytest.importorskip("ray.serve")
@@ -51,10 +52,20 @@ def members_of(root: Path, task: str) -> list[str]:
         processor = transformers.ViTImageProcessorPil(size={"height": 32, "width": 32}, image_mean=[0.5] * 3,
                                                       image_std=[0.5] * 3)
         return save_members(folder, [CASES["vit-imgcls"].build(seed) for seed in range(3)], processor)
-    case, labels = {"token-classification": ("bert-tokcls", TAGS), "feature-extraction": ("bert-base", None),
-                    "text-generation": ("llama-causallm", None)}[task]
-    tokenizer = decoder_tokenizer(folder / "tok") if task == "text-generation" else bert_tokenizer(folder / "tok")
-    return save_members(folder, build_members(case, 3, labels), tokenizer)
+    if task == "text-generation":  # LoRA adapters of one base as the members (hf_wide/blocks/lora.py)
+        tokenizer = decoder_tokenizer(folder / "tok")
+        build_members("llama-causallm", 1)[0].save_pretrained(folder / "base")
+        base = CASES["llama-causallm"].model_class.from_pretrained(folder / "base")  # the adapters name its folder
+        paths = []
+        for seed, rank in enumerate((4, 8, 8)):
+            adapter = folder / f"adapter-{seed}"
+            adapted(base, seed, scale=0.2, r=rank, lora_alpha=2 * rank, target_modules=["q_proj", "v_proj"],
+                    task_type="CAUSAL_LM").save_pretrained(adapter)
+            tokenizer.save_pretrained(adapter)
+            paths.append(str(adapter))
+        return paths
+    case, labels = {"token-classification": ("bert-tokcls", TAGS), "feature-extraction": ("bert-base", None)}[task]
+    return save_members(folder, build_members(case, 3, labels), bert_tokenizer(folder / "tok"))
 
 
 @pytest.fixture(scope="module")
