@@ -217,12 +217,22 @@ def load_wide(
     base_model: str | None = None,
     base_revision: str | None = None,
     merge: bool = False,
+    member_parallel: bool = False,
     **hub_kwargs,
 ):
     """``cls.from_pretrained``: one fused repo (its config.json has an ``hf_wide`` section), or N member
     checkpoints fused here, or PEFT adapters over one base (:mod:`hf_wide.adapters`: ``base_model`` and
     ``base_revision`` override the base the adapters name; ``merge`` merges each into its own copy of the base).
-    See :func:`download_members` for ``hub_kwargs``."""
+    ``member_parallel``: this rank of a ``torch.distributed`` job loads and fuses only its slice of the members
+    (:mod:`hf_wide.parallel`). See :func:`download_members` for ``hub_kwargs``."""
+    if member_parallel:  # this same loading, on the rank's slice of the members (every option passed on)
+        from .parallel import load_member_slice
+
+        options = dict(dtype=dtype, device=device, device_map=device_map, allow_pickle=allow_pickle,
+                       trust_remote_code=trust_remote_code, allow_label_mismatch=allow_label_mismatch,
+                       share_identical=share_identical, validate=validate, verify=verify, base_model=base_model,
+                       base_revision=base_revision, merge=merge, **hub_kwargs)
+        return load_member_slice(cls, load_wide, model_ids, revision, options)
     check_hub_kwargs(hub_kwargs)
     ids = [model_ids] if isinstance(model_ids, str) else list(model_ids)
     if not ids:

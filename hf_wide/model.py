@@ -21,7 +21,8 @@ from torch import nn
 
 from .capture import asks_for_capture, install_capture_hooks
 from .compat import check_compatible, member_names
-from .fold import Fold, fold_inputs, unfold_outputs
+from .fold import Fold, PerMember, fold_inputs, unfold_outputs
+from .parallel import gather_members, gather_outputs
 from .plan import Demotions, Kind, WidePlan
 from .primitives.base import keeping_storage
 from .structure import opaque_modules
@@ -48,6 +49,7 @@ class WideModel(nn.Module):
 
     adapter_sources = None
     full_members: frozenset[int] = frozenset()
+    members_group = None  # a MemberGroup when the members are split over ranks (hf_wide.parallel)
 
     def __init__(
         self,
@@ -200,7 +202,8 @@ class WideModel(nn.Module):
     # ---------------------------------------------------------------- running
     @property
     def num_members(self) -> int:
-        return self.fold.num_members
+        """N: every member, including those other ranks hold in a member-parallel model."""
+        return self.fold.num_members if self.members_group is None else self.members_group.num_members
 
     @property
     def config(self):
@@ -211,14 +214,17 @@ class WideModel(nn.Module):
         tensors ``(N, B, ...)`` give each its own. Every output tensor gains a leading member dim."""
         if not self._capture_hooks and asks_for_capture(kwargs, self.config):
             self._install_capture_hooks()
-        n = self.num_members
-        args, kwargs, batch = fold_inputs(n, args, kwargs)
+        group = self.members_group
+        inputs = (args, kwargs) if group is None else _local_inputs(group, args, kwargs)
+        n = self.fold.num_members
+        args, kwargs, batch = fold_inputs(n, *inputs)
         self.fold.anchor = _first_tensor((*args, *kwargs.values())).new_empty(n * batch, 0)
         try:
             outputs = self.model(*args, **kwargs)
         finally:
             self.fold.reset()
-        return unfold_outputs(outputs, n, batch)
+        outputs = unfold_outputs(outputs, n, batch)
+        return outputs if group is None else gather_outputs(group, outputs, batch, inputs)
 
     @torch.compiler.disable
     def _install_capture_hooks(self) -> None:
@@ -234,7 +240,10 @@ class WideModel(nn.Module):
         padded with ``pad_token_id``, as in transformers. Uses member 0's generation config."""
         if not hasattr(self.model, "generate"):
             raise TypeError(f"{type(self.model).__name__} cannot generate.")
-        n = self.num_members
+        group = self.members_group
+        if group is not None:
+            args, kwargs = _local_inputs(group, args, kwargs)
+        n = self.fold.num_members
         args, kwargs, batch = fold_inputs(n, args, kwargs)
         self.fold.recording = True  # the pre-hook records the rows of every forward generate() makes
         try:
@@ -242,7 +251,12 @@ class WideModel(nn.Module):
         finally:
             self.fold.reset()
         sequences = out if isinstance(out, torch.Tensor) else out.sequences
-        return sequences.view(n, -1, sequences.shape[-1])
+        sequences = sequences.view(n, -1, sequences.shape[-1])
+        if group is None:
+            return sequences
+        # Each rank stops when its own members are done; padded as one process pads members done early.
+        pad = kwargs.get("pad_token_id", getattr(getattr(self.model, "generation_config", None), "pad_token_id", None))
+        return gather_members(group, sequences, 0 if pad is None else pad)
 
     def train(self, mode: bool = True) -> "WideModel":
         shared = [e.name for e in self.plan.by_kind(Kind.SHARED) if e.params]
@@ -274,13 +288,20 @@ class WideModel(nn.Module):
         if not -self.num_members <= i < self.num_members:
             raise IndexError(f"member {i} out of range for {self.num_members} members")
         i %= self.num_members
+        local = i  # its index among the members this process holds
+        if self.members_group is not None:
+            group = self.members_group
+            if i not in group.local:
+                raise IndexError(f"member {i} is held by rank {group.rank_of(i)}, not by this rank "
+                                 f"({group.rank}: members {group.local.start}-{group.local.stop - 1}).")
+            local = i - group.local.start
         memo = {}
         if self.member_configs is not None and hasattr(self.model, "config"):
             memo[id(self.model.config)] = copy.deepcopy(self.member_configs[i])
         gen = getattr(self.model, "generation_config", None)
         if gen is not None and self.member_generation_configs and self.member_generation_configs[i] is not None:
             memo[id(gen)] = copy.deepcopy(self.member_generation_configs[i])
-        model = member_copy(self.model, i, self._aliases, memo, share=share)
+        model = member_copy(self.model, local, self._aliases, memo, share=share)
         if i in self.full_members:  # a full checkpoint among adapters: PEFT's zero-update layers taken out
             model = model.unload()  # (nothing is merged: its own weights, exactly)
         return model
@@ -302,6 +323,14 @@ class WideModel(nn.Module):
 
     def extra_repr(self) -> str:
         return f"num_members={self.num_members}, plan: {self.plan.summary()}"
+
+
+def _local_inputs(group, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """A member-parallel rank's inputs: ``PerMember`` tensors cut to its own members' rows."""
+    def cut(value):
+        return PerMember(value.tensor[group.local.start:group.local.stop]) if isinstance(value, PerMember) else value
+
+    return tuple(cut(a) for a in args), {k: cut(v) for k, v in kwargs.items()}
 
 
 def _describe(failures: dict[str, str]) -> str:

@@ -107,6 +107,10 @@ class TextGenerationPipeline(WidePipeline):
         if self.combine != Combine.NONE:
             if do_sample and generator is None:
                 generator = torch.Generator(self.device)
+                if seed is None and self.model.members_group is not None:  # every rank must draw the same tokens
+                    from ..parallel import shared_seed
+
+                    seed = shared_seed(self.model.members_group)
                 if seed is not None:
                     generator.manual_seed(seed)
                 else:

@@ -13,7 +13,9 @@ import transformers
 from PIL import Image
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "pipelines"))  # the text members
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # shared helpers
 
+from answers import close  # noqa: E402
 from text_members import CASES, bert_tokenizer, build_members, decoder_tokenizer, sentences  # noqa: E402
 
 from hf_wide import WideModel  # noqa: E402
@@ -55,18 +57,6 @@ def serve_in_process(pipe, bodies: list, content_type: str = "application/json")
         if isinstance(answer, Exception):
             raise answer
     return [json.loads(json.dumps(fmt.respond(r, a))) for r, a in zip(requests, answers)]  # through JSON
-
-
-def close(got, expected, tol: float = 1e-6) -> bool:
-    """Nested answers equal, floats within ``tol`` (the shared forward pads to another length)."""
-    if isinstance(expected, dict):
-        return isinstance(got, dict) and got.keys() == expected.keys() and all(
-            close(got[k], expected[k], tol) for k in expected)
-    if isinstance(expected, (list, tuple)):
-        return isinstance(got, list) and len(got) == len(expected) and all(map(close, got, expected, [tol] * len(got)))
-    if isinstance(expected, float):
-        return got == pytest.approx(expected, abs=tol)
-    return got == expected
 
 
 def png(seed: int, mode: str = "RGB") -> bytes:

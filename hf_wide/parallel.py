@@ -1,0 +1,227 @@
+"""Member parallelism: an ensemble larger than one device, split by member over ``torch.distributed`` ranks.
+
+    # torchrun --nproc-per-node K script.py
+    dist.init_process_group()                                     # gloo on CPU, nccl on GPU
+    wide = WideModel.from_pretrained(ids, member_parallel=True)   # rank r loads and fuses only its members
+    wide(**inputs).logits.shape                                   # (N, B, C) on every rank
+
+Rank r holds a contiguous slice of the members (:func:`member_slices`: as even as possible), fused as an
+ordinary wide model. A forward runs the local slice and all-gathers every per-member output, so every rank
+returns all N members' outputs, in member order: no activation crosses ranks inside a forward, only the outputs
+at its end. Every rank must pass the same inputs; a cheap fingerprint of them travels with the outputs'
+shapes, and ranks that disagree raise (all of them, with the same message) rather than return a mix.
+Caches (``past_key_values``) stay on their rank: each holds the keys and values of its own members.
+
+Loading is collective too: each rank reports success or its error, and a rank that failed makes every rank
+raise, naming it, instead of leaving the others waiting in a collective. (A rank that dies outright is
+noticed by the process group's own ``timeout``, set with ``init_process_group(timeout=...)``.)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+class MemberParallelError(RuntimeError):
+    """A rank of a member-parallel model failed, or the ranks disagree."""
+
+
+@dataclasses.dataclass(frozen=True)
+class MemberGroup:
+    """The ranks sharing one member-parallel wide model: ``slices[r]`` are the (global) member indices that
+    rank r holds. ``group`` is the process group (None: the default one)."""
+
+    rank: int
+    slices: tuple[range, ...]
+    group: Any = None
+
+    @property
+    def world_size(self) -> int:
+        return len(self.slices)
+
+    @property
+    def num_members(self) -> int:
+        return self.slices[-1].stop
+
+    @property
+    def local(self) -> range:
+        return self.slices[self.rank]
+
+    def rank_of(self, member: int) -> int:
+        return next(r for r, members in enumerate(self.slices) if member in members)
+
+
+def member_slices(num_members: int, world_size: int) -> tuple[range, ...]:
+    """Contiguous slices of ``range(num_members)`` over ``world_size`` ranks, sizes differing by at most one
+    (the first ``num_members % world_size`` ranks hold one more)."""
+    if world_size > num_members:
+        raise ValueError(f"member_parallel over {world_size} ranks needs at least {world_size} members, got "
+                         f"{num_members}: every rank must hold one. Launch at most {num_members} processes.")
+    size, extra = divmod(num_members, world_size)
+    bounds = [0]
+    for r in range(world_size):
+        bounds.append(bounds[-1] + size + (r < extra))
+    return tuple(range(bounds[r], bounds[r + 1]) for r in range(world_size))
+
+
+def member_group(num_members: int, group=None) -> MemberGroup:
+    """The member split of the current process group (``torch.distributed`` must be initialised)."""
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError("member_parallel=True needs torch.distributed: launch with torchrun and call "
+                           "torch.distributed.init_process_group() first (gloo on CPU, nccl on GPU).")
+    return MemberGroup(dist.get_rank(group), member_slices(num_members, dist.get_world_size(group)), group)
+
+
+def load_collectively(members: MemberGroup, load: Callable[[], Any], what: str) -> Any:
+    """``load()`` on every rank; if it raised on any rank, every rank raises, naming the ranks and their errors
+    (the failing rank's own error chained)."""
+    error: BaseException | None = None
+    result = None
+    try:
+        result = load()
+    except Exception as exc:  # reported to every rank, then raised
+        error = exc
+    reports = [None] * members.world_size
+    dist.all_gather_object(reports, None if error is None else f"{type(error).__name__}: {error}", members.group)
+    failed = [(r, report) for r, report in enumerate(reports) if report is not None]
+    if failed:
+        detail = "; ".join(f"rank {r} ({_members(members.slices[r])}): {report}" for r, report in failed)
+        raise MemberParallelError(f"{what} failed on {len(failed)} of {members.world_size} ranks: {detail}") from error
+    return result
+
+
+def load_member_slice(cls, load: Callable, model_ids: Sequence[str] | str, revision, options: dict):
+    """``WideModel.from_pretrained(model_ids, member_parallel=True)``: ``load`` (:func:`hf_wide.hub.load_wide`)
+    of this rank's members, then what the whole ensemble needs on every rank (ids, commits, configs), and a check
+    that every rank's members share one architecture."""
+    ids = [model_ids] if isinstance(model_ids, str) else list(model_ids)
+    if len(ids) == 1:
+        raise ValueError("member_parallel=True splits a list of members over the ranks; a single id (a fused repo) "
+                         "is not split yet: pass the members' own ids (wide.push_members / save_members writes them).")
+    members = member_group(len(ids))
+    mine = members.local
+    if isinstance(revision, (list, tuple)):
+        if len(revision) != len(ids):
+            raise ValueError(f"Got {len(revision)} revisions for {len(ids)} members.")
+        revision = list(revision)[mine.start:mine.stop]
+    wide = load_collectively(members, lambda: load(cls, ids[mine.start:mine.stop], revision, **options),
+                             f"Loading {len(ids)} members over {members.world_size} ranks")
+    return attach(wide, members, options.get("allow_label_mismatch", False))
+
+
+def attach(wide, members: MemberGroup, allow_label_mismatch: bool = False):
+    """Make ``wide`` (this rank's members, fused) the rank's part of a member-parallel model: it learns every
+    member's id, commit and config, and checks (on every rank alike) that all ranks' members match."""
+    from .compat import check_configs
+
+    wide.member_ids = all_slices(members, wide.member_ids)
+    wide.member_revisions = all_slices(members, wide.member_revisions)
+    configs = all_slices(members, wide.member_configs or [wide.config] * len(members.local))
+    first = [members.slices[r].start for r in range(members.world_size)]
+    for i in first[1:]:  # each rank fused its own members; across ranks, they must agree as well
+        check_configs(configs[0], configs[i], f"member 0 ({wide.member_ids[0]})", f"member {i} ({wide.member_ids[i]})",
+                      allow_label_mismatch)
+    if wide.member_configs is not None:
+        wide.member_configs = configs
+    if wide.member_generation_configs is not None:
+        wide.member_generation_configs = all_slices(members, wide.member_generation_configs)
+    full = all_slices(members, [j in wide.full_members for j in range(len(members.local))])
+    wide.full_members = frozenset(i for i, is_full in enumerate(full) if is_full)
+    wide.members_group = members
+    return wide
+
+
+def shared_seed(members: MemberGroup) -> int:
+    """A fresh random seed, rank 0's, on every rank: sampling that must choose the same tokens everywhere."""
+    box = [torch.seed() if members.rank == 0 else None]
+    dist.broadcast_object_list(box, src=dist.get_global_rank(members.group, 0) if members.group else 0,
+                               group=members.group)
+    return box[0]
+
+
+def all_slices(members: MemberGroup, local: Sequence) -> list:
+    """Every rank's ``local`` list (one entry per local member), concatenated in member order."""
+    gathered = [None] * members.world_size
+    dist.all_gather_object(gathered, list(local), members.group)
+    return [item for part in gathered for item in part]
+
+
+def gather_outputs(members: MemberGroup, outputs: Any, batch: int, inputs: tuple[tuple, dict]) -> Any:
+    """The local forward's ``outputs`` with every per-member tensor ``(n_local, B, ...)`` replaced by all N
+    members' ``(N, B, ...)``; other values (caches, scalars) stay as they are. Raises on every rank if the ranks'
+    inputs or output structures differ."""
+    n_local = len(members.local)
+    leaves: list[torch.Tensor] = []
+    _walk(outputs, lambda t: leaves.append(t) if _per_member(t, n_local, batch) else None)
+    meta = (_fingerprint(inputs), [(tuple(t.shape[1:]), str(t.dtype)) for t in leaves])
+    metas = [None] * members.world_size
+    dist.all_gather_object(metas, meta, members.group)
+    if any(m[0] != metas[0][0] for m in metas):
+        ranks = [r for r, m in enumerate(metas) if m[0] != metas[0][0]]
+        raise MemberParallelError(f"The ranks of a member-parallel model were given different inputs (rank "
+                                  f"{ranks[0]} differs from rank 0): every rank must run the same inputs.")
+    if any(m[1] != metas[0][1] for m in metas):
+        raise MemberParallelError("The ranks' outputs differ in structure or shape: every rank must run the same "
+                                  f"inputs with the same options ({metas[0][1]} on rank 0).")
+    gathered = iter([gather_members(members, t) for t in leaves])
+    return _walk(outputs, lambda t: next(gathered) if _per_member(t, n_local, batch) else t, rebuild=True)
+
+
+def gather_members(members: MemberGroup, local: torch.Tensor, pad_value: float = 0) -> torch.Tensor:
+    """``(n_local, ...)`` on each rank -> ``(N, ...)`` on every rank. Dims after the first may differ across
+    ranks (generated lengths): each rank's part is padded to the largest with ``pad_value``."""
+    sizes = torch.tensor([*local.shape], dtype=torch.int64, device=local.device)
+    shapes = [torch.empty_like(sizes) for _ in range(members.world_size)]
+    dist.all_gather(shapes, sizes, members.group)
+    biggest = torch.stack(shapes).amax(0).tolist()
+    padded = local.new_full(biggest, pad_value)
+    padded[tuple(slice(0, s) for s in local.shape)] = local
+    parts = [torch.empty_like(padded) for _ in range(members.world_size)]
+    dist.all_gather(parts, padded.contiguous(), members.group)
+    return torch.cat([part[: len(members.slices[r])] for r, part in enumerate(parts)])
+
+
+def _per_member(value: Any, n_local: int, batch: int) -> bool:
+    return isinstance(value, torch.Tensor) and value.dim() >= 2 and tuple(value.shape[:2]) == (n_local, batch)
+
+
+def _walk(value: Any, visit: Callable, rebuild: bool = False) -> Any:
+    """Visit the tensors of outputs (tuples, lists, dicts, ``ModelOutput``s) in a fixed order; with ``rebuild``,
+    put back what ``visit`` returns (``ModelOutput``s updated in place, as :func:`hf_wide.fold.unfold_outputs`)."""
+    if isinstance(value, torch.Tensor):
+        result = visit(value)
+        return result if rebuild else value
+    if isinstance(value, dict):
+        for key, item in value.items():
+            new = _walk(item, visit, rebuild)
+            if rebuild:
+                value[key] = new
+        return value
+    if isinstance(value, (tuple, list)):
+        items = [_walk(item, visit, rebuild) for item in value]
+        return type(value)(items) if rebuild else value
+    return value
+
+
+def _fingerprint(inputs: tuple[tuple, dict]) -> tuple:
+    """A cheap summary of a call's tensor inputs (shapes, and two sums that a reordering changes)."""
+    args, kwargs = inputs
+    summary = []
+    for key, value in [*enumerate(args), *sorted(kwargs.items())]:
+        tensor = getattr(value, "tensor", value)  # PerMember wraps its tensor
+        if isinstance(tensor, torch.Tensor):
+            flat = tensor.detach().reshape(-1).double()
+            weights = torch.arange(1, flat.numel() + 1, dtype=torch.float64, device=flat.device) % 97
+            summary.append((key, tuple(tensor.shape), round(float(flat.sum()), 6), round(float(flat @ weights), 6)))
+        elif isinstance(value, (bool, int, float, str)) or value is None:
+            summary.append((key, value))
+    return tuple(summary)
+
+
+def _members(members: range) -> str:
+    return f"member {members.start}" if len(members) == 1 else f"members {members.start}-{members.stop - 1}"

@@ -1,0 +1,65 @@
+"""One rank of a member-parallel wide model, launched by tests/test_parallel.py with torchrun (gloo, CPU).
+
+    torchrun --nproc-per-node K tests/member_parallel_worker.py SCENARIO OUT_DIR [ARGS...]
+
+``run LLAMA_DIRS BERT_DIRS`` (comma-separated member folders): forward, per-member generation, ensemble decoding,
+the text-classification pipeline, parameter bytes, and inputs that differ across ranks; ``load IDS``: loading
+only, expected to fail on some rank. Each rank writes ``rank{r}.pt`` (what it computed, or the error it raised)."""
+
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from hf_wide import WideModel
+from hf_wide.pipelines import pipeline
+
+
+def inputs(seed: int = 0) -> dict:
+    ids = torch.randint(5, 90, (2, 7), generator=torch.Generator().manual_seed(seed))
+    return {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+
+
+def run(llama_dirs: str, bert_dirs: str) -> dict:
+    result = {}
+    wide = WideModel.from_pretrained(llama_dirs.split(","), member_parallel=True)
+    result["members"] = list(wide.member_ids)
+    result["local"] = list(wide.members_group.local)
+    result["parameter_bytes"] = sum(p.numel() * p.element_size() for p in wide.parameters())
+    with torch.no_grad():
+        result["logits"] = wide(**inputs()).logits
+        result["generated"] = wide.generate(**inputs(1), max_new_tokens=6, do_sample=False)
+    decoder = pipeline("text-generation", model=wide, max_new_tokens=5)
+    result["decoded"] = decoder(["cat sat on the", "the big dog"])
+    result["sampled"] = decoder("cat sat on the", do_sample=True, top_k=5)["generated_text"]  # no seed: rank 0's
+    try:
+        with torch.no_grad():
+            wide(**inputs(seed=10 + dist.get_rank()))  # each rank its own inputs: refused on every rank
+        result["mismatch"] = None
+    except Exception as exc:
+        result["mismatch"] = f"{type(exc).__name__}: {exc}"
+    bert = WideModel.from_pretrained(bert_dirs.split(","), member_parallel=True)
+    result["classified"] = pipeline("text-classification", model=bert)(["the cat sat on the mat", "a bad movie"])
+    return result
+
+
+def load(ids: str) -> dict:
+    try:
+        WideModel.from_pretrained(ids.split(","), member_parallel=True)
+        return {"error": None}
+    except Exception as exc:
+        return {"error": f"{type(exc).__name__}: {exc}"}
+
+
+def main(scenario: str, out_dir: str, *args: str) -> None:
+    dist.init_process_group("gloo")
+    try:
+        result = {"run": run, "load": load}[scenario](*args)
+        torch.save(result, Path(out_dir) / f"rank{dist.get_rank()}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])

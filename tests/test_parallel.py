@@ -1,0 +1,110 @@
+"""hf_wide/parallel.py: member parallelism over torch.distributed. Two (or three) CPU processes launched with
+torchrun (gloo, loopback) each hold a slice of the members; what every rank returns equals the single-process
+wide model's exactly, N = 3 members over 2 ranks (uneven); failures raise on every rank, and nothing hangs."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "pipelines"))  # the text members
+
+from answers import close  # noqa: E402
+from member_parallel_worker import inputs  # noqa: E402
+from text_members import bert_tokenizer, build_members, decoder_tokenizer, save_members  # noqa: E402
+
+from hf_wide import WideModel  # noqa: E402
+from hf_wide.parallel import MemberGroup, member_slices  # noqa: E402
+from hf_wide.pipelines import pipeline  # noqa: E402
+
+WORKER = Path(__file__).resolve().parent / "member_parallel_worker.py"
+TIMEOUT = 240  # seconds: a hang fails the test instead of the CI run
+
+
+def torchrun(nproc: int, *args: str, out: Path) -> list[dict]:
+    """Launch the worker on ``nproc`` ranks; each rank's result."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo", "PYTHONPATH": str(WORKER.parent)}
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+               str(WORKER), *args[:1], str(out), *args[1:]]
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=TIMEOUT)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(nproc)]
+
+
+@pytest.fixture(scope="module")
+def members(tmp_path_factory):
+    root = tmp_path_factory.mktemp("parallel")
+    llama = save_members(root / "llama", build_members("llama-causallm", 3), decoder_tokenizer(root / "dec"))
+    bert = save_members(root / "bert", build_members("bert-seqcls", 3, {0: "neg", 1: "pos", 2: "mixed"}),
+                        bert_tokenizer(root / "tok"))
+    return root, llama, bert
+
+
+@pytest.fixture(scope="module")
+def ranks(members):
+    root, llama, bert = members
+    out = root / "run"
+    out.mkdir()
+    return torchrun(2, "run", ",".join(llama), ",".join(bert), out=out)
+
+
+def test_member_slices_are_contiguous_and_even():
+    assert member_slices(3, 2) == (range(0, 2), range(2, 3))
+    assert [len(s) for s in member_slices(8, 3)] == [3, 3, 2]
+    assert MemberGroup(1, member_slices(5, 2)).local == range(3, 5)
+    with pytest.raises(ValueError, match="over 3 ranks needs at least 3 members"):
+        member_slices(2, 3)
+
+
+def test_member_parallel_without_torch_distributed_says_how():
+    with pytest.raises(RuntimeError, match="torchrun"):
+        WideModel.from_pretrained(["a", "b"], member_parallel=True)
+
+
+def test_every_rank_returns_what_one_process_computes(members, ranks):
+    _, llama, bert = members
+    wide = WideModel.from_pretrained(llama)
+    with torch.no_grad():
+        logits = wide(**inputs()).logits
+        generated = wide.generate(**inputs(1), max_new_tokens=6, do_sample=False)
+    decoded = pipeline("text-generation", model=wide, max_new_tokens=5)(["cat sat on the", "the big dog"])
+    classified = pipeline("text-classification", model=bert)(["the cat sat on the mat", "a bad movie"])
+    for rank in ranks:  # the same tokens, texts and labels; floats to the last bits (kernels block by batch size)
+        assert rank["members"] == llama
+        assert rank["logits"] == pytest.approx(logits, abs=1e-6, rel=0)
+        assert torch.equal(rank["generated"], generated)
+        assert close(rank["decoded"], decoded) and close(rank["classified"], classified)
+    assert [r["local"] for r in ranks] == [[0, 1], [2]]
+    assert ranks[0]["sampled"] == ranks[1]["sampled"]  # sampling without a seed: the same draws on every rank
+
+
+def test_each_rank_holds_its_share_of_the_parameters(members, ranks):
+    _, llama, _ = members
+    def size(model):
+        return sum(p.numel() * p.element_size() for p in model.parameters())
+
+    assert [r["parameter_bytes"] for r in ranks] == [size(WideModel.from_pretrained(llama[:2])),
+                                                     size(WideModel.from_pretrained(llama[2:]))]
+    assert ranks[1]["parameter_bytes"] < ranks[0]["parameter_bytes"] < size(WideModel.from_pretrained(llama))
+
+
+def test_ranks_given_different_inputs_all_raise(ranks):
+    for rank in ranks:
+        assert rank["mismatch"] is not None and "different inputs" in rank["mismatch"]
+
+
+def test_a_member_that_cannot_be_loaded_fails_every_rank(members, tmp_path):
+    _, llama, _ = members
+    results = torchrun(2, "load", ",".join([*llama[:2], str(tmp_path / "missing")]), out=tmp_path)
+    for result in results:
+        assert "MemberParallelError" in result["error"] and "rank 1 (member 2)" in result["error"]
+
+
+def test_more_ranks_than_members_fails_every_rank(members, tmp_path):
+    _, llama, _ = members
+    results = torchrun(3, "load", ",".join(llama[:2]), out=tmp_path)
+    for result in results:
+        assert "needs at least 3 members" in result["error"]
