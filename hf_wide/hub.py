@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import gc
+import inspect
 import logging
 import os
 import re
@@ -211,7 +212,7 @@ def load_wide(
     allow_pickle: bool = False,
     trust_remote_code: bool = False,
     allow_label_mismatch: bool = False,
-    share_identical: bool = True,
+    share_identical: bool | None = None,
     validate: bool = False,
     verify: bool = True,
     base_model: str | None = None,
@@ -225,15 +226,18 @@ def load_wide(
     ``base_revision`` override the base the adapters name; ``merge`` merges each into its own copy of the base).
     ``member_parallel``: this rank of a ``torch.distributed`` job loads and fuses only its slice of the members
     (:mod:`hf_wide.parallel`). See :func:`download_members` for ``hub_kwargs``."""
-    if member_parallel:  # this same loading, on the rank's slice of the members (every option passed on)
+    check_hub_kwargs(hub_kwargs)
+    # A rank cannot see whether other ranks' members hold the same tensor: member-parallel ranks keep each member's
+    # own (so that every rank fuses its slice the same way), unless asked to share within the rank.
+    share_identical = not member_parallel if share_identical is None else share_identical
+    if member_parallel:  # this same loading, of the rank's slice of the members (every option passed on)
         from .parallel import load_member_slice
 
         options = dict(dtype=dtype, device=device, device_map=device_map, allow_pickle=allow_pickle,
                        trust_remote_code=trust_remote_code, allow_label_mismatch=allow_label_mismatch,
                        share_identical=share_identical, validate=validate, verify=verify, base_model=base_model,
                        base_revision=base_revision, merge=merge, **hub_kwargs)
-        return load_member_slice(cls, load_wide, model_ids, revision, options)
-    check_hub_kwargs(hub_kwargs)
+        return load_member_slice(*_slice_loader(cls, model_ids, revision, options), allow_label_mismatch)
     ids = [model_ids] if isinstance(model_ids, str) else list(model_ids)
     if not ids:
         raise ValueError("WideModel.from_pretrained needs at least one model id; got an empty list.")
@@ -289,6 +293,28 @@ def load_wide(
         members = [wide.member(i) for i in range(wide.num_members)]
         wide.validate(members, (), sample_inputs(members[0]))
     return wide
+
+
+def _slice_loader(cls, model_ids, revision, options: dict):
+    """(N, load(members) -> the wide model of those members) for a member-parallel rank: member repos, each
+    rank loading its own; or one fused repo, which every rank downloads and reads its members' bytes from."""
+    ids = [model_ids] if isinstance(model_ids, str) else list(model_ids)
+    if len(ids) > 1:
+        revisions = list(revision) if isinstance(revision, (list, tuple)) else [revision] * len(ids)
+        if len(revisions) != len(ids):
+            raise ValueError(f"Got {len(revisions)} revisions for {len(ids)} members.")
+        return len(ids), lambda members: load_wide(cls, ids[members.start:members.stop],
+                                                   revisions[members.start:members.stop], **options)
+    hub_kwargs = {k: v for k, v in options.items() if k not in inspect.signature(load_wide).parameters}
+    folder = download_members(ids, revision, allow_pickle=options["allow_pickle"], **hub_kwargs)[0]
+    section = read_section(folder)
+    if section is None or "adapters" in section:
+        what = "a saved ensemble of adapters" if section else "one checkpoint"
+        raise ValueError(f"member_parallel=True splits members over the ranks, and {ids[0]} is {what}: pass the "
+                         "members' own ids, or a fused repo of full members.")
+    dtype, device = resolve_dtype(options["dtype"]), resolve_device(options["device"], options["device_map"])
+    return section["num_members"], lambda members: load_fused(cls, folder, name=ids[0], dtype=dtype, device=device,
+                                                              members=members)
 
 
 def _load_streaming(cls, ids, folders, names, dtype, device, trust_remote_code, allow_label_mismatch,
@@ -471,18 +497,31 @@ def push_wide(wide, repo_id: str, *, private: bool | None = None, token: str | N
     created if needed). A README.md already in the repo is kept unless ``overwrite_readme``; weight files of an
     earlier upload that this one does not replace are deleted in the same commit. Returns the CommitInfo."""
     api = HfApi(token=token)
-    repo_id = api.create_repo(repo_id, private=private, exist_ok=True).repo_id
+    group = wide.members_group  # member-parallel: every rank saves (rank 0 writes), rank 0 talks to the Hub
+
+    def on_hub(work, what: str):
+        if group is None:
+            return work()
+        from .parallel import from_rank_zero
+
+        return from_rank_zero(group, work, what)
+
+    repo_id = on_hub(lambda: api.create_repo(repo_id, private=private, exist_ok=True).repo_id, "Creating the repo")
     with tempfile.TemporaryDirectory(prefix="hf-wide-") as tmp:
         save_wide(wide, tmp, repo_id=repo_id, overwrite_readme=True, **save_kwargs)
-        if not overwrite_readme and api.file_exists(repo_id, "README.md"):
-            (Path(tmp) / "README.md").unlink()
-        return api.upload_folder(
-            repo_id=repo_id,
-            folder_path=tmp,
-            commit_message=commit_message or f"Upload a wide model of {wide.num_members} members with hf-wide",
-            create_pr=create_pr,
-            delete_patterns=["model*.safetensors", WEIGHTS_INDEX_NAME],
-        )
+
+        def upload():
+            if not overwrite_readme and api.file_exists(repo_id, "README.md"):
+                (Path(tmp) / "README.md").unlink()
+            return api.upload_folder(
+                repo_id=repo_id,
+                folder_path=tmp,
+                commit_message=commit_message or f"Upload a wide model of {wide.num_members} members with hf-wide",
+                create_pr=create_pr,
+                delete_patterns=["model*.safetensors", WEIGHTS_INDEX_NAME],
+            )
+
+        return on_hub(upload, f"Uploading to {repo_id}")
 
 
 def push_members(wide, repo_ids: Sequence[str], *, private: bool | None = None, token: str | None = None,

@@ -95,23 +95,14 @@ def load_collectively(members: MemberGroup, load: Callable[[], Any], what: str) 
     return result
 
 
-def load_member_slice(cls, load: Callable, model_ids: Sequence[str] | str, revision, options: dict):
-    """``WideModel.from_pretrained(model_ids, member_parallel=True)``: ``load`` (:func:`hf_wide.hub.load_wide`)
-    of this rank's members, then what the whole ensemble needs on every rank (ids, commits, configs), and a check
-    that every rank's members share one architecture."""
-    ids = [model_ids] if isinstance(model_ids, str) else list(model_ids)
-    if len(ids) == 1:
-        raise ValueError("member_parallel=True splits a list of members over the ranks; a single id (a fused repo) "
-                         "is not split yet: pass the members' own ids (wide.push_members / save_members writes them).")
-    members = member_group(len(ids))
-    mine = members.local
-    if isinstance(revision, (list, tuple)):
-        if len(revision) != len(ids):
-            raise ValueError(f"Got {len(revision)} revisions for {len(ids)} members.")
-        revision = list(revision)[mine.start:mine.stop]
-    wide = load_collectively(members, lambda: load(cls, ids[mine.start:mine.stop], revision, **options),
-                             f"Loading {len(ids)} members over {members.world_size} ranks")
-    return attach(wide, members, options.get("allow_label_mismatch", False))
+def load_member_slice(num_members: int, load: Callable[[range], Any], allow_label_mismatch: bool = False):
+    """``WideModel.from_pretrained(..., member_parallel=True)`` on this rank: ``load(members)`` of its slice (on
+    every rank, failures reported to all), then what the whole ensemble needs on every rank (ids, commits,
+    configs), and a check that every rank's members share one architecture."""
+    members = member_group(num_members)
+    wide = load_collectively(members, lambda: load(members.local),
+                             f"Loading {num_members} members over {members.world_size} ranks")
+    return attach(wide, members, allow_label_mismatch)
 
 
 def attach(wide, members: MemberGroup, allow_label_mismatch: bool = False):
@@ -134,6 +125,37 @@ def attach(wide, members: MemberGroup, allow_label_mismatch: bool = False):
     wide.full_members = frozenset(i for i, is_full in enumerate(full) if is_full)
     wide.members_group = members
     return wide
+
+
+def agree_to_save(members: MemberGroup, plan, first: dict[str, torch.Tensor], local_shared: list[str]) -> list[str]:
+    """Before a member-parallel model writes one fused repo: the names whose tensor is the same in all N members
+    (``first``: this rank's first member's tensors; ``local_shared``: the same in all of this rank's), and a check
+    that every rank fused its members the same way (one plan to write)."""
+    import hashlib
+
+    from .saving import plan_to_dict
+
+    digests = {k: hashlib.sha256(first[k].detach().cpu().contiguous().view(-1).view(torch.uint8).numpy()).hexdigest()
+               for k in local_shared}
+    layout = plan_to_dict(dataclasses.replace(plan, num_members=0))
+    reports = [None] * members.world_size
+    dist.all_gather_object(reports, (digests, layout), members.group)
+    differ = [r for r, (_, other) in enumerate(reports) if other != reports[0][1]]
+    if differ:
+        raise MemberParallelError(
+            f"Rank {differ[0]} fused its members differently from rank 0, so no one plan describes them all: load "
+            "with share_identical=False (the member-parallel default) to save a fused repo from the ranks.")
+    on_zero = reports[0][0]
+    return [k for k in first if k in on_zero and all(d.get(k) == on_zero[k] for d, _ in reports)]
+
+
+def from_rank_zero(members: MemberGroup, work: Callable[[], Any], what: str) -> Any:
+    """``work()`` on rank 0 only (talking to the Hub, say); its result on every rank, its failure raised on all."""
+    result = load_collectively(members, lambda: work() if members.rank == 0 else None, what)
+    box = [result]
+    dist.broadcast_object_list(box, src=dist.get_global_rank(members.group, 0) if members.group else 0,
+                               group=members.group)
+    return box[0]
 
 
 def shared_seed(members: MemberGroup) -> int:

@@ -305,7 +305,7 @@ def wide_config_section(wide, shared: Sequence[str]) -> dict:
         "labels": [{str(k): v for k, v in (c.id2label or {}).items()} for c in configs],
         "member_config_overrides": [config_overrides(c, configs[0]) for c in configs],
         "shared": sorted(shared),
-        "plan": plan_to_dict(wide.plan),
+        "plan": plan_to_dict(dataclasses.replace(wide.plan, num_members=wide.num_members)),
     }
 
 
@@ -349,6 +349,9 @@ def save_wide(wide, save_directory: str | Path, *, max_shard_size: int | str = D
         raise TypeError("Only transformers models (with a config) can be saved as a fused repo; "
                         "save plain modules with torch.save(wide.state_dict()).")
     refuse_peft_without_sources(wide)
+    if wide.members_group is not None and getattr(wide, "adapter_sources", None) is not None:
+        raise NotImplementedError("Saving adapters loaded member-parallel is not supported: save the adapters "
+                                  "themselves (each rank's PeftModel members), or load them in one process.")
     directory = Path(save_directory)
     directory.mkdir(parents=True, exist_ok=True)
     if getattr(wide, "adapter_sources", None) is not None:  # adapters of one base: the base referenced
@@ -362,20 +365,36 @@ def save_wide(wide, save_directory: str | Path, *, max_shard_size: int | str = D
             if preprocessor is not None:
                 preprocessor.save_pretrained(directory)
         return directory
-    states = [state_tensors(wide.member(i, share=True)) for i in range(wide.num_members)]  # views, no copies
+    group = wide.members_group  # member-parallel: every rank stacks its members, rank 0 writes (hf_wide.parallel)
+    local = range(wide.num_members) if group is None else group.local
+    states = [state_tensors(wide.member(i, share=True)) for i in local]  # views, no copies
     shared = [k for k, t in states[0].items() if all(_identical(t, s[k]) for s in states[1:])]
+    if group is not None:
+        from .parallel import agree_to_save
+
+        shared = agree_to_save(group, wide.plan, states[0], shared)
+    writes = group is None or group.rank == 0
     # Plan the shards on meta tensors of the stored shapes, then stack one shard at a time.
-    stored = {k: torch.empty(t.shape if k in shared else (len(states), *t.shape), dtype=t.dtype, device="meta")
+    stored = {k: torch.empty(t.shape if k in shared else (wide.num_members, *t.shape), dtype=t.dtype, device="meta")
               for k, t in states[0].items()}
     split = split_torch_state_dict_into_shards(stored, filename_pattern="model{suffix}.safetensors",
                                                max_shard_size=max_shard_size)
-    for old in chain(directory.glob("model*.safetensors"), directory.glob(WEIGHTS_INDEX_NAME)):
-        old.unlink()
+    if writes:
+        for old in chain(directory.glob("model*.safetensors"), directory.glob(WEIGHTS_INDEX_NAME)):
+            old.unlink()
     for filename, keys in split.filename_to_tensors.items():
-        tensors = {k: states[0][k].detach().clone() if k in shared else torch.stack([s[k].detach() for s in states])
+        tensors = {k: states[0][k].detach().clone() if k in shared else _stacked(group, [s[k] for s in states])
                    for k in keys}
-        save_file(tensors, str(directory / filename), metadata={"format": "pt"})
+        if group is None:
+            save_file(tensors, str(directory / filename), metadata={"format": "pt"})
+        else:  # a failure to write on rank 0 raises on every rank, rather than leave them in the next gather
+            from .parallel import load_collectively
+
+            load_collectively(group, lambda: save_file(tensors, str(directory / filename), metadata={"format": "pt"})
+                              if writes else None, f"Writing {filename}")
         del tensors
+    if not writes:
+        return directory
     if split.is_sharded:
         index = {"metadata": split.metadata, "weight_map": split.tensor_to_filename}
         (directory / WEIGHTS_INDEX_NAME).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
@@ -392,6 +411,16 @@ def save_wide(wide, save_directory: str | Path, *, max_shard_size: int | str = D
     if overwrite_readme or not readme.exists():
         readme.write_text(model_card(wide, repo_id))
     return directory
+
+
+def _stacked(group, tensors: list[torch.Tensor]) -> torch.Tensor:
+    """``(N, ...)``: the members' tensors stacked; a member-parallel rank's, gathered from every rank."""
+    stacked = torch.stack([t.detach() for t in tensors])
+    if group is None:
+        return stacked
+    from .parallel import gather_members
+
+    return gather_members(group, stacked)
 
 
 def _identical(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -431,8 +460,10 @@ def copy_tokenizer_files(source_dirs: Sequence[str | Path], directory: Path) -> 
 
 
 # ---------------------------------------------------------------- loading a fused repo
-def load_fused(cls, folder: str | Path, *, name: str, dtype: torch.dtype | str | None = None, device=None):
-    """A fused repo folder back as a ``cls`` (WideModel), without tracing: the stored plan is reapplied."""
+def load_fused(cls, folder: str | Path, *, name: str, dtype: torch.dtype | str | None = None, device=None,
+               members: range | None = None):
+    """A fused repo folder back as a ``cls`` (WideModel), without tracing: the stored plan is reapplied. With
+    ``members`` (a member-parallel rank's slice), only those members, and only their bytes are read."""
     import transformers
     from transformers import GenerationConfig
 
@@ -441,13 +472,14 @@ def load_fused(cls, folder: str | Path, *, name: str, dtype: torch.dtype | str |
     config = transformers.AutoConfig.from_pretrained(folder)
     delattr(config, CONFIG_KEY)
     n = section["num_members"]
+    members = range(n) if members is None else members
     torch_dtype = config.dtype if dtype in (None, "auto") else dtype
     template = empty_model(model_class_for(config, name), config, torch_dtype)
     generation_config = getattr(template, "generation_config", None)
     if generation_config is not None and (folder / "generation_config.json").exists():
         generation_config = GenerationConfig.from_pretrained(folder)
     configs = []
-    for i in range(n):
+    for i in members:
         labels = {int(k): v for k, v in section["labels"][i].items()}
         configs.append(member_config(template.config, {**section["member_config_overrides"][i], "id2label": labels,
                                                        "label2id": {v: k for k, v in labels.items()},
@@ -458,13 +490,13 @@ def load_fused(cls, folder: str | Path, *, name: str, dtype: torch.dtype | str |
         keys = _check_layout(ckpt, template, shared, n, name)
 
         def read(i: int, key: str, dst: torch.Tensor) -> None:
-            ckpt.read_into(keys[key], dst, None if keys[key] in shared else i)
+            ckpt.read_into(keys[key], dst, None if keys[key] in shared else members[i])
 
-        plan = plan_from_dict(section["plan"])
+        plan = dataclasses.replace(plan_from_dict(section["plan"]), num_members=len(members))
         model, fold, aliases = assemble(skeletons, plan, device, read)
-    generation_configs = [copy.deepcopy(generation_config) for _ in range(n)]
-    wide = cls(model, plan, fold, aliases, section["member_ids"], configs, generation_configs)
-    wide.member_revisions = list(section["member_revisions"])
+    generation_configs = [copy.deepcopy(generation_config) for _ in members]
+    wide = cls(model, plan, fold, aliases, [section["member_ids"][i] for i in members], configs, generation_configs)
+    wide.member_revisions = [section["member_revisions"][i] for i in members]
     wide._source_dirs = [folder]
     return wide.eval()
 

@@ -2,8 +2,10 @@
 
     torchrun --nproc-per-node K tests/member_parallel_worker.py SCENARIO OUT_DIR [ARGS...]
 
-``run LLAMA_DIRS BERT_DIRS`` (comma-separated member folders): forward, per-member generation, ensemble decoding,
-the text-classification pipeline, parameter bytes, and inputs that differ across ranks; ``load IDS``: loading
+``run LLAMA_DIRS BERT_DIRS FUSED_DIR`` (comma-separated member folders, a fused repo of the Llama members):
+forward, per-member generation, ensemble decoding, the text-classification pipeline, parameter bytes, inputs that
+differ across ranks, saving one fused repo (``OUT_DIR/saved``) and pushing it to the test Hub, and reading a
+fused repo's slices; ``load IDS``: loading
 only, expected to fail on some rank. Each rank writes ``rank{r}.pt`` (what it computed, or the error it raised)."""
 
 import sys
@@ -11,6 +13,8 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+
+from hub_server import TOKEN  # the test Hub (tests/hub_server.py) that the launching test runs
 
 from hf_wide import WideModel
 from hf_wide.pipelines import pipeline
@@ -21,9 +25,22 @@ def inputs(seed: int = 0) -> dict:
     return {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
 
 
-def run(llama_dirs: str, bert_dirs: str) -> dict:
+def run(llama_dirs: str, bert_dirs: str, fused_dir: str, out_dir: str) -> dict:
     result = {}
     wide = WideModel.from_pretrained(llama_dirs.split(","), member_parallel=True)
+    wide.save_pretrained(Path(out_dir) / "saved")  # one fused repo, written by rank 0
+    result["pushed"] = wide.push_to_hub("alice/from-ranks", token=TOKEN).oid  # rank 0 uploads, every rank learns
+    try:  # members shared within a rank: the ranks fuse differently, and no one plan can be written
+        WideModel.from_pretrained(llama_dirs.split(","), member_parallel=True, share_identical=True).save_pretrained(
+            Path(out_dir) / "refused")
+        result["refused"] = None
+    except Exception as exc:
+        result["refused"] = f"{type(exc).__name__}: {exc}"
+    fused = WideModel.from_pretrained(fused_dir, member_parallel=True)  # each rank reads its members' bytes
+    result["fused_local"] = list(fused.members_group.local)
+    result["fused_parameter_bytes"] = sum(p.numel() * p.element_size() for p in fused.parameters())
+    with torch.no_grad():
+        result["fused_logits"] = fused(**inputs()).logits
     result["members"] = list(wide.member_ids)
     result["local"] = list(wide.members_group.local)
     result["parameter_bytes"] = sum(p.numel() * p.element_size() for p in wide.parameters())
@@ -55,7 +72,7 @@ def load(ids: str) -> dict:
 def main(scenario: str, out_dir: str, *args: str) -> None:
     dist.init_process_group("gloo")
     try:
-        result = {"run": run, "load": load}[scenario](*args)
+        result = run(*args, out_dir) if scenario == "run" else load(*args)
         torch.save(result, Path(out_dir) / f"rank{dist.get_rank()}.pt")
     finally:
         dist.destroy_process_group()

@@ -13,6 +13,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent / "pipelines"))  # the text members
 
 from answers import close  # noqa: E402
+from hub_server import running_hub  # noqa: E402
 from member_parallel_worker import inputs  # noqa: E402
 from text_members import bert_tokenizer, build_members, decoder_tokenizer, save_members  # noqa: E402
 
@@ -20,7 +21,7 @@ from hf_wide import WideModel  # noqa: E402
 from hf_wide.parallel import MemberGroup, member_slices  # noqa: E402
 from hf_wide.pipelines import pipeline  # noqa: E402
 
-WORKER = Path(__file__).resolve().parent / "member_parallel_worker.py"
+WORKER = Path(__file__).resolve().parent / "member_parallel_worker.py"  # tests/ is its PYTHONPATH
 TIMEOUT = 240  # seconds: a hang fails the test instead of the CI run
 
 
@@ -45,10 +46,14 @@ def members(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def ranks(members):
+    """Every rank's results; the test Hub the ranks pushed to stays up (and the Hub client pointed at it) until
+    this module's tests are done."""
     root, llama, bert = members
     out = root / "run"
     out.mkdir()
-    return torchrun(2, "run", ",".join(llama), ",".join(bert), out=out)
+    WideModel.from_pretrained(llama).save_pretrained(root / "fused")
+    with running_hub(root / "hub"):  # its environment reaches the ranks
+        yield torchrun(2, "run", ",".join(llama), ",".join(bert), str(root / "fused"), out=out)
 
 
 def test_member_slices_are_contiguous_and_even():
@@ -86,9 +91,12 @@ def test_each_rank_holds_its_share_of_the_parameters(members, ranks):
     def size(model):
         return sum(p.numel() * p.element_size() for p in model.parameters())
 
-    assert [r["parameter_bytes"] for r in ranks] == [size(WideModel.from_pretrained(llama[:2])),
-                                                     size(WideModel.from_pretrained(llama[2:]))]
-    assert ranks[1]["parameter_bytes"] < ranks[0]["parameter_bytes"] < size(WideModel.from_pretrained(llama))
+    def alone(ids):  # fused in one process as a rank fuses its slice: each member keeps its own tensors
+        return size(WideModel.from_pretrained(ids, share_identical=False))
+
+    assert [r["parameter_bytes"] for r in ranks] == [alone(llama[:2]), alone(llama[2:])]
+    assert ranks[1]["parameter_bytes"] < ranks[0]["parameter_bytes"] < alone(llama)
+    assert sum(r["parameter_bytes"] for r in ranks) == alone(llama)
 
 
 def test_ranks_given_different_inputs_all_raise(ranks):
@@ -108,3 +116,48 @@ def test_more_ranks_than_members_fails_every_rank(members, tmp_path):
     results = torchrun(3, "load", ",".join(llama[:2]), out=tmp_path)
     for result in results:
         assert "needs at least 3 members" in result["error"]
+
+
+def test_a_fused_repo_is_read_a_slice_per_rank(members, ranks):
+    _, llama, _ = members
+    wide = WideModel.from_pretrained(llama)
+    with torch.no_grad():
+        logits = wide(**inputs()).logits
+    for rank in ranks:
+        assert rank["fused_logits"] == pytest.approx(logits, abs=1e-6, rel=0)
+    assert [r["fused_local"] for r in ranks] == [[0, 1], [2]]
+    assert ranks[1]["fused_parameter_bytes"] < ranks[0]["fused_parameter_bytes"]
+
+
+def test_saving_from_the_ranks_writes_the_repo_one_process_writes(members, ranks, tmp_path):
+    from safetensors.torch import load_file
+
+    from hf_wide.saving import read_section
+
+    root, llama, _ = members
+    saved = root / "run" / "saved"
+    one = WideModel.from_pretrained(llama, share_identical=False)  # as the ranks fuse theirs
+    one.save_pretrained(tmp_path / "one")
+    files = sorted(p.name for p in saved.glob("*.safetensors"))
+    assert files == sorted(p.name for p in (tmp_path / "one").glob("*.safetensors"))
+    for name in files:
+        got, want = load_file(saved / name), load_file(tmp_path / "one" / name)
+        assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+    assert read_section(saved) == read_section(tmp_path / "one")
+    with torch.no_grad():
+        back = WideModel.from_pretrained(str(saved))(**inputs()).logits
+        assert torch.equal(back, one(**inputs()).logits)
+
+
+def test_push_to_hub_from_the_ranks(members, ranks):
+    _, llama, _ = members
+    assert ranks[0]["pushed"] == ranks[1]["pushed"]  # rank 0's commit, known to every rank
+    one = WideModel.from_pretrained(llama, share_identical=False)
+    with torch.no_grad():
+        back = WideModel.from_pretrained("alice/from-ranks")(**inputs()).logits
+        assert torch.equal(back, one(**inputs()).logits)
+
+
+def test_saving_ranks_that_fused_differently_is_refused(ranks):
+    for rank in ranks:
+        assert "fused its members differently" in rank["refused"] and "share_identical=False" in rank["refused"]
