@@ -69,11 +69,27 @@ def member_slices(num_members: int, world_size: int) -> tuple[range, ...]:
     return tuple(range(bounds[r], bounds[r + 1]) for r in range(world_size))
 
 
+def init(backend: str | None = None, timeout: float | None = None) -> None:
+    """Initialise ``torch.distributed`` for a member-parallel model launched by torchrun: nccl with each rank on
+    the GPU of its local rank when CUDA is there, gloo otherwise; ``timeout`` (seconds) bounds every collective,
+    so that a rank that died is noticed. Does nothing if already initialised."""
+    import datetime
+    import os
+
+    if dist.is_initialized():
+        return
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    options = {} if timeout is None else {"timeout": datetime.timedelta(seconds=timeout)}
+    dist.init_process_group(backend or ("nccl" if cuda else "gloo"), **options)
+
+
 def member_group(num_members: int, group=None) -> MemberGroup:
     """The member split of the current process group (``torch.distributed`` must be initialised)."""
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("member_parallel=True needs torch.distributed: launch with torchrun and call "
-                           "torch.distributed.init_process_group() first (gloo on CPU, nccl on GPU).")
+                           "hf_wide.parallel.init() (or torch.distributed.init_process_group()) first.")
     return MemberGroup(dist.get_rank(group), member_slices(num_members, dist.get_world_size(group)), group)
 
 

@@ -17,6 +17,7 @@ import torch.distributed as dist
 from hub_server import TOKEN  # the test Hub (tests/hub_server.py) that the launching test runs
 
 from hf_wide import WideModel
+from hf_wide.parallel import init
 from hf_wide.pipelines import pipeline
 
 
@@ -70,7 +71,7 @@ def load(ids: str) -> dict:
 
 
 def main(scenario: str, out_dir: str, *args: str) -> None:
-    dist.init_process_group("gloo")
+    init(timeout=120)  # gloo here: no GPU
     try:
         result = run(*args, out_dir) if scenario == "run" else load(*args)
         torch.save(result, Path(out_dir) / f"rank{dist.get_rank()}.pt")

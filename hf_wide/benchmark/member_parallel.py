@@ -55,10 +55,10 @@ def rank_main(paths: list[str], batch: int, seq: int, repeats: int, out: Path) -
 
     from hf_wide import WideModel
 
+    from hf_wide.parallel import init
+
+    init()  # nccl on the local rank's GPU, or gloo
     cuda = torch.cuda.is_available()
-    if cuda:
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    dist.init_process_group("nccl" if cuda else "gloo")
     device = torch.device("cuda") if cuda else torch.device("cpu")
     rank = dist.get_rank()
     dist.barrier()
