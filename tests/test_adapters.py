@@ -186,8 +186,8 @@ def test_a_pickle_only_adapter_needs_allow_pickle(llama_adapters, tmp_path):
 
 def test_an_unknown_keyword_argument_is_a_type_error(llama_adapters):
     _, adapters = llama_adapters
-    with pytest.raises(TypeError, match="member_parallel"):
-        WideModel.from_pretrained(adapters, member_parallel=True)
+    with pytest.raises(TypeError, match="tensor_parallel"):
+        WideModel.from_pretrained(adapters, tensor_parallel=True)
 
 
 def test_base_and_adapters_as_repos_at_pinned_revisions(hub, tmp_path):

@@ -25,8 +25,9 @@ from hf_wide.pipelines import pipeline  # noqa: E402
 def test_serve_answers_until_ctrl_c_and_then_stops_cleanly(tmp_path):
     paths = save_members(tmp_path, build_members("bert-seqcls", 2), bert_tokenizer(tmp_path / "tok"))
     port = free_port()
+    log = (tmp_path / "serve.log").open("wb")  # a file, not a pipe: Ray's logs must never block the server
     proc = subprocess.Popen([sys.executable, "-m", "hf_wide.cli", "serve", *paths, "--port", str(port),
-                             "--max-batch-size", "4"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+                             "--max-batch-size", "4"], stdout=log, stderr=subprocess.STDOUT)
     try:
         deadline = time.time() + 180
         while True:  # /health answers once the replica has loaded the model
@@ -35,7 +36,7 @@ def test_serve_answers_until_ctrl_c_and_then_stops_cleanly(tmp_path):
                     assert json.loads(response.read()) == {"status": "ok"}
                     break
             except OSError:
-                assert proc.poll() is None, proc.stdout.read().decode(errors="replace")[-3000:]
+                assert proc.poll() is None, (tmp_path / "serve.log").read_text(errors="replace")[-3000:]
                 assert time.time() < deadline, "hf-wide serve did not come up in 180 s"
                 time.sleep(1)
         got = InferenceClient(base_url=f"http://127.0.0.1:{port}").text_classification("a good day")
@@ -47,5 +48,8 @@ def test_serve_answers_until_ctrl_c_and_then_stops_cleanly(tmp_path):
             code = proc.wait(timeout=90)
         except subprocess.TimeoutExpired:
             proc.kill()
-            raise
-    assert code == 0
+            raise AssertionError("hf-wide serve did not stop within 90 s of Ctrl-C:\n"
+                                 + (tmp_path / "serve.log").read_text(errors="replace")[-3000:]) from None
+        finally:
+            log.close()
+    assert code == 0, (tmp_path / "serve.log").read_text(errors="replace")[-3000:]
