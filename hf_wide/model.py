@@ -215,16 +215,16 @@ class WideModel(nn.Module):
         if not self._capture_hooks and asks_for_capture(kwargs, self.config):
             self._install_capture_hooks()
         group = self.members_group
-        inputs = (args, kwargs) if group is None else _local_inputs(group, args, kwargs)
+        given = (args, kwargs)  # (what every rank must agree on: before PerMember inputs are cut to the rank's)
         n = self.fold.num_members
-        args, kwargs, batch = fold_inputs(n, *inputs)
+        args, kwargs, batch = fold_inputs(n, *(given if group is None else _local_inputs(group, args, kwargs)))
         self.fold.anchor = _first_tensor((*args, *kwargs.values())).new_empty(n * batch, 0)
         try:
             outputs = self.model(*args, **kwargs)
         finally:
             self.fold.reset()
         outputs = unfold_outputs(outputs, n, batch)
-        return outputs if group is None else gather_outputs(group, outputs, batch, inputs)
+        return outputs if group is None else gather_outputs(group, outputs, batch, given)
 
     @torch.compiler.disable
     def _install_capture_hooks(self) -> None:

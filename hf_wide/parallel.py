@@ -93,13 +93,13 @@ def member_group(num_members: int, group=None) -> MemberGroup:
     return MemberGroup(dist.get_rank(group), member_slices(num_members, dist.get_world_size(group)), group)
 
 
-def load_collectively(members: MemberGroup, load: Callable[[], Any], what: str) -> Any:
-    """``load()`` on every rank; if it raised on any rank, every rank raises, naming the ranks and their errors
+def on_every_rank(members: MemberGroup, work: Callable[[], Any], what: str) -> Any:
+    """``work()`` on every rank; if it raised on any rank, every rank raises, naming the ranks and their errors
     (the failing rank's own error chained)."""
     error: BaseException | None = None
     result = None
     try:
-        result = load()
+        result = work()
     except Exception as exc:  # reported to every rank, then raised
         error = exc
     reports = [None] * members.world_size
@@ -116,7 +116,7 @@ def load_member_slice(num_members: int, load: Callable[[range], Any], allow_labe
     every rank, failures reported to all), then what the whole ensemble needs on every rank (ids, commits,
     configs), and a check that every rank's members share one architecture."""
     members = member_group(num_members)
-    wide = load_collectively(members, lambda: load(members.local),
+    wide = on_every_rank(members, lambda: load(members.local),
                              f"Loading {num_members} members over {members.world_size} ranks")
     return attach(wide, members, allow_label_mismatch)
 
@@ -167,7 +167,7 @@ def agree_to_save(members: MemberGroup, plan, first: dict[str, torch.Tensor], lo
 
 def from_rank_zero(members: MemberGroup, work: Callable[[], Any], what: str) -> Any:
     """``work()`` on rank 0 only (talking to the Hub, say); its result on every rank, its failure raised on all."""
-    result = load_collectively(members, lambda: work() if members.rank == 0 else None, what)
+    result = on_every_rank(members, lambda: work() if members.rank == 0 else None, what)
     box = [result]
     dist.broadcast_object_list(box, src=dist.get_global_rank(members.group, 0) if members.group else 0,
                                group=members.group)

@@ -383,14 +383,17 @@ def save_wide(wide, save_directory: str | Path, *, max_shard_size: int | str = D
         for old in chain(directory.glob("model*.safetensors"), directory.glob(WEIGHTS_INDEX_NAME)):
             old.unlink()
     for filename, keys in split.filename_to_tensors.items():
-        tensors = {k: states[0][k].detach().clone() if k in shared else _stacked(group, [s[k] for s in states])
-                   for k in keys}
+        tensors = {}
+        for k in keys:  # (every rank takes part in each gather; only the writer keeps the shard)
+            value = states[0][k].detach().clone() if k in shared else _stacked(group, [s[k] for s in states])
+            if writes:
+                tensors[k] = value
         if group is None:
             save_file(tensors, str(directory / filename), metadata={"format": "pt"})
         else:  # a failure to write on rank 0 raises on every rank, rather than leave them in the next gather
-            from .parallel import load_collectively
+            from .parallel import on_every_rank
 
-            load_collectively(group, lambda: save_file(tensors, str(directory / filename), metadata={"format": "pt"})
+            on_every_rank(group, lambda: save_file(tensors, str(directory / filename), metadata={"format": "pt"})
                               if writes else None, f"Writing {filename}")
         del tensors
     if not writes:

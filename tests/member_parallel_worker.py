@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from hub_server import TOKEN  # the test Hub (tests/hub_server.py) that the launching test runs
 
-from hf_wide import WideModel
+from hf_wide import PerMember, WideModel
 from hf_wide.parallel import init
 from hf_wide.pipelines import pipeline
 
@@ -24,6 +24,10 @@ from hf_wide.pipelines import pipeline
 def inputs(seed: int = 0) -> dict:
     ids = torch.randint(5, 90, (2, 7), generator=torch.Generator().manual_seed(seed))
     return {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+
+
+def per_member_ids() -> torch.Tensor:
+    return torch.randint(5, 90, (3, 2, 5), generator=torch.Generator().manual_seed(2))  # (N, B, T)
 
 
 def run(llama_dirs: str, bert_dirs: str, fused_dir: str, out_dir: str) -> dict:
@@ -48,6 +52,7 @@ def run(llama_dirs: str, bert_dirs: str, fused_dir: str, out_dir: str) -> dict:
     with torch.no_grad():
         result["logits"] = wide(**inputs()).logits
         result["generated"] = wide.generate(**inputs(1), max_new_tokens=6, do_sample=False)
+        result["per_member"] = wide(input_ids=PerMember(per_member_ids())).logits  # each rank its members' rows
     decoder = pipeline("text-generation", model=wide, max_new_tokens=5)
     result["decoded"] = decoder(["cat sat on the", "the big dog"])
     result["sampled"] = decoder("cat sat on the", do_sample=True, top_k=5)["generated_text"]  # no seed: rank 0's

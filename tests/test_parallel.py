@@ -14,10 +14,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent / "pipelines"))  # the te
 
 from answers import close  # noqa: E402
 from hub_server import running_hub  # noqa: E402
-from member_parallel_worker import inputs  # noqa: E402
+from member_parallel_worker import inputs, per_member_ids  # noqa: E402
 from text_members import bert_tokenizer, build_members, decoder_tokenizer, save_members  # noqa: E402
 
-from hf_wide import WideModel  # noqa: E402
+from hf_wide import PerMember, WideModel  # noqa: E402
 from hf_wide.parallel import MemberGroup, member_slices  # noqa: E402
 from hf_wide.pipelines import pipeline  # noqa: E402
 
@@ -75,12 +75,14 @@ def test_every_rank_returns_what_one_process_computes(members, ranks):
     with torch.no_grad():
         logits = wide(**inputs()).logits
         generated = wide.generate(**inputs(1), max_new_tokens=6, do_sample=False)
+        per_member = wide(input_ids=PerMember(per_member_ids())).logits
     decoded = pipeline("text-generation", model=wide, max_new_tokens=5)(["cat sat on the", "the big dog"])
     classified = pipeline("text-classification", model=bert)(["the cat sat on the mat", "a bad movie"])
     for rank in ranks:  # the same tokens, texts and labels; floats to the last bits (kernels block by batch size)
         assert rank["members"] == llama
         assert rank["logits"] == pytest.approx(logits, abs=1e-6, rel=0)
         assert torch.equal(rank["generated"], generated)
+        assert rank["per_member"] == pytest.approx(per_member, abs=1e-6, rel=0)
         assert close(rank["decoded"], decoded) and close(rank["classified"], classified)
     assert [r["local"] for r in ranks] == [[0, 1], [2]]
     assert ranks[0]["sampled"] == ranks[1]["sampled"]  # sampling without a seed: the same draws on every rank
