@@ -3,19 +3,14 @@
 The ensemble's extras ride along where ``InferenceClient`` keeps them (extra fields become attributes of what
 it returns), or behind a ``return_members`` parameter where the API's answer has no room for them:
 
-=========================  =================================================  ======================================
-task                       answer per input                                   extras
-=========================  =================================================  ======================================
-text-classification        ``[{"label", "score"}, ...]`` best first           ``members``, ``uncertainty`` on the best
-image-classification       the same (one image: the list itself)              the same
-token-classification       ``[{"entity_group", "score", "word", ...}, ...]``  ``uncertainty`` on each entity;
-                                                                              ``return_members``: ``{"entities",
-                                                                              "members"}``
-feature-extraction         the ensemble's embedding (``[D]``; ``[T, D]`` with ``return_members``: ``{"embeddings",
-                           ``pooling="none"``)                                "members"}``
-text-generation            ``{"generated_text"}``                             ``uncertainty``; ``members`` with
-                                                                              ``return_members``
-=========================  =================================================  ======================================
+- text-classification: ``[{"label", "score"}, ...]`` per input, best first; ``members`` and ``uncertainty`` on
+  the best label.
+- image-classification: the same (for one image, the ranked list itself).
+- token-classification: ``[{"entity_group", "score", "word", "start", "end"}, ...]``, ``uncertainty`` on each
+  entity; with ``return_members``, ``{"entities", "members"}``.
+- feature-extraction: the ensemble's embedding per input (``[D]``, or ``[T, D]`` with ``pooling="none"``); with
+  ``return_members``, ``{"embeddings", "members"}``.
+- text-generation: ``{"generated_text", "uncertainty"}`` per input, ``members`` with ``return_members``.
 
 An input longer than the model takes is refused (a 422 that says so), not cut, unless the request asks for
 truncation (feature extraction's ``truncate``).
