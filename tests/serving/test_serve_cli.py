@@ -26,8 +26,11 @@ def test_serve_answers_until_ctrl_c_and_then_stops_cleanly(tmp_path):
     paths = save_members(tmp_path, build_members("bert-seqcls", 2), bert_tokenizer(tmp_path / "tok"))
     port = free_port()
     log = (tmp_path / "serve.log").open("wb")  # a file, not a pipe: Ray's logs must never block the server
+    # As from a terminal: Ctrl-C's signal handled. (A shell's background job, CI's say, starts with SIGINT
+    # ignored, and a child inherits that: Python would then never raise KeyboardInterrupt.)
     proc = subprocess.Popen([sys.executable, "-m", "hf_wide.cli", "serve", *paths, "--port", str(port),
-                             "--max-batch-size", "4"], stdout=log, stderr=subprocess.STDOUT)
+                             "--max-batch-size", "4"], stdout=log, stderr=subprocess.STDOUT,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         deadline = time.time() + 180
         while True:  # /health answers once the replica has loaded the model
