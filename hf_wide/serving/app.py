@@ -98,10 +98,9 @@ def build_app(model_ids: Sequence[str] | str, task: str = "text-classification",
     torch threads), and ``pipeline_options`` go to :func:`hf_wide.pipeline` (``combine``, ``compile``,
     ``batch_size``, ``revision``, ``token``, ...)."""
     from ..pipelines import Combine
-    from .tasks import FORMATS
+    from .tasks import check_task
 
-    if task not in FORMATS:
-        raise ValueError(f"hf-wide serve does not serve {task!r}; it serves {', '.join(sorted(FORMATS))}.")
+    check_task(task)
     if max_batch_size < 1 or replicas < 1:
         raise ValueError(f"max_batch_size and replicas must be at least 1, got {max_batch_size} and {replicas}.")
     if Combine.parse(pipeline_options.get("combine", Combine.MEAN)) == Combine.NONE:

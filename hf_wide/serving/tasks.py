@@ -237,9 +237,7 @@ class TextGeneration(TaskFormat):
         return texts(inputs)
 
     def options(self, parameters: dict) -> dict:
-        options = {"truncation": False, "return_full_text": parameters.get("return_full_text", False)}
-        options.update({k: v for k, v in parameters.items() if k not in ("return_full_text",)})
-        return options
+        return {"truncation": False, "return_full_text": False, **parameters}
 
     def answer(self, answer: dict, parameters: dict) -> dict:
         return answer
@@ -250,10 +248,14 @@ FORMATS: dict[str, type[TaskFormat]] = {
                               TextGeneration)}
 
 
-def task_format(task: str, pipe) -> TaskFormat:
-    """The payloads of ``task``, set up for ``pipe``."""
+def check_task(task: str) -> None:
     if task not in FORMATS:
         raise ValueError(f"hf-wide serve does not serve {task!r}; it serves {', '.join(sorted(FORMATS))}.")
+
+
+def task_format(task: str, pipe) -> TaskFormat:
+    """The payloads of ``task``, set up for ``pipe``."""
+    check_task(task)
     fmt = FORMATS[task]()
     fmt.setup(pipe)
     return fmt
