@@ -10,8 +10,14 @@ clients (one keep-alive connection each, one text per request):
 - ``members_batched``: the same on Ray Serve's batches (one padded batch per model).
 
 Every answer is checked against ``hf_wide.pipeline`` run here on that text: the same best label, scores within
-1e-4. Reports, per way: errors, wrong answers, throughput (requests/s), p50 and p99 latency (ms), as a table
-and, with ``--json``, a file.
+1e-4. Every way is deployed at once, and the requests go in rounds, each way in turn, so that a slow spell on
+the machine falls on all of them. Reports, per way: errors, wrong answers, throughput (requests/s), p50 and p99
+latency (ms), as a table and, with ``--json``, a file.
+
+It also times the two models alone, in this process, with the replica's one thread, on one padded batch of
+``clients`` texts (what a full Ray batch holds): the wide model's forward against the members' forwards one after
+another. Ray's per-request work is the same for both servers, so that ratio bounds what batching through the
+wide model can gain over ``members_batched``.
 """
 
 import argparse
@@ -80,8 +86,9 @@ def write_members(folder: Path, num_members: int, hidden: int) -> list[str]:
     return paths
 
 
-def load(port: int, texts: list[str], expected: list[list[dict]], clients: int) -> dict:
-    """Send every text once (``clients`` threads, one connection each); errors, wrong answers and timings."""
+def load(port: int, path: str, texts: list[str], expected: list[list[dict]], clients: int) -> dict:
+    """Send every text once to ``path`` (``clients`` threads, one connection each); errors, wrong answers and
+    timings. ``expected`` is indexed like ``texts``."""
     latencies, errors, wrong, lock, next_index = [], [], [], threading.Lock(), iter(range(len(texts)))
 
     def client():
@@ -94,7 +101,7 @@ def load(port: int, texts: list[str], expected: list[list[dict]], clients: int) 
             body = json.dumps({"inputs": texts[i]})
             start = time.perf_counter()
             try:
-                conn.request("POST", "/", body, {"content-type": "application/json"})
+                conn.request("POST", path, body, {"content-type": "application/json"})
                 response = conn.getresponse()
                 data = response.read()
                 elapsed = time.perf_counter() - start
@@ -122,17 +129,52 @@ def load(port: int, texts: list[str], expected: list[list[dict]], clients: int) 
         t.start()
     for t in threads:
         t.join()
-    wall = time.perf_counter() - start
-    ms = sorted(x * 1e3 for x in latencies)
-    return {"requests": len(texts), "errors": len(errors), "wrong": len(wrong), "first_error": errors[:1],
-            "seconds": wall, "requests_per_s": len(latencies) / wall,
+    return {"requests": len(texts), "errors": errors, "wrong": len(wrong), "seconds": time.perf_counter() - start,
+            "latencies": latencies}
+
+
+def _summary(rounds: list[dict]) -> dict:
+    """One way's rounds as one figure: requests over the seconds they took, latencies pooled."""
+    seconds = sum(r["seconds"] for r in rounds)
+    errors = [e for r in rounds for e in r["errors"]]
+    ms = sorted(x * 1e3 for r in rounds for x in r["latencies"])
+    return {"requests": sum(r["requests"] for r in rounds), "errors": len(errors), "wrong": sum(r["wrong"] for r in rounds),
+            "first_error": errors[:1], "seconds": seconds, "requests_per_s": len(ms) / seconds,
+            "rounds_requests_per_s": [len(r["latencies"]) / r["seconds"] for r in rounds],
             "p50_ms": statistics.median(ms) if ms else None,
             "p99_ms": ms[min(len(ms) - 1, int(0.99 * len(ms)))] if ms else None}
 
 
+def forward_ceiling(paths: list[str], texts: list[str], seconds: float = 3.0) -> dict:
+    """Milliseconds of one forward of the wide model and of the members one after another, on ``texts`` as one
+    padded batch, with one thread (a replica's, with Ray's default of one CPU)."""
+    from .. import WideModel
+    from .methods import time_interleaved
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(paths[0])
+    batch = tokenizer(texts, padding=True, truncation=True, return_tensors="pt")
+    wide = WideModel.from_pretrained(paths)
+    members = [transformers.AutoModelForSequenceClassification.from_pretrained(p).eval() for p in paths]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with torch.inference_mode():
+            runs = {"wide": lambda: wide(**batch), "members": lambda: [m(**batch) for m in members]}
+            for run_once in runs.values():
+                run_once()
+            times, _ = time_interleaved(runs, seconds)
+    finally:
+        torch.set_num_threads(threads)
+    wide_ms, members_ms = times["wide"][0], times["members"][0]
+    return {"batch": list(batch["input_ids"].shape), "wide_ms": wide_ms, "members_ms": members_ms,
+            "members_over_wide": members_ms / wide_ms}
+
+
 def run(num_requests: int = 2000, clients: int = 16, num_members: int = 8, hidden: int = 128,
         max_batch_size: int = 32, batch_wait_ms: float = 5.0, port: int = 8765, ways=WAYS,
-        replicas: int = 1) -> dict:
+        replicas: int = 1, rounds: int = 4) -> dict:
+    """Every way deployed at once (each under its own route prefix), then ``rounds`` rounds in which each way in
+    turn gets its share of the requests: a slow spell on the machine falls on every way, not on one."""
     import ray
 
     from ..pipelines import pipeline
@@ -143,10 +185,15 @@ def run(num_requests: int = 2000, clients: int = 16, num_members: int = 8, hidde
         texts = make_texts(num_requests, min_words=4, max_words=24)
         reference = pipeline("text-classification", model=paths, batch_size=64)
         expected = [r["top_k"] for r in reference(texts, top_k=3)]
-        ray.init(include_dashboard=False, logging_level="ERROR")
+        ceiling = forward_ceiling(paths, texts[:clients])
+        # A logical CPU for every replica of every way, all deployed at once (Ray gives each replica one torch thread
+        # either way); they share the machine's cores, and only one way is under load at a time.
+        ray.init(num_cpus=len(ways) * replicas, include_dashboard=False, logging_level="ERROR")
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         report = {"requests": num_requests, "clients": clients, "members": num_members, "hidden": hidden,
-                  "max_batch_size": max_batch_size, "batch_wait_ms": batch_wait_ms, "replicas": replicas, "ways": {}}
+                  "max_batch_size": max_batch_size, "batch_wait_ms": batch_wait_ms, "replicas": replicas,
+                  "rounds": rounds, "forward_ceiling": ceiling, "ways": {}}
+        done: dict[str, list[dict]] = {way: [] for way in ways}
         try:
             for way in ways:
                 batch = 1 if way in ("wide_unbatched", "members") else max_batch_size
@@ -155,10 +202,15 @@ def run(num_requests: int = 2000, clients: int = 16, num_members: int = 8, hidde
                                     replicas=replicas)
                 else:
                     app = MembersServer.options(num_replicas=replicas).bind(paths, batch, batch_wait_ms)
-                serve.run(app, name=way, route_prefix="/")
-                load(port, texts[:clients * 2], expected, clients)  # warm-up
-                report["ways"][way] = load(port, texts, expected, clients)
-                serve.delete(way)
+                serve.run(app, name=way, route_prefix=f"/{way}")
+                load(port, f"/{way}", texts[:clients * 2], expected, clients)  # warm-up
+            share = -(-num_requests // rounds)
+            for start in range(0, num_requests, share):
+                part = slice(start, start + share)
+                for way in ways:
+                    done[way].append(load(port, f"/{way}", texts[part], expected[part], clients))
+            for way in ways:
+                report["ways"][way] = _summary(done[way])
                 print(f"{way}: {_row(report['ways'][way])}", file=sys.stderr)
         finally:
             serve.shutdown()
@@ -186,10 +238,12 @@ def main(argv=None) -> dict:
     parser.add_argument("--port", type=int, default=8765)
     parser.add_argument("--replicas", type=int, default=1, help="replicas of every way's deployment")
     parser.add_argument("--ways", nargs="+", choices=WAYS, default=list(WAYS))
+    parser.add_argument("--rounds", type=int, default=4, help="rounds in which every way gets its share in turn")
     parser.add_argument("--json", help="also write the report to this file")
     args = parser.parse_args(argv)
     report = run(args.requests, args.clients, args.members, max_batch_size=args.max_batch_size,
-                 batch_wait_ms=args.batch_wait_ms, port=args.port, ways=args.ways, replicas=args.replicas)
+                 batch_wait_ms=args.batch_wait_ms, port=args.port, ways=args.ways, replicas=args.replicas,
+                 rounds=args.rounds)
     print(f"{report['members']} BERTs (hidden {report['hidden']}), {report['requests']} requests from "
           f"{report['clients']} clients, {report['replicas']} replica(s) per way")
     for way, r in report["ways"].items():
@@ -197,6 +251,10 @@ def main(argv=None) -> dict:
     for key in ("wide_over_members", "wide_over_members_batched"):
         if key in report:
             print(f"{key}: {report[key]:.2f}x")
+    c = report["forward_ceiling"]
+    print(f"in this process, one thread, one batch {c['batch']}: wide forward {c['wide_ms']:.1f} ms, the members one "
+          f"after another {c['members_ms']:.1f} ms: {c['members_over_wide']:.2f}x (what batching through the wide "
+          "model can gain at most over members_batched)")
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
     return report

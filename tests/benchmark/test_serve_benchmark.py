@@ -20,3 +20,4 @@ def test_every_way_answers_every_request_right():
         assert (r["errors"], r["wrong"]) == (0, 0), (way, r["first_error"])
         assert r["requests_per_s"] > 0 and r["p99_ms"] >= r["p50_ms"] > 0
     assert report["wide_over_members"] > 0 and report["wide_over_members_batched"] > 0
+    assert report["forward_ceiling"]["members_over_wide"] > 0 and report["forward_ceiling"]["batch"][0] == 4
