@@ -16,9 +16,11 @@ copy of the base (N full weight sets) and the members are fused as full checkpoi
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
-from collections.abc import Sequence
+import warnings
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import transformers
@@ -52,6 +54,15 @@ def require_peft():
         raise ImportError("Loading PEFT adapters as members needs peft: pip install 'hf-wide[lora]' "
                           "(or pip install peft).") from exc
     return peft
+
+
+@contextlib.contextmanager
+def peft_quietly() -> Iterator[None]:
+    """Wrapping a model, PEFT reads ``model.is_gradient_checkpointing``, which transformers 5 deprecates with a
+    FutureWarning nobody loading adapters can act on: that one warning is dropped, any other shown."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+        yield
 
 
 def lora_refusal(config: dict) -> str | None:
@@ -210,7 +221,9 @@ def load_adapter_members(ids, folders, configs, *, base_model=None, base_revisio
             continue
         target = copy.deepcopy(base) if merge else shared_view(base)
         try:
-            member = peft.PeftModel.from_pretrained(target, str(folder), is_trainable=False, low_cpu_mem_usage=True)
+            with peft_quietly():
+                member = peft.PeftModel.from_pretrained(target, str(folder), is_trainable=False,
+                                                        low_cpu_mem_usage=True)
         except Exception as exc:
             raise IncompatibleMembersError(f"{name} does not load over {base_name}: {type(exc).__name__}: {exc}") from exc
         models.append(member.merge_and_unload().eval() if merge else member.eval())
@@ -221,7 +234,8 @@ def load_adapter_members(ids, folders, configs, *, base_model=None, base_revisio
     padded = []
     for i, model in enumerate(models):
         if not isinstance(model, peft.PeftModel):  # a full member: the adapters' structure, with zero updates
-            model = peft.get_peft_model(model, copy.deepcopy(reference.peft_config["default"])).eval()
+            with peft_quietly():
+                model = peft.get_peft_model(model, copy.deepcopy(reference.peft_config["default"])).eval()
             for path in lora_paths(model):  # the fresh adapter's own random A: zero B keeps it a no-op
                 nn.init.zeros_(model.get_submodule(path).lora_B["default"].weight)
             model.requires_grad_(False)

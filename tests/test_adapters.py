@@ -3,6 +3,7 @@ each member against ``PeftModel.from_pretrained(base, adapter)`` run alone."""
 
 import json
 import sys
+import warnings
 from pathlib import Path
 
 import peft
@@ -77,6 +78,16 @@ def test_the_base_in_the_list_is_a_member(llama_adapters):
     assert type(bare) is LLAMA.model_class and isinstance(adapter, peft.PeftModel)
     want = references[0].state_dict()
     assert bare.state_dict().keys() == want.keys() and all(torch.equal(bare.state_dict()[k], want[k]) for k in want)
+
+
+def test_loading_adapters_shows_no_warning_of_peft_reading_a_deprecated_attribute(llama_adapters):
+    """PEFT reads ``is_gradient_checkpointing``, deprecated by transformers 5: nothing a user can act on. The base in
+    the list makes the loader wrap a full member too (``get_peft_model``)."""
+    base, adapters = llama_adapters
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        WideModel.from_pretrained([str(base), adapters[0]])
+    assert not [w for w in caught if "is_gradient_checkpointing" in str(w.message)]
 
 
 def test_a_full_checkpoint_of_the_base_architecture_among_adapters(llama_adapters, tmp_path):

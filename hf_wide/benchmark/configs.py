@@ -116,7 +116,11 @@ LORA_RANK = 8
 def _adapted(base: nn.Module, seed: int, targets: list[str]) -> nn.Module:
     import peft
 
-    model = peft.get_peft_model(base, peft.LoraConfig(r=LORA_RANK, lora_alpha=2 * LORA_RANK, target_modules=targets))
+    from ..adapters import peft_quietly
+
+    with peft_quietly():
+        model = peft.get_peft_model(base, peft.LoraConfig(r=LORA_RANK, lora_alpha=2 * LORA_RANK,
+                                                          target_modules=targets))
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, param in model.named_parameters():
