@@ -7,8 +7,11 @@ application (``build_app``); :func:`serve` runs it until interrupted. Ray is an 
 
 from __future__ import annotations
 
+import contextlib
+import signal
+import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 INSTALL = 'hf-wide serve needs Ray Serve: pip install "hf-wide[serve]" (or: pip install "ray[serve]")'
 
@@ -31,7 +34,8 @@ def build_app(model_ids: Sequence[str] | str, task: str = "text-classification",
 def serve(model_ids: Sequence[str] | str, task: str = "text-classification", *, host: str = "127.0.0.1",
           port: int = 8000, address: str | None = None, blocking: bool = True, **kwargs):
     """Start Ray (a local instance, or join the cluster at ``address``), run the application on
-    ``host:port`` and, with ``blocking``, serve until Ctrl-C, then shut Serve (and a local Ray) down."""
+    ``host:port`` and, with ``blocking``, serve until Ctrl-C or SIGTERM (what ``docker stop`` and Kubernetes
+    send), then shut Serve (and a local Ray) down."""
     require_ray()
     import ray
     from ray import serve as ray_serve
@@ -47,8 +51,9 @@ def serve(model_ids: Sequence[str] | str, task: str = "text-classification", *, 
         ray_serve.run(app, name="hf-wide", route_prefix="/")  # returns once the replicas have loaded the model
         if not blocking:
             return app
-        while True:
-            time.sleep(1)
+        with _sigterm_as_interrupt():
+            while True:
+                time.sleep(1)
     except KeyboardInterrupt:
         pass
     except BaseException:  # the model did not load, say: nothing left running
@@ -56,6 +61,24 @@ def serve(model_ids: Sequence[str] | str, task: str = "text-classification", *, 
         raise
     _stop(ray, ray_serve, local)
     return app
+
+
+@contextlib.contextmanager
+def _sigterm_as_interrupt() -> Iterator[None]:
+    """Within it, SIGTERM stops the server as Ctrl-C does (its default would end the process at once, leaving a
+    local Ray's processes behind). Only the main thread can set a handler; elsewhere nothing changes."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def _stop(ray, ray_serve, local: bool) -> None:

@@ -13,7 +13,7 @@ def register_cli(sub) -> None:
         "serve", help="serve the ensemble over HTTP (Hugging Face Inference API payloads) on Ray Serve",
         description="Fuses the members into one wide model and serves TASK at http://HOST:PORT/ (POST, the payloads "
                     "huggingface_hub.InferenceClient sends), /health and /info, batching concurrent requests into "
-                    "one forward with Ray Serve. Ctrl-C stops it. Needs: pip install \"hf-wide[serve]\".")
+                    "one forward with Ray Serve. Ctrl-C (or SIGTERM) stops it. Needs: pip install \"hf-wide[serve]\".")
     serve.add_argument("models", nargs="+", metavar="ID", help="member repo ids or local folders, a fused repo, or adapters")
     serve.add_argument("--task", default="text-classification", choices=sorted(FORMATS))
     serve.add_argument("--host", default="127.0.0.1")

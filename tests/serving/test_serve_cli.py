@@ -1,4 +1,7 @@
-"""``hf-wide serve`` as a user runs it: a process serving local members until Ctrl-C (SIGINT)."""
+"""``hf-wide serve`` as a user runs it: a process serving local members until Ctrl-C (SIGINT), or SIGTERM (``docker
+stop``, Kubernetes)."""
+
+import os
 
 import json
 import signal
@@ -22,15 +25,17 @@ from huggingface_hub import InferenceClient  # noqa: E402
 from hf_wide.pipelines import pipeline  # noqa: E402
 
 
-def test_serve_answers_until_ctrl_c_and_then_stops_cleanly(tmp_path):
+@pytest.mark.parametrize("stop", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
+def test_serve_answers_until_stopped_and_then_stops_cleanly(tmp_path, stop):
     paths = save_members(tmp_path, build_members("bert-seqcls", 2), bert_tokenizer(tmp_path / "tok"))
     port = free_port()
     log = (tmp_path / "serve.log").open("wb")  # a file, not a pipe: Ray's logs must never block the server
     # As from a terminal: Ctrl-C's signal handled. (A shell's background job, CI's say, starts with SIGINT
     # ignored, and a child inherits that: Python would then never raise KeyboardInterrupt.)
+    # In a session of its own, so that what it leaves running can be found afterwards.
     proc = subprocess.Popen([sys.executable, "-m", "hf_wide.cli", "serve", *paths, "--port", str(port),
                              "--max-batch-size", "4"], stdout=log, stderr=subprocess.STDOUT,
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL), start_new_session=True)
     try:
         deadline = time.time() + 180
         while True:  # /health answers once the replica has loaded the model
@@ -46,13 +51,28 @@ def test_serve_answers_until_ctrl_c_and_then_stops_cleanly(tmp_path):
         want = pipeline("text-classification", model=paths)("a good day", top_k=3)["top_k"]
         assert [(e.label, e.score) for e in got] == [(e["label"], pytest.approx(e["score"], abs=1e-6)) for e in want]
     finally:
-        proc.send_signal(signal.SIGINT)
+        proc.send_signal(stop)
         try:
             code = proc.wait(timeout=90)
         except subprocess.TimeoutExpired:
             proc.kill()
-            raise AssertionError("hf-wide serve did not stop within 90 s of Ctrl-C:\n"
+            raise AssertionError(f"hf-wide serve did not stop within 90 s of {stop.name}:\n"
                                  + (tmp_path / "serve.log").read_text(errors="replace")[-3000:]) from None
         finally:
             log.close()
     assert code == 0, (tmp_path / "serve.log").read_text(errors="replace")[-3000:]
+    assert not _left_running(proc.pid), "Ray processes of hf-wide serve are still running after it exited"
+
+
+def _left_running(session: int, wait_s: float = 30) -> bool:
+    """Whether a process of the session ``session`` is still running after ``wait_s`` seconds."""
+    deadline = time.time() + wait_s
+    while True:
+        try:
+            os.killpg(session, 0)
+        except ProcessLookupError:
+            return False
+        if time.time() > deadline:
+            os.killpg(session, signal.SIGKILL)  # not left for the next test
+            return True
+        time.sleep(0.5)
