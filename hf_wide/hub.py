@@ -36,10 +36,8 @@ from .adapters import adapter_config, load_adapter_members
 from .compat import IncompatibleMembersError, check_configs
 from .planner import plan_members, tensor_aliases
 from .verify import diagnose
-from .saving import (
-    WEIGHTS_INDEX_NAME, Checkpoint, assemble, load_fused, member_config, model_class_for, read_section,
-    same_bytes, save_member, save_wide, skeleton_like, state_tensors,
-)
+from .checkpoints import WEIGHTS_INDEX_NAME, Checkpoint, assemble, same_bytes, skeleton_like, state_tensors
+from .saving import load_fused, member_config, model_class_for, read_section, save_member, save_wide
 from .tracer import sample_inputs
 
 logger = logging.getLogger(__name__)

@@ -12,12 +12,8 @@ A fused repo is one folder (or Hub repo) that ``WideModel.from_pretrained`` load
 Tensors are keyed by the members' own (transformers) names, not by our wide layout, so the file does not depend
 on which blocks or primitives hf-wide has: the plan is stored beside it and reapplied as it was.
 
-Loading, here for fused repos and in :mod:`hf_wide.hub` for member repos, never materialises N models: N
-*skeletons* (the members' modules with parameters on the meta device) go through the ordinary swap walk, the
-resulting wide model is given uninitialised storage, and each member's tensors are read from the safetensors
-files straight into their slots of the stacked parameters, one tensor at a time. The files are read with
-``readinto`` rather than through a memory map: pages of a mapped file count towards the process's resident
-memory until it is unmapped, which would double the peak.
+Loading, here for fused repos and in :mod:`hf_wide.hub` for member repos, never materialises N models (see
+:mod:`hf_wide.checkpoints`).
 """
 
 from __future__ import annotations
@@ -27,23 +23,19 @@ import dataclasses
 import json
 import shutil
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from itertools import chain
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from .fold import Fold
+from .checkpoints import WEIGHTS_INDEX_NAME, Checkpoint, assemble, empty_model, skeleton_like, state_tensors
 from .plan import Kind, ModulePlan, WidePlan
 from .planner import tensor_aliases
-from .primitives import PerMemberFallback, VectorisedFallback, WideModule
-from .swap import build_wide, member_copy
 
 FORMAT_VERSION = 1
 CONFIG_KEY = "hf_wide"
-WEIGHTS_NAME = "model.safetensors"
-WEIGHTS_INDEX_NAME = "model.safetensors.index.json"
 DEFAULT_MAX_SHARD_SIZE = "5GB"
 # Tokenizer, processor and chat-template files: copied into a fused repo from the members' folders.
 TOKENIZER_PATTERNS = ["tokenizer*.json", "special_tokens_map.json", "added_tokens.json", "vocab.*", "merges.txt",
@@ -52,219 +44,9 @@ TOKENIZER_PATTERNS = ["tokenizer*.json", "special_tokens_map.json", "added_token
 # over), and the labels (stored in ``hf_wide.labels``).
 NOT_OVERRIDDEN = {"_name_or_path", "_commit_hash", "transformers_version", "id2label", "label2id"}
 
-SAFETENSORS_DTYPES = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-    "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
-}
-
 
 class FusedRepoError(ValueError):
     """A fused repo whose files do not agree with its ``hf_wide`` config section."""
-
-
-# ---------------------------------------------------------------- reading safetensors without mapping them
-class Checkpoint:
-    """The tensors of one checkpoint folder (``model.safetensors`` or shards with an index), read on demand.
-
-    The safetensors format is 8 bytes of header length, a JSON header ``{name: {dtype, shape, data_offsets}}``
-    and the raw little-endian data; only headers are read until :meth:`read_into` is called.
-    """
-
-    def __init__(self, folder: str | Path):
-        folder = Path(folder)
-        index = folder / WEIGHTS_INDEX_NAME
-        if index.exists():
-            files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        elif (folder / WEIGHTS_NAME).exists():
-            files = [WEIGHTS_NAME]
-        else:
-            raise FileNotFoundError(f"No {WEIGHTS_NAME} or {WEIGHTS_INDEX_NAME} in {folder}.")
-        self.entries: dict[str, tuple[Path, int, dict]] = {}  # name -> (file, start of its data, header entry)
-        self._handles: dict[Path, object] = {}
-        for name in files:
-            path = folder / name
-            with open(path, "rb") as f:
-                header_len = int.from_bytes(f.read(8), "little")
-                header = json.loads(f.read(header_len))
-            header.pop("__metadata__", None)
-            self.entries.update({key: (path, 8 + header_len, entry) for key, entry in header.items()})
-
-    def __contains__(self, key: str) -> bool:
-        return key in self.entries
-
-    def shape(self, key: str) -> tuple[int, ...]:
-        return tuple(self.entries[key][2]["shape"])
-
-    def dtype(self, key: str) -> torch.dtype:
-        name = self.entries[key][2]["dtype"]
-        if name not in SAFETENSORS_DTYPES:
-            raise ValueError(f"Tensor {key!r} has safetensors dtype {name}, which hf-wide does not read.")
-        return SAFETENSORS_DTYPES[name]
-
-    def _span(self, key: str, index: int | None) -> tuple[Path, int, int, tuple[int, ...]]:
-        """(file, offset, length in bytes, shape) of a tensor, or of its slice [index] along dim 0."""
-        path, data_start, entry = self.entries[key]
-        begin, end = entry["data_offsets"]
-        shape = self.shape(key)
-        if index is not None:
-            step = (end - begin) // shape[0]
-            begin, end, shape = begin + index * step, begin + (index + 1) * step, shape[1:]
-        return path, data_start + begin, end - begin, shape
-
-    def _read(self, path: Path, offset: int, out: memoryview) -> None:
-        f = self._handles.get(path)
-        if f is None:
-            f = self._handles[path] = open(path, "rb", buffering=0)  # unbuffered: readinto lands in `out` itself
-        f.seek(offset)
-        while out.nbytes:
-            n = f.readinto(out)
-            if not n:
-                raise EOFError(f"{path} ends before tensor data at {offset}: the file is truncated.")
-            out = out[n:]
-
-    def read_into(self, key: str, dst: torch.Tensor, index: int | None = None) -> None:
-        """Write tensor ``key`` (or its slice [index]) into ``dst``: straight into dst's memory when the dtype
-        matches and dst is a contiguous CPU tensor, else through one temporary tensor."""
-        path, offset, length, shape = self._span(key, index)
-        if tuple(dst.shape) != shape:
-            raise ValueError(f"{key}: the file holds shape {shape}, the model expects {tuple(dst.shape)}.")
-        dtype = self.dtype(key)
-        direct = dst.device.type == "cpu" and dst.dtype == dtype and dst.is_contiguous()
-        target = dst.detach() if direct else torch.empty(shape, dtype=dtype)
-        if length:
-            self._read(path, offset, memoryview(target.reshape(-1).view(torch.uint8).numpy()))
-        if not direct:
-            dst.detach().copy_(target)
-
-    def chunks(self, key: str, size: int = 1 << 24):
-        """The raw bytes of tensor ``key``, ``size`` at a time."""
-        path, offset, length, _ = self._span(key, None)
-        for start in range(0, length, size):
-            buf = bytearray(min(size, length - start))
-            self._read(path, offset + start, memoryview(buf))
-            yield buf
-
-    def close(self) -> None:
-        for f in self._handles.values():
-            f.close()
-        self._handles.clear()
-
-    def __enter__(self) -> "Checkpoint":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-
-def same_bytes(checkpoints: Sequence[Checkpoint], keys: Sequence[str]) -> bool:
-    """Whether ``checkpoints[j]`` holds the same tensor under ``keys[j]`` for every j: same dtype, shape and bytes.
-    Compared in chunks, stopping at the first difference (the first chunk, for tensors that were trained)."""
-    first, key0 = checkpoints[0], keys[0]
-    for ckpt, key in zip(checkpoints[1:], keys[1:]):
-        if ckpt.dtype(key) != first.dtype(key0) or ckpt.shape(key) != first.shape(key0):
-            return False
-        if any(a != b for a, b in zip(first.chunks(key0), ckpt.chunks(key))):
-            return False
-    return True
-
-
-# ---------------------------------------------------------------- skeletons and filling
-def state_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The tensors of ``model``'s state dict, each once (tied weights under their first name)."""
-    keys = set(model.state_dict(keep_vars=True))
-    found, seen = {}, set()
-    for name, t in chain(model.named_parameters(remove_duplicate=False), model.named_buffers(remove_duplicate=False)):
-        if name in keys and id(t) not in seen:
-            seen.add(id(t))
-            found[name] = t
-    return found
-
-
-def empty_model(model_class: type, config, dtype: torch.dtype | None) -> nn.Module:
-    """A transformers model built from ``config`` with its parameters on the meta device and its buffers real
-    (rotary frequencies and position ids computed as usual), ties made, in eval mode."""
-    from accelerate import init_empty_weights
-
-    with init_empty_weights(include_buffers=False):
-        model = model_class._from_config(copy.deepcopy(config), dtype=dtype)
-    model.tie_weights()  # accelerate's meta parameters break the ties made inside its context
-    return model.eval()
-
-
-def skeleton_like(template: nn.Module, config=None, generation_config=None) -> nn.Module:
-    """A copy of ``template`` whose state-dict tensors are on the meta device (ties kept; non-persistent buffers,
-    which the checkpoint does not hold, copied as they are), with ``config`` and ``generation_config`` in place
-    of the template's."""
-    memo = {id(t): nn.Parameter(t.to("meta"), t.requires_grad) if isinstance(t, nn.Parameter) else t.to("meta")
-            for t in state_tensors(template).values()}
-    if config is not None:
-        memo[id(template.config)] = config
-    if generation_config is not None and getattr(template, "generation_config", None) is not None:
-        memo[id(template.generation_config)] = generation_config
-    return copy.deepcopy(template, memo)
-
-
-def materialize_(model: nn.Module, device: torch.device) -> int:
-    """Give every meta tensor of ``model`` uninitialised storage on ``device`` (ties kept), then let wide
-    primitives recompute the helper buffers they derive in ``setup`` (embedding offsets). Returns the number of
-    elements of the state dict's new tensors: what the checkpoints must fill."""
-    done: dict[int, torch.Tensor] = {}
-    for module in model.modules():
-        for store in (module._parameters, module._buffers):
-            for name, t in store.items():
-                if t is None or not t.is_meta:
-                    continue
-                if id(t) not in done:
-                    empty = torch.empty_like(t, device=device)
-                    done[id(t)] = nn.Parameter(empty, t.requires_grad) if isinstance(t, nn.Parameter) else empty
-                store[name] = done[id(t)]
-    for module in model.modules():
-        if isinstance(module, WideModule):
-            module.setup(module.proto)
-    left = [n for n, t in chain(model.named_parameters(), model.named_buffers()) if t.is_meta]
-    if left:
-        raise RuntimeError(f"hf-wide could not give storage to {left[:3]}: they stayed on the meta device.")
-    created = {id(t) for t in done.values()}
-    state = {id(t): t for t in model.state_dict(keep_vars=True).values()}
-    return sum(t.numel() for key, t in state.items() if key in created)
-
-
-@torch.no_grad()
-def fill_(model: nn.Module, aliases: dict[str, list[str]], num_members: int,
-          read: Callable[[int, str, torch.Tensor], None]) -> int:
-    """Fill a materialised wide model member by member: ``read(i, name, dst)`` writes member i's tensor ``name``
-    into ``dst``, a view into the wide model's storage (``member(i, share=True)`` gives those views). A tensor
-    that all members share (a shared module's) is read once. Returns the number of elements written."""
-    done: dict[int, torch.Tensor] = {}  # keeps the tensors alive, so their ids stay unique
-    fallbacks = [(path, m) for path, m in model.named_modules() if isinstance(m, (PerMemberFallback, VectorisedFallback))]
-    for i in range(num_members):
-        view = member_copy(model, i, aliases, share=True)
-        tensors = list(state_tensors(view).items())
-        # A fallback's own copy of a tensor tied to one outside it (T5's encoder embeddings and the model's
-        # shared table) is not reached through the member's view, whose ties lead outside: read it as well.
-        reached = {name for name, _ in tensors}
-        tensors += [(full, t) for path, fallback in fallbacks
-                    for name, t in state_tensors(fallback.to_module(i, share=True)).items()
-                    if (full := f"{path}.{name}" if path else name) not in reached]
-        for name, t in tensors:
-            if id(t) not in done:
-                done[id(t)] = t
-                read(i, name, t)
-    return sum(t.numel() for t in done.values())
-
-
-def assemble(skeletons: Sequence[nn.Module], plan: WidePlan, device, read) -> tuple[nn.Module, Fold, dict]:
-    """The wide model of ``skeletons`` under ``plan``, with its storage on ``device`` and filled by ``read``.
-    Returns the folded model, its fold and the template's tensor aliases."""
-    fold = Fold(len(skeletons))
-    model = build_wide(skeletons, plan, fold)
-    empty = materialize_(model, torch.device(device or "cpu"))
-    aliases = tensor_aliases(skeletons[0])
-    filled = fill_(model, aliases, len(skeletons), read)
-    if filled != empty:  # every element the members' views reach, and nothing else, must be written once
-        raise RuntimeError(f"hf-wide filled {filled} of the {empty} elements of the wide model's new tensors.")
-    return model.to(device) if device is not None else model, fold, aliases
 
 
 # ---------------------------------------------------------------- the plan and config as data

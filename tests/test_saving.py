@@ -10,8 +10,9 @@ from oracle import TOLERANCE, main_output, max_member_error
 from safetensors import safe_open
 
 from hf_wide import IncompatibleMembersError, Kind, WideModel
+from hf_wide.checkpoints import WEIGHTS_INDEX_NAME, Checkpoint
 from hf_wide.hub import resolve_device
-from hf_wide.saving import CONFIG_KEY, WEIGHTS_INDEX_NAME, Checkpoint
+from hf_wide.saving import CONFIG_KEY
 
 ROUND_TRIP_CASES = [
     "bert-seqcls", "llama-causallm", "vit-imgcls", "resnet-imgcls",
