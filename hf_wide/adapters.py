@@ -184,7 +184,8 @@ def load_adapter_members(ids, folders, configs, *, base_model=None, base_revisio
     None after ``merge`` or with full checkpoints other than the base). Each adapter is a ``PeftModel`` over a
     view of the one base (or, with ``merge``, merged into its own copy); each full checkpoint is loaded and,
     like the base when it is in the list, given zero LoRA layers."""
-    from .hub import MemberLoadError, _load_member, _weights_format, commit_sha, download_members
+    from .hub import MemberLoadError, commit_sha, download_members
+    from .loading import load_member, weights_format
 
     peft = require_peft()
     names = [f"member {i} ({model_id})" for i, model_id in enumerate(ids)]
@@ -206,8 +207,8 @@ def load_adapter_members(ids, folders, configs, *, base_model=None, base_revisio
     klass = base_class(configs, base_config, base_name)
     labels = head_labels([Path(f) for f in folders], configs)
     extra = {"num_labels": labels} if labels is not None and labels != base_config.num_labels else {}
-    base = _load_member(base_folder, base_name, dtype, device=device, klass=klass, trust_remote_code=trust_remote_code,
-                        use_safetensors=_weights_format(Path(base_folder), base_name, allow_pickle), **extra)
+    base = load_member(base_folder, base_name, dtype, device=device, klass=klass, trust_remote_code=trust_remote_code,
+                        use_safetensors=weights_format(Path(base_folder), base_name, allow_pickle), **extra)
 
     models = []
     for name, model_id, folder, config in zip(names, ids, folders, configs):
@@ -215,8 +216,8 @@ def load_adapter_members(ids, folders, configs, *, base_model=None, base_revisio
             if str(model_id) == str(base_id):
                 models.append(shared_view(base))
             else:
-                models.append(_load_member(folder, name, dtype, device=device, klass=klass, trust_remote_code=
-                                           trust_remote_code, use_safetensors=_weights_format(folder, name,
+                models.append(load_member(folder, name, dtype, device=device, klass=klass, trust_remote_code=
+                                           trust_remote_code, use_safetensors=weights_format(folder, name,
                                                                                               allow_pickle)))
             continue
         target = copy.deepcopy(base) if merge else shared_view(base)

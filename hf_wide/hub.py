@@ -4,19 +4,13 @@ Everything that talks to the Hub lives here, through the real ``huggingface_hub`
 in parallel across members under one progress bar, weights are safetensors unless pickle is explicitly
 allowed, and remote code never runs unless asked for.
 
-Loading keeps memory low (DESIGN.md, "The Hub"): member 0 is loaded alone for the trace and dropped; the
-wide model is then built from meta-device skeletons and filled member by member from the safetensors files
-(:mod:`hf_wide.saving`), so the peak stays near the fused model's own size. Pickle checkpoints, and
-checkpoints whose tensor names transformers must convert, are loaded as whole models instead.
+:func:`load_wide` picks the way to load what was fetched: a fused repo (:mod:`hf_wide.saving`), PEFT adapters
+(:mod:`hf_wide.adapters`), or member checkpoints (:mod:`hf_wide.loading`, which keeps memory low).
 """
 
 from __future__ import annotations
 
-import contextlib
-import copy
-import gc
 import inspect
-import logging
 import os
 import re
 import tempfile
@@ -25,27 +19,22 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
-import transformers
 from huggingface_hub import HfApi, list_repo_files, snapshot_download
 from huggingface_hub.errors import RepositoryNotFoundError
 from huggingface_hub.utils import tqdm as hf_tqdm
-from torch import nn
 
 from .adapter_repos import adapter_folders
 from .adapters import adapter_config, load_adapter_members
-from .compat import IncompatibleMembersError, check_configs
-from .planner import plan_members, tensor_aliases
-from .verify import diagnose
-from .checkpoints import WEIGHTS_INDEX_NAME, Checkpoint, assemble, same_bytes, skeleton_like, state_tensors
-from .saving import load_fused, member_config, model_class_for, read_section, save_member, save_wide
+from .checkpoints import WEIGHTS_INDEX_NAME
+from .loading import load_models, load_streaming, verified, weights_format
+from .saving import load_fused, read_section, save_member, save_wide
 from .tracer import sample_inputs
-
-logger = logging.getLogger(__name__)
 
 
 class MemberLoadError(OSError):
     """A member could not be fetched or read; the message names the member, and ``__cause__`` holds the
     ``huggingface_hub`` error (``RepositoryNotFoundError``, ``RevisionNotFoundError``, ...)."""
+
 
 SAFETENSORS_PATTERNS = ["*.safetensors", "*.safetensors.index.json"]
 PICKLE_PATTERNS = ["*.bin", "*.bin.index.json"]
@@ -184,20 +173,6 @@ def commit_sha(folder: Path) -> str | None:
     return folder.name if re.fullmatch(r"[0-9a-f]{40}", folder.name) and folder.parent.name == "snapshots" else None
 
 
-def _weights_format(folder: Path, name: str, allow_pickle: bool) -> bool:
-    """True for safetensors; False for pickle (when allowed); raise when there are no usable weights."""
-    if any(folder.glob("*.safetensors")):
-        return True
-    if any(folder.glob("*.bin")):
-        if allow_pickle:
-            return False
-        raise ValueError(
-            f"{name} has only pickle weights (*.bin), which can run arbitrary code when loaded. "
-            "Pass allow_pickle=True if you trust it."
-        )
-    raise FileNotFoundError(f"{name} has no model weights (*.safetensors) in {folder}.")
-
-
 # ---------------------------------------------------------------- loading a wide model
 def load_wide(
     cls,
@@ -275,13 +250,13 @@ def load_wide(
         if base_model is not None or base_revision is not None or merge:
             raise ValueError("base_model=, base_revision= and merge= apply to PEFT adapters; none of the members is one.")
         wide = None
-        if all(_weights_format(folder, name, allow_pickle) for folder, name in zip(folders, names)):
-            wide = _load_streaming(cls, ids, folders, names, torch_dtype, device, trust_remote_code,
+        if all(weights_format(folder, name, allow_pickle) for folder, name in zip(folders, names)):
+            wide = load_streaming(cls, ids, folders, names, torch_dtype, device, trust_remote_code,
                                    allow_label_mismatch, share_identical)
             if wide is not None and verify:
                 wide = verified(wide, share_identical)
         if wide is None:  # pickle weights, or tensor names that transformers converts on load
-            models = _load_models(ids, folders, torch_dtype, device, allow_pickle, trust_remote_code)
+            models = load_models(ids, folders, torch_dtype, device, allow_pickle, trust_remote_code)
             wide = cls.from_models(models, validate=validate, allow_label_mismatch=allow_label_mismatch,
                                    member_ids=ids, share_identical=share_identical, verify=verify)
             wide._source_dirs = folders
@@ -315,110 +290,6 @@ def _slice_loader(cls, model_ids, revision, options: dict):
                                                               members=members)
 
 
-def _load_streaming(cls, ids, folders, names, dtype, device, trust_remote_code, allow_label_mismatch,
-                    share_identical):
-    """The low-memory path: member 0 alone for the trace, then the wide model filled from the files.
-    Returns None when a checkpoint's tensor names differ from its model's (transformers must convert them)."""
-    raw = [transformers.AutoConfig.from_pretrained(f, trust_remote_code=trust_remote_code) for f in folders]
-    classes = [model_class_for(config, name) for config, name in zip(raw, names)]
-    for name, config, klass in zip(names[1:], raw[1:], classes[1:]):
-        if klass is not classes[0]:
-            raise IncompatibleMembersError(
-                f"{name} is a {klass.__name__}, but {names[0]} is a {classes[0].__name__}: "
-                "all members must be the same model class."
-            )
-        check_configs(raw[0], config, names[0], name, allow_label_mismatch)
-    checkpoints = [Checkpoint(folder) for folder in folders]
-    try:
-        template = _load_member(folders[0], names[0], dtype, device=None, use_safetensors=True,
-                                trust_remote_code=trust_remote_code)
-        keys = _checkpoint_keys(template, checkpoints, names)
-        if keys is None:
-            return None
-        configs = [member_config(template.config, _differing(config, raw[0])) for config in raw]
-        generation_configs = [_generation_config(template, folder) for folder in folders]
-        skeletons = [skeleton_like(template, c, g) for c, g in zip(configs, generation_configs)]
-        identical = {k for k in keys[0] if share_identical and same_bytes(checkpoints, [ks[k] for ks in keys])}
-        stand_ins = [_stand_in(template, identical) for _ in folders[1:]]
-        plan = plan_members([template, *stand_ins], share_identical=share_identical)
-        del template, stand_ins  # free member 0 before the wide model takes its memory
-        gc.collect()
-
-        def read(i: int, key: str, dst: torch.Tensor) -> None:
-            checkpoints[i].read_into(keys[i][key], dst)
-
-        model, fold, aliases = assemble(skeletons, plan, device, read)
-    finally:
-        for checkpoint in checkpoints:
-            checkpoint.close()
-    wide = cls(model, plan, fold, aliases, ids, configs, generation_configs)
-    wide._source_dirs = list(folders)
-    return wide.eval()
-
-
-def verified(wide, share_identical: bool):
-    """``wide`` if every block and primitive agrees with its members (each member a view of the wide model's
-    tensors in its own classes: checkpoint i as transformers would run it); else the same members fused anew
-    by :meth:`WideModel.from_models`, which moves each module that disagrees one strategy down."""
-    members = [wide.member(i, share=True) for i in range(wide.num_members)]
-    failures, _ = diagnose(wide, members, (), sample_inputs(members[0]))
-    if not failures:
-        return wide
-    logger.warning("hf-wide: %s; fusing the members again with it moved down", "; ".join(
-        f"{path or '(model)'} {reason}" for path, reason in failures.items()))
-    fused = type(wide).from_models(members, member_ids=wide.member_ids, share_identical=share_identical)
-    fused._source_dirs = wide._source_dirs
-    return fused
-
-
-def _checkpoint_keys(template: nn.Module, checkpoints: Sequence[Checkpoint], names: Sequence[str]):
-    """For each member, the file key of every state-dict tensor of the template (a tied tensor may be stored
-    under any of its names), checking shapes; None if some tensor is not found under any of its names."""
-    aliases, tensors = tensor_aliases(template), state_tensors(template)
-    found = []
-    for checkpoint, name in zip(checkpoints, names):
-        keys = {}
-        for key, t in tensors.items():
-            stored = next((a for a in aliases.get(key, [key]) if a in checkpoint), None)
-            if stored is None:
-                logger.info("%s has no tensor %r under that name: loading whole members with transformers", name, key)
-                return None
-            if checkpoint.shape(stored) != tuple(t.shape):
-                raise IncompatibleMembersError(
-                    f"{name} has {stored!r} of shape {checkpoint.shape(stored)}, but {names[0]} has {tuple(t.shape)}."
-                )
-            keys[key] = stored
-        found.append(keys)
-    return found
-
-
-def _differing(config, base) -> dict:
-    """The attributes of a member's config that differ from member 0's (labels, provenance)."""
-    ours, theirs = vars(config), vars(base)
-    return {k: v for k, v in ours.items() if k not in theirs or theirs[k] != v}
-
-
-def _generation_config(template: nn.Module, folder: Path):
-    """The generation config transformers would give the member in ``folder`` (None if it cannot generate)."""
-    generation_config = getattr(template, "generation_config", None)
-    if generation_config is None or not (Path(folder) / "generation_config.json").exists():
-        return copy.deepcopy(generation_config)
-    return transformers.GenerationConfig.from_pretrained(folder)
-
-
-def _stand_in(template: nn.Module, identical: set[str]) -> nn.Module:
-    """What the planner needs of members 1..N-1 without loading them: their module tree, holding member 0's very
-    tensors where all members agree and an empty tensor where they differ (the planner only compares them)."""
-    memo = {}
-    for key, t in state_tensors(template).items():
-        if key not in identical:
-            empty = torch.empty(0, dtype=t.dtype)
-            memo[id(t)] = nn.Parameter(empty, requires_grad=False) if isinstance(t, nn.Parameter) else empty
-    for t in (*template.parameters(), *template.buffers()):
-        memo.setdefault(id(t), t)
-    return copy.deepcopy(template, memo)
-
-
 def load_members(
     model_ids: Sequence[str],
     revision: str | Sequence[str | None] | None = None,
@@ -435,56 +306,8 @@ def load_members(
     if not model_ids:
         raise ValueError("WideModel.from_pretrained needs at least one model id; got an empty list.")
     folders = download_members(model_ids, revision, allow_pickle=allow_pickle, **hub_kwargs)
-    models = _load_models(model_ids, folders, resolve_dtype(dtype), device, allow_pickle, trust_remote_code)
+    models = load_models(model_ids, folders, resolve_dtype(dtype), device, allow_pickle, trust_remote_code)
     return models, model_ids, [commit_sha(folder) for folder in folders]
-
-
-def _load_models(model_ids, folders, torch_dtype, device, allow_pickle, trust_remote_code) -> list[nn.Module]:
-    show_bar = len(model_ids) > 1 and transformers.utils.logging.is_progress_bar_enabled()
-    models = []
-    for i, (model_id, folder) in enumerate(hf_tqdm(list(zip(model_ids, folders)), desc="Loading members",
-                                                 unit="member", disable=not show_bar)):
-        name = f"member {i} ({model_id})"
-        use_safetensors = _weights_format(folder, name, allow_pickle)
-        models.append(_load_member(folder, name, torch_dtype, device=device, use_safetensors=use_safetensors,
-                                   trust_remote_code=trust_remote_code))
-    return models
-
-
-@contextlib.contextmanager
-def _no_transformers_bars():
-    """transformers' bar per checkpoint, switched off: the members share one bar."""
-    were_on = transformers.utils.logging.is_progress_bar_enabled()
-    transformers.utils.logging.disable_progress_bar()
-    try:
-        yield
-    finally:
-        if were_on:
-            transformers.utils.logging.enable_progress_bar()
-
-
-def _load_member(folder, name, torch_dtype, *, device, use_safetensors, trust_remote_code, klass=None,
-                 **model_kwargs):
-    """One member with its own transformers class (or ``klass``), refusing a checkpoint that lacks tensors.
-    ``model_kwargs`` go to ``from_pretrained`` (an adapter's head may want ``num_labels``)."""
-    if klass is None:
-        config = transformers.AutoConfig.from_pretrained(folder, trust_remote_code=trust_remote_code)
-        klass = model_class_for(config, name)
-    with _no_transformers_bars():
-        model, info = klass.from_pretrained(
-            folder,
-            dtype=torch_dtype,
-            use_safetensors=use_safetensors,
-            trust_remote_code=trust_remote_code,
-            output_loading_info=True,
-            **model_kwargs,
-        )
-    if info.get("missing_keys"):
-        missing = ", ".join(sorted(info["missing_keys"])[:5])
-        raise IncompatibleMembersError(f"{name}: the checkpoint is missing tensor(s) {missing}.")
-    if device is not None:
-        model.to(device)
-    return model.eval()
 
 
 # ---------------------------------------------------------------- pushing
