@@ -208,7 +208,7 @@ def load_adapter_members(ids, folders, configs, *, base_model=None, base_revisio
     labels = head_labels([Path(f) for f in folders], configs)
     extra = {"num_labels": labels} if labels is not None and labels != base_config.num_labels else {}
     base = load_member(base_folder, base_name, dtype, device=device, klass=klass, trust_remote_code=trust_remote_code,
-                        use_safetensors=weights_format(Path(base_folder), base_name, allow_pickle), **extra)
+                       use_safetensors=weights_format(Path(base_folder), base_name, allow_pickle), **extra)
 
     models = []
     for name, model_id, folder, config in zip(names, ids, folders, configs):
@@ -216,9 +216,9 @@ def load_adapter_members(ids, folders, configs, *, base_model=None, base_revisio
             if str(model_id) == str(base_id):
                 models.append(shared_view(base))
             else:
-                models.append(load_member(folder, name, dtype, device=device, klass=klass, trust_remote_code=
-                                           trust_remote_code, use_safetensors=weights_format(folder, name,
-                                                                                              allow_pickle)))
+                models.append(load_member(folder, name, dtype, device=device, klass=klass,
+                                          trust_remote_code=trust_remote_code,
+                                          use_safetensors=weights_format(folder, name, allow_pickle)))
             continue
         target = copy.deepcopy(base) if merge else shared_view(base)
         try:

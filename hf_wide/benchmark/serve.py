@@ -138,8 +138,8 @@ def _summary(rounds: list[dict]) -> dict:
     seconds = sum(r["seconds"] for r in rounds)
     errors = [e for r in rounds for e in r["errors"]]
     ms = sorted(x * 1e3 for r in rounds for x in r["latencies"])
-    return {"requests": sum(r["requests"] for r in rounds), "errors": len(errors), "wrong": sum(r["wrong"] for r in rounds),
-            "first_error": errors[:1], "seconds": seconds, "requests_per_s": len(ms) / seconds,
+    return {"requests": sum(r["requests"] for r in rounds), "errors": len(errors),
+            "wrong": sum(r["wrong"] for r in rounds), "first_error": errors[:1], "seconds": seconds, "requests_per_s": len(ms) / seconds,
             "rounds_requests_per_s": [len(r["latencies"]) / r["seconds"] for r in rounds],
             "p50_ms": statistics.median(ms) if ms else None,
             "p99_ms": ms[min(len(ms) - 1, int(0.99 * len(ms)))] if ms else None}

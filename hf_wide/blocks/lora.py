@@ -111,8 +111,9 @@ class WideLoraLinear(WideBlock):
         if x.shape[0] % n:
             raise RuntimeError(f"A wide LoRA layer got {x.shape[0]} rows, which do not split into {n} members.")
         adapted = self.lora_dropout(x) if self.training else x  # dropout is the identity in eval mode
-        # x_m @ A_m.T computed as A_m @ x_m.T: with the rank as the GEMM's rows, about twice as fast on CPU
-        low = torch.bmm(self.lora_A, adapted.reshape(n, -1, x.shape[-1]).transpose(1, 2)).transpose(1, 2)  # (N, M, r)
+        # x_m @ A_m.T computed as A_m @ x_m.T, with the rank as the GEMM's rows: about twice as fast on CPU
+        rows = adapted.reshape(n, -1, x.shape[-1])  # (N, M, D_in)
+        low = torch.bmm(self.lora_A, rows.transpose(1, 2)).transpose(1, 2)  # (N, M, r): a view of (N, r, M)
         scale = self._one_scale()
         if scale is None:  # the members' scalings differ: each member's on its (small) low-rank activations
             low = low.mul_(self.scaling.view(n, 1, 1))

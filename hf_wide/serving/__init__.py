@@ -47,11 +47,11 @@ def serve(model_ids: Sequence[str] | str, task: str = "text-classification", *, 
     else:
         ray.init(address=address)
     try:
-        ray_serve.start(http_options={"host": host, "port": port})
-        ray_serve.run(app, name="hf-wide", route_prefix="/")  # returns once the replicas have loaded the model
-        if not blocking:
-            return app
-        with _sigterm_as_interrupt():
+        with _sigterm_as_interrupt():  # loading the model included: it may take minutes
+            ray_serve.start(http_options={"host": host, "port": port})
+            ray_serve.run(app, name="hf-wide", route_prefix="/")  # returns once the replicas have loaded the model
+            if not blocking:
+                return app
             while True:
                 time.sleep(1)
     except KeyboardInterrupt:
