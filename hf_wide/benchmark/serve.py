@@ -139,7 +139,8 @@ def _summary(rounds: list[dict]) -> dict:
     errors = [e for r in rounds for e in r["errors"]]
     ms = sorted(x * 1e3 for r in rounds for x in r["latencies"])
     return {"requests": sum(r["requests"] for r in rounds), "errors": len(errors),
-            "wrong": sum(r["wrong"] for r in rounds), "first_error": errors[:1], "seconds": seconds, "requests_per_s": len(ms) / seconds,
+            "wrong": sum(r["wrong"] for r in rounds), "first_error": errors[:1], "seconds": seconds,
+            "requests_per_s": len(ms) / seconds,
             "rounds_requests_per_s": [len(r["latencies"]) / r["seconds"] for r in rounds],
             "p50_ms": statistics.median(ms) if ms else None,
             "p99_ms": ms[min(len(ms) - 1, int(0.99 * len(ms)))] if ms else None}
@@ -179,6 +180,9 @@ def run(num_requests: int = 2000, clients: int = 16, num_members: int = 8, hidde
 
     from ..pipelines import pipeline
     from ..serving.app import build_app
+
+    if rounds < 1 or num_requests < 1:
+        raise ValueError(f"rounds and num_requests must be at least 1, got {rounds} and {num_requests}.")
 
     with tempfile.TemporaryDirectory(prefix="hf-wide-serve-") as tmp:
         paths = write_members(Path(tmp), num_members, hidden)
