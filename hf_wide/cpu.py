@@ -12,7 +12,7 @@ speed of the members run one after another with glibc's defaults, 1.01-1.04x wit
 This is the advice of PyTorch's CPU performance guide (use jemalloc or tcmalloc) done with the allocator
 already loaded: it is process-wide, so the ``hf-wide`` command line calls :func:`tune_cpu_allocator` and
 a library never does it on import. The cost: memory the process freed stays in it (resident at its peak)
-rather than going back to the system.
+rather than going back to the system. :func:`peak_rss` reads that peak (the memory benchmarks report it).
 """
 
 from __future__ import annotations
@@ -65,3 +65,17 @@ def allocator_state() -> str:
     if _state["tuned"]:
         return "glibc malloc, tuned by hf_wide.tune_cpu_allocator (no mmap for large blocks, no heap trimming)"
     return "the C library's malloc with its defaults"
+
+
+def peak_rss() -> int:
+    """This process's peak resident memory in bytes: ``VmHWM`` on Linux, else ``ru_maxrss`` (KiB on Linux)."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024

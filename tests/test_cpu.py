@@ -42,3 +42,24 @@ def test_the_command_line_tunes_unless_asked_not_to(flag, state):
             "cli._trace = lambda args: print(cpu.allocator_state()) or 0\n"
             f"sys.exit(cli.main({flag!r} + ['trace', 'unused']))")
     assert state in run(code)[-1]
+
+
+def test_peak_rss_is_the_peak_in_bytes():
+    """In a fresh process: at least what is resident now, and it grows by a 256 MiB buffer touched, then freed."""
+    code = """
+import torch
+from hf_wide.cpu import peak_rss
+def resident():
+    for line in open("/proc/self/status"):
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+before = peak_rss()
+assert before >= resident() > 0, (before, resident())
+x = torch.ones(64 * 2**20)  # 256 MiB, written
+del x
+print(peak_rss() - before)
+"""
+    if not os.path.exists("/proc/self/status"):
+        pytest.skip("VmRSS comes from /proc (Linux)")
+    (grown,) = run(code)
+    assert int(grown) >= 250 * 2**20

@@ -30,18 +30,11 @@ import tempfile
 from pathlib import Path
 
 CHILD = r"""
-import json, os, sys, resource
-def peak():
-    try:
-        for line in open("/proc/self/status"):
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+import json, os, sys
 import torch, transformers
 import hf_wide, hf_wide.hub
 from hf_wide import WideModel
+from hf_wide.cpu import peak_rss as peak
 mode, warmup, paths = sys.argv[1], sys.argv[2], sys.argv[3:]
 result = {"imports": peak()}
 if warmup != "-":  # for adapters, peft's imports and the adapter path too: on tiny adapters

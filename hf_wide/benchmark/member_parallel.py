@@ -23,18 +23,7 @@ from pathlib import Path
 
 import torch
 
-
-def peak_rss() -> int:
-    """This process's peak resident memory in bytes (Linux)."""
-    try:
-        for line in open("/proc/self/status"):
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    import resource
-
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+from ..cpu import peak_rss
 
 
 def write_members(folder: Path, num_members: int, hidden: int, layers: int) -> list[str]:
