@@ -1,9 +1,9 @@
 """Building a wide model from checkpoint files without holding N models.
 
-Loading (fused repos in :mod:`hf_wide.saving`, member repos in :mod:`hf_wide.hub`) never materialises N models: N
-*skeletons* (the members' modules with parameters on the meta device) go through the ordinary swap walk, the
-resulting wide model is given uninitialised storage, and each member's tensors are read from the safetensors
-files straight into their slots of the stacked parameters, one tensor at a time. The files are read with
+Loading (fused repos in :mod:`hf_wide.saving`, member checkpoints in :mod:`hf_wide.loading`) never materialises
+N models: N *skeletons* (the members' modules with parameters on the meta device) go through the ordinary swap
+walk, the resulting wide model is given uninitialised storage, and each member's tensors are read from the
+safetensors files straight into their slots of the stacked parameters, one tensor at a time. The files are read with
 ``readinto`` rather than through a memory map: pages of a mapped file count towards the process's resident
 memory until it is unmapped, which would double the peak.
 """
