@@ -117,7 +117,7 @@ def load_member_slice(num_members: int, load: Callable[[range], Any], allow_labe
     configs), and a check that every rank's members share one architecture."""
     members = member_group(num_members)
     wide = on_every_rank(members, lambda: load(members.local),
-                             f"Loading {num_members} members over {members.world_size} ranks")
+                         f"Loading {num_members} members over {members.world_size} ranks")
     return attach(wide, members, allow_label_mismatch)
 
 
