@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import json
+import sys
 import warnings
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -63,6 +64,23 @@ def peft_quietly() -> Iterator[None]:
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
         yield
+
+
+# Arguments a PeftModel's forward takes for itself: per-row adapter routing, which a wide model has no use for.
+PEFT_FORWARD_ARGS = frozenset({"adapter_names", "alora_offsets", "task_ids"})
+
+
+def runs_inner_model(model: nn.Module) -> bool:
+    """Whether a wide forward may call a ``PeftModel``'s transformers model itself (``model.base_model.model``).
+
+    For LoRA (not prompt learning) PEFT's forward only routes rows to adapters when ``adapter_names`` asks for it
+    (refused in a wide model: every member runs on every row) and otherwise calls that model with the same
+    arguments. Its wrappers cost ~3% of a small model's forward (the 2-layer BERT of the benchmark, 8 rows of 16
+    tokens), on a path the ideal does not take. Nothing is skipped that the layers need: each LoRA layer is a
+    ``WideLoraLinear`` (or a member's own ``lora.Linear``, which reads its active adapter itself)."""
+    peft = sys.modules.get("peft")
+    return (peft is not None and isinstance(model, peft.PeftModel) and isinstance(model.base_model, peft.LoraModel)
+            and not model.active_peft_config.is_prompt_learning)
 
 
 def lora_refusal(config: dict) -> str | None:

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .adapters import PEFT_FORWARD_ARGS, runs_inner_model
 from .capture import asks_for_capture, install_capture_hooks
 from .compat import check_compatible, member_names
 from .fold import Fold, PerMember, fold_inputs, unfold_outputs
@@ -72,6 +73,7 @@ class WideModel(nn.Module):
         self._aliases = aliases
         self._capture_hooks = False  # installed on the first forward that asks for attentions or hidden states
         self._capture_lock = threading.Lock()
+        self._inner = runs_inner_model(model)  # a LoRA PeftModel: its transformers model is called directly
         # generate() calls the model's forward itself (and an encoder-decoder's encoder first), with rows it may
         # expand (beams, several sequences per input): this pre-hook records the rows of each call, in the thread
         # that is generating only.
@@ -214,13 +216,15 @@ class WideModel(nn.Module):
         tensors ``(N, B, ...)`` give each its own. Every output tensor gains a leading member dim."""
         if not self._capture_hooks and asks_for_capture(kwargs, self.config):
             self._install_capture_hooks()
+        if self._inner and not PEFT_FORWARD_ARGS.isdisjoint(kwargs):
+            kwargs = _without_peft_args(kwargs)
         group = self.members_group
         given = (args, kwargs)  # (what every rank must agree on: before PerMember inputs are cut to the rank's)
         n = self.fold.num_members
         args, kwargs, batch = fold_inputs(n, *(given if group is None else _local_inputs(group, args, kwargs)))
         self.fold.anchor = _first_tensor((*args, *kwargs.values())).new_empty(n * batch, 0)
         try:
-            outputs = self.model(*args, **kwargs)
+            outputs = (self.model.base_model.model if self._inner else self.model)(*args, **kwargs)
         finally:
             self.fold.reset()
         outputs = unfold_outputs(outputs, n, batch)
@@ -351,3 +355,12 @@ def _first_tensor(output) -> torch.Tensor:
     if isinstance(output, dict):  # ModelOutput is a dict
         return next(v for v in output.values() if isinstance(v, torch.Tensor))
     return next(v for v in output if isinstance(v, torch.Tensor))
+
+
+def _without_peft_args(kwargs: dict) -> dict:
+    """``kwargs`` less PEFT's own forward arguments left at None; a value for one is refused."""
+    given = sorted(k for k in PEFT_FORWARD_ARGS & kwargs.keys() if kwargs[k] is not None)
+    if given:
+        raise TypeError(f"A wide model runs every member on every row: {given[0]}= (PEFT's routing of rows to "
+                        "adapters) does not apply. Run wide.member(i) for one adapter alone.")
+    return {k: v for k, v in kwargs.items() if k not in PEFT_FORWARD_ARGS}

@@ -107,16 +107,22 @@ class WideLoraLinear(WideBlock):
         object.__setattr__(self, "protos", [meta_copy(m) for m in mods])  # each member's ranks and attributes
 
     def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:  # x: (N*B, ..., D_in)
+        # Kept to the ops themselves: at 16 rows per member a layer's Python costs as much as its update.
         n = self.fold.num_members
         if x.shape[0] % n:
             raise RuntimeError(f"A wide LoRA layer got {x.shape[0]} rows, which do not split into {n} members.")
-        adapted = self.lora_dropout(x) if self.training else x  # dropout is the identity in eval mode
         # x_m @ A_m.T computed as A_m @ x_m.T, with the rank as the GEMM's rows: about twice as fast on CPU
-        rows = adapted.reshape(n, -1, x.shape[-1])  # (N, M, D_in)
+        rows = (self.lora_dropout(x) if self.training else x).reshape(n, -1, x.shape[-1])  # (N, M, D_in)
         low = torch.bmm(self.lora_A, rows.transpose(1, 2)).transpose(1, 2)  # (N, M, r): a view of (N, r, M)
-        scale = self._one_scale()
+        scaling = self.scaling
+        if torch.compiler.is_compiling():  # a traced graph reads the buffer
+            scale = None
+        elif self._scale_key == (scaling.data_ptr(), scaling._version):
+            scale = self._scale
+        else:
+            scale = self._one_scale()
         if scale is None:  # the members' scalings differ: each member's on its (small) low-rank activations
-            low = low.mul_(self.scaling.view(n, 1, 1))
+            low = low.mul_(scaling.view(n, 1, 1))
             scale = 1.0
         base = self.base_layer
         if type(base) is not nn.Linear:  # the members' base weights differ: a WideLinear
@@ -143,17 +149,18 @@ class WideLoraLinear(WideBlock):
             result[m].addmm_(low[m], self.lora_B[m].t(), alpha=scale)
         return result.view(*x.shape[:-1], weight.shape[0])
 
+    _scale_key: tuple[int, int] | None = None  # the ``scaling`` buffer (data pointer, version) ``_scale`` is of
+    _scale: float | None = None
+
     def _one_scale(self) -> float | None:
-        """The members' one scaling, for baddbmm's ``alpha``; None where they differ (or under torch.compile).
-        Read from the buffer again whenever it changes (a state dict loaded into it, say)."""
-        if torch.compiler.is_compiling():
-            return None
+        """The members' one scaling, for baddbmm's ``alpha``, or None where they differ; kept until the buffer
+        changes (a state dict loaded into it, say)."""
         key = (self.scaling.data_ptr(), self.scaling._version)
-        cached = self.__dict__.get("_scale")
-        if cached is None or cached[0] != key:  # one tuple, replaced whole: safe under concurrent calls
-            values = set(self.scaling.tolist())
-            cached = self.__dict__["_scale"] = (key, values.pop() if len(values) == 1 else None)
-        return cached[1]
+        values = set(self.scaling.tolist())
+        # the key last: a thread that reads the new key finds the new scale (attribute writes are atomic)
+        self._scale = values.pop() if len(values) == 1 else None
+        self._scale_key = key
+        return self._scale
 
     def member_state_dict(self, i: int) -> dict[str, torch.Tensor]:
         rank = int(self.rank[i])

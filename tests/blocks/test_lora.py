@@ -57,6 +57,22 @@ def test_scalings_that_differ_and_scalings_loaded_later():
     assert max_member_error(one, members, inputs) <= TOLERANCE
 
 
+def test_the_forward_calls_the_transformers_model_and_refuses_peft_routing(ranks_and_scalings):
+    members = ranks_and_scalings
+    wide = WideModel.from_models(members)
+    inputs = LLAMA.inputs(2, padded=True)
+    peft_forward = type(wide.model).forward
+    try:  # PEFT's wrappers add nothing to a wide forward: its transformers model is called directly
+        type(wide.model).forward = lambda *args, **kwargs: pytest.fail("PeftModel.forward was called")
+        got = wide(**inputs, adapter_names=None).logits
+    finally:
+        type(wide.model).forward = peft_forward
+    for i, member in enumerate(members):
+        assert (got[i] - member(**inputs).logits).abs().max().item() <= TOLERANCE
+    with pytest.raises(TypeError, match="adapter_names"):
+        wide(**inputs, adapter_names=["default"] * 2)
+
+
 def test_members_given_with_copy_shared_false_hold_views_of_the_stacked_adapters():
     base, inputs = LLAMA.build(0), LLAMA.inputs(2, padded=True)
     members = [adapted(base, seed, r=rank, lora_alpha=8, target_modules=["q_proj"]) for seed, rank in ((0, 2), (1, 4))]
