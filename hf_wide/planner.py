@@ -320,7 +320,7 @@ def _block_refusal(fqn: str, block_cls: type, member_modules, fallback_roots: di
     if inside is not None:
         return f"{inside or '(model)'} {fallback_roots[inside]}"
     for modules in member_modules:
-        reason = block_structure_known(modules[fqn])
+        reason = block_structure_known(modules[fqn], block_cls.inner_blocks)
         if reason is not None:
             return reason
     return next((why for modules in member_modules if (why := block_cls.refusal(modules[fqn])) is not None), None)

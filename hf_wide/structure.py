@@ -142,11 +142,16 @@ def _taken_by_blocks(fqn: str, modules: dict[str, nn.Module]) -> Callable[[str],
     return lambda name: any(rule(relative, name) for relative, rule in rules)
 
 
-def block_structure_known(module: nn.Module) -> str | None:
+def block_structure_known(module: nn.Module, inner_blocks: tuple[type, ...] = ()) -> str | None:
     """None if every module inside ``module`` (a fused block's source) is one a block may read: an exact class
-    with a registered builder, or a module without tensors from torch or transformers. Else the first stranger."""
+    with a registered builder, or a module without tensors from torch or transformers, or the source of one of
+    ``inner_blocks`` (blocks the outer one builds itself, with all inside them). Else the first stranger."""
+    inner = []  # paths of inner blocks' sources: what is under them is theirs
     for path, sub in module.named_modules():
-        if not path:
+        if not path or any(path.startswith(f"{p}.") for p in inner):
+            continue
+        if inner_blocks and find_block(sub) in inner_blocks:
+            inner.append(path)
             continue
         owns = any(t is not None for t in (*sub._parameters.values(), *sub._buffers.values()))
         library = type(sub).__module__.split(".")[0] in ("torch", "transformers")

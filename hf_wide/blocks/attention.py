@@ -30,10 +30,13 @@ from transformers.models.qwen2.modeling_qwen2 import Qwen2Attention
 from transformers.models.roberta.modeling_roberta import RobertaSelfAttention
 from transformers.models.vit.modeling_vit import ViTAttention
 
+from ..primitives.base import meta_copy
 from ..primitives.linear import WideLinear, wide_linear
 from ..primitives.norm import WideLayerNorm
 from ..registry import register_block
 from .base import WideBlock, member_slices, stack_cat
+from .lora import LoraLinear, WideLoraLinear
+from .lora_projections import WideLoraProjections, lora_projections_refusal
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,13 +72,26 @@ LAYOUTS = {
 @register_block(*LAYOUTS)
 class WideAttention(WideBlock):
     """``qkv_weight``: (N, D_q + 2*D_kv, D) — each member's q, k and v weights stacked along the outputs;
-    ``qkv_bias``: (N, D_q + 2*D_kv) or None; ``o_proj``: a WideLinear (or absent)."""
+    ``qkv_bias``: (N, D_q + 2*D_kv) or None; ``o_proj``: a WideLinear (or absent). LoRA members (q, k and v
+    ``lora.Linear`` layers) hold ``lora_qkv``, a :class:`WideLoraProjections`, instead of the two, and their
+    ``o_proj`` is a :class:`WideLoraLinear` where it is adapted too."""
+
+    inner_blocks = (WideLoraLinear,)  # LoRA-adapted projections: fused as such (see hf_wide.blocks.lora_projections)
 
     @classmethod
-    def accepts(cls, module: nn.Module) -> bool:
+    def refusal(cls, module: nn.Module) -> str | None:
         layout = LAYOUTS[type(module)]
-        with_bias = [module.get_submodule(n).bias is not None for n in layout.qkv]
-        return all(with_bias) or not any(with_bias)  # one fused bias, or none
+        projections = [module.get_submodule(n) for n in layout.qkv]
+        if any(type(p) is not nn.Linear for p in projections):  # adapted q, k and v: all of them, one base each
+            why = lora_projections_refusal(projections)
+            out = None if layout.out is None else module.get_submodule(layout.out)
+            if why is None and out is not None and type(out) is not nn.Linear:
+                why = WideLoraLinear.refusal(out) if type(out) is LoraLinear else f"{layout.out} is a {type(out)}"
+            return None if why is None else f"{layout.qkv}: {why}"
+        with_bias = [p.bias is not None for p in projections]
+        if not (all(with_bias) or not any(with_bias)):
+            return "some of q, k and v have a bias and some do not: no one fused bias"
+        return None
 
     def build(self, mods: Sequence[nn.Module]) -> None:
         layout = self.layout = LAYOUTS[type(mods[0])]
@@ -83,11 +99,18 @@ class WideAttention(WideBlock):
         self._eager = source.eager_attention_forward
         self._rotary = source.apply_rotary_pos_emb if layout.rotary else None
         self.sizes = [mods[0].get_submodule(n).out_features for n in layout.qkv]
-        self.qkv_weight = nn.Parameter(stack_cat(mods, layout.qkv, "weight"))
-        bias = stack_cat(mods, layout.qkv, "bias")
-        self.qkv_bias = None if bias is None else nn.Parameter(bias)
+        projections = [[m.get_submodule(n) for n in layout.qkv] for m in mods]
+        if type(projections[0][0]) is nn.Linear:
+            self.qkv_weight = nn.Parameter(stack_cat(mods, layout.qkv, "weight"))
+            bias = stack_cat(mods, layout.qkv, "bias")
+            self.qkv_bias = None if bias is None else nn.Parameter(bias)
+        else:  # LoRA members: the base's q, k and v in one matmul, the members' updates in one more
+            self.lora_qkv = WideLoraProjections(self.fold, projections)
+            object.__setattr__(self, "protos", [meta_copy(m) for m in mods])  # each member's ranks
         if layout.out is not None:
-            self.o_proj = WideLinear.from_modules([m.get_submodule(layout.out) for m in mods], self.fold)
+            outs = [m.get_submodule(layout.out) for m in mods]
+            wide = WideLinear if type(outs[0]) is nn.Linear else WideLoraLinear
+            self.o_proj = wide.from_modules(outs, self.fold)
         if layout.residual_norm is not None:
             dropout, norm = layout.residual_norm
             self.out_dropout = copy.deepcopy(getattr(mods[0], dropout))
@@ -97,14 +120,20 @@ class WideAttention(WideBlock):
         self._dropout_p = getattr(mods[0].get_submodule(owner), attr)
 
     def member_state_dict(self, i: int) -> dict[str, torch.Tensor]:
-        state = {}
-        for name, weight in zip(self.layout.qkv, self.qkv_weight[i].split(self.sizes)):
-            state[f"{name}.weight"] = weight
-        if self.qkv_bias is not None:
-            for name, bias in zip(self.layout.qkv, self.qkv_bias[i].split(self.sizes)):
-                state[f"{name}.bias"] = bias
+        if "lora_qkv" in self._modules:
+            state = self.lora_qkv.member_state_dict(i, self.layout.qkv)
+        else:
+            state = {}
+            for name, weight in zip(self.layout.qkv, self.qkv_weight[i].split(self.sizes)):
+                state[f"{name}.weight"] = weight
+            if self.qkv_bias is not None:
+                for name, bias in zip(self.layout.qkv, self.qkv_bias[i].split(self.sizes)):
+                    state[f"{name}.bias"] = bias
         if self.layout.out is not None:
-            state.update(member_slices(self.layout.out, self.o_proj, i))
+            if isinstance(self.o_proj, WideLoraLinear):
+                state.update({f"{self.layout.out}.{k}": v for k, v in self.o_proj.member_state_dict(i).items()})
+            else:
+                state.update(member_slices(self.layout.out, self.o_proj, i))
         if self.layout.residual_norm is not None:
             state.update(member_slices(self.layout.residual_norm[1], self.post_norm, i))
         return state
@@ -118,7 +147,10 @@ class WideAttention(WideBlock):
         input_shape = hidden_states.shape[:-1]
         hidden_shape = (*input_shape, -1, self._head_dim)
 
-        qkv = wide_linear(self.fold, hidden_states, self.qkv_weight.transpose(1, 2), self.qkv_bias)
+        if "lora_qkv" in self._modules:
+            qkv = self.lora_qkv(hidden_states)  # (N*B, T, D_q + 2*D_kv)
+        else:
+            qkv = wide_linear(self.fold, hidden_states, self.qkv_weight.transpose(1, 2), self.qkv_bias)
         query, key, value = (t.view(hidden_shape).transpose(1, 2) for t in qkv.split(self.sizes, dim=-1))
         # query: (N*B, H, T, hd); key, value: (N*B, H_kv, T, hd)
 

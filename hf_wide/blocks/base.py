@@ -23,6 +23,9 @@ class WideBlock(nn.Module):
     copied over, since transformers' attention functions read them from the module they are given."""
 
     source_classes: tuple[type[nn.Module], ...] = ()
+    # Blocks whose source modules this block may find inside its own and build itself (LoRA layers as its
+    # projections): :func:`hf_wide.structure.block_structure_known` lets exactly these through.
+    inner_blocks: tuple[type["WideBlock"], ...] = ()
 
     def __init__(self, fold: Fold, proto: nn.Module):
         super().__init__()
@@ -63,7 +66,8 @@ class WideBlock(nn.Module):
     def to_module(self, i: int, share: bool = False) -> nn.Module:
         """Member i as an ordinary module of the source class, with storage of its own (or, with
         ``share=True``, tensors that are views into the block's)."""
-        mod = copy.deepcopy(self.proto)
+        protos = self.__dict__.get("protos")  # each member's own, where shapes differ (LoRA ranks)
+        mod = copy.deepcopy(self.proto if protos is None else protos[i])
         state = {k: v.detach() if share else v.detach().clone() for k, v in self.member_state_dict(i).items()}
         mod.load_state_dict(state, strict=True, assign=True)  # keeps the source's requires_grad
         return mod

@@ -16,37 +16,67 @@ from transformers.models.mistral.modeling_mistral import MistralMLP
 from transformers.models.qwen2.modeling_qwen2 import Qwen2MLP
 from transformers.models.vit.modeling_vit import ViTMLP
 
+from ..primitives.base import meta_copy
 from ..primitives.linear import WideLinear, wide_linear
 from ..registry import register_block
 from .base import WideBlock, member_slices, stack_cat
+from .lora import LoraLinear, WideLoraLinear
+from .lora_projections import WideLoraProjections, lora_projections_refusal
 
 
 @register_block(LlamaMLP, MistralMLP, Qwen2MLP)
 class WideGatedMLP(WideBlock):
     """``gate_up_weight``: (N, 2*I, D), gate rows then up rows; ``gate_up_bias``: (N, 2*I) or None;
-    ``down_proj``: a WideLinear."""
+    ``down_proj``: a WideLinear. LoRA members (gate and up ``lora.Linear`` layers) hold ``lora_gate_up``, a
+    :class:`WideLoraProjections`, instead of the two, and a :class:`WideLoraLinear` ``down_proj`` where it is
+    adapted too."""
+
+    inner_blocks = (WideLoraLinear,)  # LoRA-adapted projections: fused as such (see hf_wide.blocks.lora_projections)
 
     @classmethod
-    def accepts(cls, module: nn.Module) -> bool:
-        return (module.gate_proj.bias is None) == (module.up_proj.bias is None)
+    def refusal(cls, module: nn.Module) -> str | None:
+        gate_up = [module.gate_proj, module.up_proj]
+        if any(type(p) is not nn.Linear for p in gate_up):  # adapted gate and up: both, one base each
+            why = lora_projections_refusal(gate_up)
+            if why is None and type(module.down_proj) is not nn.Linear:
+                why = (WideLoraLinear.refusal(module.down_proj) if type(module.down_proj) is LoraLinear
+                       else f"down_proj is a {type(module.down_proj)}")
+            return None if why is None else f"gate_proj, up_proj: {why}"
+        if (module.gate_proj.bias is None) != (module.up_proj.bias is None):
+            return "one of gate_proj and up_proj has a bias: no one fused bias"
+        return None
 
     def build(self, mods: Sequence[nn.Module]) -> None:
         self.intermediate = mods[0].gate_proj.out_features
-        self.gate_up_weight = nn.Parameter(stack_cat(mods, ("gate_proj", "up_proj"), "weight"))
-        bias = stack_cat(mods, ("gate_proj", "up_proj"), "bias")
-        self.gate_up_bias = None if bias is None else nn.Parameter(bias)
-        self.down_proj = WideLinear.from_modules([m.down_proj for m in mods], self.fold)
+        if type(mods[0].gate_proj) is nn.Linear:
+            self.gate_up_weight = nn.Parameter(stack_cat(mods, ("gate_proj", "up_proj"), "weight"))
+            bias = stack_cat(mods, ("gate_proj", "up_proj"), "bias")
+            self.gate_up_bias = None if bias is None else nn.Parameter(bias)
+        else:  # LoRA members: the base's gate and up in one matmul, the members' updates in one more
+            self.lora_gate_up = WideLoraProjections(self.fold, [[m.gate_proj, m.up_proj] for m in mods])
+            object.__setattr__(self, "protos", [meta_copy(m) for m in mods])  # each member's ranks
+        downs = [m.down_proj for m in mods]
+        self.down_proj = (WideLinear if type(downs[0]) is nn.Linear else WideLoraLinear).from_modules(downs, self.fold)
         self.act_fn = mods[0].act_fn
 
     def member_state_dict(self, i: int) -> dict[str, torch.Tensor]:
+        if isinstance(self.down_proj, WideLoraLinear):
+            state = {f"down_proj.{k}": v for k, v in self.down_proj.member_state_dict(i).items()}
+        else:
+            state = member_slices("down_proj", self.down_proj, i)
+        if "lora_gate_up" in self._modules:
+            return {**self.lora_gate_up.member_state_dict(i, ("gate_proj", "up_proj")), **state}
         gate_w, up_w = self.gate_up_weight[i].split(self.intermediate)
-        state = {"gate_proj.weight": gate_w, "up_proj.weight": up_w, **member_slices("down_proj", self.down_proj, i)}
+        state.update({"gate_proj.weight": gate_w, "up_proj.weight": up_w})
         if self.gate_up_bias is not None:
             state["gate_proj.bias"], state["up_proj.bias"] = self.gate_up_bias[i].split(self.intermediate)
         return state
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: (N*B, T, D)
-        gate_up = wide_linear(self.fold, x, self.gate_up_weight.transpose(1, 2), self.gate_up_bias)  # (N*B, T, 2I)
+        if "lora_gate_up" in self._modules:
+            gate_up = self.lora_gate_up(x)  # (N*B, T, 2I)
+        else:
+            gate_up = wide_linear(self.fold, x, self.gate_up_weight.transpose(1, 2), self.gate_up_bias)  # (N*B, T, 2I)
         gate, up = gate_up.split(self.intermediate, dim=-1)
         return self.down_proj(self.act_fn(gate) * up)
 
