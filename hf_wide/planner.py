@@ -35,8 +35,8 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
+from .fallback_roots import common_ancestor, is_under, loop_reason, rewriting_ancestor, settle, unbatched_root
 from .plan import OWN_CODE_LOOP, STACKED_LOOP, Demotions, Kind, ModulePlan, WidePlan
-from .primitives.fallback import TOKEN_ROWS
 from .structure import Opaque, block_structure_known, opaque_modules
 from .registry import (
     declares_stacked_reads,
@@ -58,20 +58,6 @@ def direct_tensors(module: nn.Module) -> dict[str, torch.Tensor]:
 def _same(tensors: Sequence[torch.Tensor]) -> bool:
     first = tensors[0]
     return all(t.shape == first.shape and t.dtype == first.dtype and torch.equal(t, first) for t in tensors[1:])
-
-
-def _is_under(path: str, root: str) -> bool:
-    return root == "" or path == root or path.startswith(root + ".")
-
-
-def _common_ancestor(paths: Sequence[str]) -> str:
-    parts = [p.split(".") if p else [] for p in paths]
-    common = []
-    for level in zip(*parts):
-        if any(x != level[0] for x in level):
-            break
-        common.append(level[0])
-    return ".".join(common)
 
 
 def tensor_aliases(model: nn.Module) -> dict[str, list[str]]:
@@ -115,7 +101,7 @@ def make_plan(
 
     blocks: list[str] = []
     for fqn, module in template.named_modules():
-        if any(_is_under(fqn, root) for root in blocks):
+        if any(is_under(fqn, root) for root in blocks):
             continue
         block_cls = find_block(module)
         if block_cls is not None and fqn in demoted:
@@ -160,7 +146,7 @@ def make_plan(
             pass  # a fallback root already
         elif outside:
             name, reader = outside[0]
-            root = _common_ancestor([fqn] + [r for _, r in outside])
+            root = common_ancestor([fqn] + [r for _, r in outside])
             fallback_roots.setdefault(root, f"{fqn}.{name} is read in {reader or '(model)'}")
         elif wide_cls is None:
             raw = ", ".join(differing)
@@ -169,7 +155,7 @@ def make_plan(
             entries[fqn] = ModulePlan(kind=Kind.PRIMITIVE, wide_class=wide_cls.__name__, **kind_args)
 
     for fqn, reader, consumers, differs, direct, kind_args in stacked_reads:
-        fed = [p for p, m in modules.items() if _is_under(p, reader) and type(m) in consumers]
+        fed = [p for p, m in modules.items() if is_under(p, reader) and type(m) in consumers]
         unfused = [p for p in fed if p not in blocks]
         wide_readers = [r for r in direct if r in entries and entries[r].kind != Kind.SHARED]
         if not differs and len(unfused) == len(fed) and not wide_readers:
@@ -187,37 +173,37 @@ def make_plan(
     rewrites: dict[str, str] = {}
     for path, (op, uses) in trace.unbatched.items():
         shared = path in entries and entries[path].kind == Kind.SHARED  # one copy: every member sees the same
-        handled = any(_is_under(path, b) for b in blocks) or any(  # a block or a declared reader feeds it stacked
-            declares_stacked_reads(modules[p]) for p in modules if p and _is_under(path, p)) or any(
-            all(_is_under(p, root) for p in (path, *uses)) for root in opaque)  # all inside a module run per member
-        rewritten = _rewriting_ancestor(path, modules, demoted)
+        handled = any(is_under(path, b) for b in blocks) or any(  # a block or a declared reader feeds it stacked
+            declares_stacked_reads(modules[p]) for p in modules if p and is_under(path, p)) or any(
+            all(is_under(p, root) for p in (path, *uses)) for root in opaque)  # all inside a module run per member
+        rewritten = rewriting_ancestor(path, modules, demoted)
         if rewritten is not None:  # its method computes every member's result from the stacked tensors
             rewrites.setdefault(rewritten, f"{op} runs {path} on an input without the batch dim")
         elif not (shared or handled):
-            root = _unbatched_root(path, uses, trace.escapes)
+            root = unbatched_root(path, uses, trace.escapes)
             fallback_roots.setdefault(root, f"{op} runs {path or '(model)'} on an input without the batch dim")
     for fqn, why in rewrites.items():
         rewrite_cls, reads = find_rewrite(modules[fqn])
         unstacked = [r for r in reads if f"{fqn}.{r}" not in entries
                      or entries[f"{fqn}.{r}"].kind not in (Kind.PRIMITIVE, Kind.SHARED)
-                     or any(_is_under(f"{fqn}.{r}", root) for root in fallback_roots)]
+                     or any(is_under(f"{fqn}.{r}", root) for root in fallback_roots)]
         if unstacked:
             fallback_roots.setdefault(fqn, f"{why}, and {rewrite_cls.__name__} needs {fqn}.{unstacked[0]} stacked")
         else:
             entries[fqn] = ModulePlan(fqn=fqn, module_class=type(modules[fqn]).__name__, kind=Kind.REWRITTEN,
                                       wide_class=rewrite_cls.__name__, reason=f"{why}: computed for every member")
     for root in list(fallback_roots):
-        settled = _settle(root, modules, trace.callers)
+        settled = settle(root, modules, trace.callers)
         if settled != root:
             fallback_roots.setdefault(settled, fallback_roots.pop(root))
     outermost = []
     for root in sorted(fallback_roots, key=lambda p: (p.count(".") + bool(p), p)):
-        if not any(_is_under(root, kept) for kept in outermost):
+        if not any(is_under(root, kept) for kept in outermost):
             outermost.append(root)
-    entries = {f: e for f, e in entries.items() if not any(_is_under(f, root) for root in outermost)}
+    entries = {f: e for f, e in entries.items() if not any(is_under(f, root) for root in outermost)}
     for root in outermost:
         module = modules[root]
-        loop, own_code = _loop_reason(root, modules, opaque, demotions, member_modules)
+        loop, own_code = loop_reason(root, modules, opaque, demotions, member_modules)
         entries[root] = ModulePlan(
             fqn=root,
             module_class=type(module).__name__,
@@ -244,79 +230,10 @@ def make_plan(
     )
 
 
-def _rewriting_ancestor(path: str, modules: dict[str, nn.Module], demoted: dict[str, str]) -> str | None:
-    """The innermost module around ``path`` with a registered rewrite (:mod:`hf_wide.rewrites`), unless
-    verification moved it down."""
-    parts = path.split(".") if path else []
-    for depth in range(len(parts), -1, -1):
-        candidate = ".".join(parts[:depth])
-        if find_rewrite(modules[candidate]) is not None and candidate not in demoted:
-            return candidate
-    return None
-
-
-def _unbatched_root(path: str, uses: set[str], escapes: dict[str, set[str]]) -> str:
-    """Where to run per member a module that runs its tensors on an input without the batch dim: the innermost
-    module around it that hands on only batched results or broadcasts ``(1, ...)`` (T5's attention, whose
-    position bias leaves it as (1, H, T, T): run per member, it leaves with a member dim, N*B rows), and at
-    the latest the common ancestor of it and every use of its result."""
-    outermost = _common_ancestor([path, *uses])
-    parts = path.split(".") if path else []
-    for depth in range(len(parts), -1, -1):
-        candidate = ".".join(parts[:depth])
-        if candidate == outermost or escapes.get(candidate, {"other"}) <= {"batch", "one"}:
-            return candidate
-    return outermost
-
-
-def _loop_reason(root: str, modules: dict[str, nn.Module], opaque: dict[str, Opaque], demotions: Demotions,
-                 member_modules: list[dict[str, nn.Module]]):
-    """(why, own code): why the fallback at ``root`` must run member by member rather than vmap member 0's code
-    over the stacked tensors (None if it need not), and whether each member must run its own module (its code
-    differs from member 0's, or member 0's code over its tensors disagreed with it)."""
-    if root in demotions.own_code:
-        return demotions.own_code[root], True
-    inside = next((path for path, o in opaque.items() if _is_under(path, root) and not o.vectorisable), None)
-    if inside is not None:
-        return f"{inside or '(model)'} must run as each member's own code ({opaque[inside].reason})", True
-    differing = _shape_differs(root, member_modules)
-    if differing is not None:
-        return f"{differing} differs in shape between members (LoRA ranks): each member's own module", True
-    if root in demotions.looped:
-        return demotions.looped[root], False
-    routed = next((p for p, m in modules.items() if _is_under(p, root) and type(m) in TOKEN_ROWS), None)
-    if routed is not None:
-        return f"{routed} routes tokens to experts by their values (data-dependent control flow)", False
-    return None, False
-
-
-def _shape_differs(root: str, member_modules: list[dict[str, nn.Module]]) -> str | None:
-    """The first tensor under ``root`` whose shape differs between members (which cannot be stacked), or None."""
-    shapes = [{n: t.shape for n, t in (*m[root].named_parameters(), *m[root].named_buffers())} for m in member_modules]
-    return next((f"{root}.{n}" if root else n for n, s in shapes[0].items()
-                 if any(other.get(n) != s for other in shapes[1:])), None)
-
-
-def _settle(root: str, modules: dict[str, nn.Module], callers: dict[str, set[str]]) -> str:
-    """Where a fallback planned at ``root`` can run: a ModuleList has no forward of its own (its parent runs
-    it), and a module whose submodules are also called from outside it (XMOD's layer calls
-    ``self.output.LayerNorm`` itself) must fall back together with those callers: a fallback runs its
-    members only where it is called itself."""
-    while True:
-        outside = {c for path, cs in callers.items() if path != root and _is_under(path, root)
-                   for c in cs if not _is_under(c, root)}
-        settled = _common_ancestor([root, *outside]) if outside else root
-        while settled and isinstance(modules[settled], (nn.ModuleList, nn.ModuleDict)):
-            settled = settled.rpartition(".")[0]
-        if settled == root:
-            return root
-        root = settled
-
-
 def _block_refusal(fqn: str, block_cls: type, member_modules, fallback_roots: dict[str, str]) -> str | None:
     """Why the block cannot take the members' modules at ``fqn``, or None: something inside must run per member,
     holds a module the block does not know, or the block declines the instance."""
-    inside = next((path for path in fallback_roots if _is_under(path, fqn)), None)
+    inside = next((path for path in fallback_roots if is_under(path, fqn)), None)
     if inside is not None:
         return f"{inside or '(model)'} {fallback_roots[inside]}"
     for modules in member_modules:
@@ -338,7 +255,7 @@ def _fusable(fqn: str, member_modules, aliases, trace: Trace, share_identical: b
         differs = differs or any(
             not _same([direct_tensors(subtree[path])[name] for subtree in subtrees]) for name in names
         )
-    return differs and not any(_is_under(path, fqn) for path in trace.mixing)
+    return differs and not any(is_under(path, fqn) for path in trace.mixing)
 
 
 def _declared_reader(fqn: str, outside: list[tuple[str, str]], modules: dict[str, nn.Module]):
@@ -348,7 +265,7 @@ def _declared_reader(fqn: str, outside: list[tuple[str, str]], modules: dict[str
     for depth in range(len(parts) - 1, -1, -1):
         reader, path = ".".join(parts[:depth]), ".".join(parts[depth:])
         declared = {stacked_read_consumers(modules[reader], f"{path}.{name}") for name, _ in outside}
-        if len(declared) == 1 and None not in declared and all(_is_under(r, reader) for _, r in outside):
+        if len(declared) == 1 and None not in declared and all(is_under(r, reader) for _, r in outside):
             return reader, declared.pop()
     return None
 
@@ -365,7 +282,7 @@ def _outside_readers(
         owners = [within] if within is not None else [n.rsplit(".", 1)[0] if "." in n else "" for n in names_of_tensor]
         readers = set().union(*(trace.users.get(n, set()) for n in names_of_tensor))
         for reader in sorted(readers):
-            if not any(_is_under(reader, owner) for owner in owners):
+            if not any(is_under(reader, owner) for owner in owners):
                 found.append((name, reader))
     return found
 

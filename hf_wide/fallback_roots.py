@@ -1,0 +1,96 @@
+"""Where a fallback runs: the module around a planned fallback that runs its members, and why it must run member
+by member (a loop) rather than as one vmapped call. Helpers of :mod:`hf_wide.planner`."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from torch import nn
+
+from .plan import Demotions
+from .primitives.fallback import TOKEN_ROWS
+from .registry import find_rewrite
+from .structure import Opaque
+
+
+def is_under(path: str, root: str) -> bool:
+    return root == "" or path == root or path.startswith(root + ".")
+
+
+def common_ancestor(paths: Sequence[str]) -> str:
+    parts = [p.split(".") if p else [] for p in paths]
+    common = []
+    for level in zip(*parts):
+        if any(x != level[0] for x in level):
+            break
+        common.append(level[0])
+    return ".".join(common)
+
+
+def rewriting_ancestor(path: str, modules: dict[str, nn.Module], demoted: dict[str, str]) -> str | None:
+    """The innermost module around ``path`` with a registered rewrite (:mod:`hf_wide.rewrites`), unless
+    verification moved it down."""
+    parts = path.split(".") if path else []
+    for depth in range(len(parts), -1, -1):
+        candidate = ".".join(parts[:depth])
+        if find_rewrite(modules[candidate]) is not None and candidate not in demoted:
+            return candidate
+    return None
+
+
+def unbatched_root(path: str, uses: set[str], escapes: dict[str, set[str]]) -> str:
+    """Where to run per member a module that runs its tensors on an input without the batch dim: the innermost
+    module around it that hands on only batched results or broadcasts ``(1, ...)`` (T5's attention, whose
+    position bias leaves it as (1, H, T, T): run per member, it leaves with a member dim, N*B rows), and at
+    the latest the common ancestor of it and every use of its result."""
+    outermost = common_ancestor([path, *uses])
+    parts = path.split(".") if path else []
+    for depth in range(len(parts), -1, -1):
+        candidate = ".".join(parts[:depth])
+        if candidate == outermost or escapes.get(candidate, {"other"}) <= {"batch", "one"}:
+            return candidate
+    return outermost
+
+
+def loop_reason(root: str, modules: dict[str, nn.Module], opaque: dict[str, Opaque], demotions: Demotions,
+                 member_modules: list[dict[str, nn.Module]]):
+    """(why, own code): why the fallback at ``root`` must run member by member rather than vmap member 0's code
+    over the stacked tensors (None if it need not), and whether each member must run its own module (its code
+    differs from member 0's, or member 0's code over its tensors disagreed with it)."""
+    if root in demotions.own_code:
+        return demotions.own_code[root], True
+    inside = next((path for path, o in opaque.items() if is_under(path, root) and not o.vectorisable), None)
+    if inside is not None:
+        return f"{inside or '(model)'} must run as each member's own code ({opaque[inside].reason})", True
+    differing = shape_differs(root, member_modules)
+    if differing is not None:
+        return f"{differing} differs in shape between members (LoRA ranks): each member's own module", True
+    if root in demotions.looped:
+        return demotions.looped[root], False
+    routed = next((p for p, m in modules.items() if is_under(p, root) and type(m) in TOKEN_ROWS), None)
+    if routed is not None:
+        return f"{routed} routes tokens to experts by their values (data-dependent control flow)", False
+    return None, False
+
+
+def shape_differs(root: str, member_modules: list[dict[str, nn.Module]]) -> str | None:
+    """The first tensor under ``root`` whose shape differs between members (which cannot be stacked), or None."""
+    shapes = [{n: t.shape for n, t in (*m[root].named_parameters(), *m[root].named_buffers())} for m in member_modules]
+    return next((f"{root}.{n}" if root else n for n, s in shapes[0].items()
+                 if any(other.get(n) != s for other in shapes[1:])), None)
+
+
+def settle(root: str, modules: dict[str, nn.Module], callers: dict[str, set[str]]) -> str:
+    """Where a fallback planned at ``root`` can run: a ModuleList has no forward of its own (its parent runs
+    it), and a module whose submodules are also called from outside it (XMOD's layer calls
+    ``self.output.LayerNorm`` itself) must fall back together with those callers: a fallback runs its
+    members only where it is called itself."""
+    while True:
+        outside = {c for path, cs in callers.items() if path != root and is_under(path, root)
+                   for c in cs if not is_under(c, root)}
+        settled = common_ancestor([root, *outside]) if outside else root
+        while settled and isinstance(modules[settled], (nn.ModuleList, nn.ModuleDict)):
+            settled = settled.rpartition(".")[0]
+        if settled == root:
+            return root
+        root = settled
