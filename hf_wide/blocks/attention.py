@@ -36,7 +36,12 @@ from ..primitives.norm import WideLayerNorm
 from ..registry import register_block
 from .base import WideBlock, member_slices, stack_cat
 from .lora import LoraLinear, WideLoraLinear
-from .lora_projections import WideLoraProjections, lora_projections_refusal
+from .lora_projections import (
+    WideLoraProjections,
+    lora_projections_refusal,
+    output_projection,
+    output_projection_state,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,7 +79,7 @@ class WideAttention(WideBlock):
     """``qkv_weight``: (N, D_q + 2*D_kv, D) — each member's q, k and v weights stacked along the outputs;
     ``qkv_bias``: (N, D_q + 2*D_kv) or None; ``o_proj``: a WideLinear (or absent). LoRA members (q, k and v
     ``lora.Linear`` layers) hold ``lora_qkv``, a :class:`WideLoraProjections`, instead of the two, and their
-    ``o_proj`` is a :class:`WideLoraLinear` where it is adapted too."""
+    ``o_proj`` is an :func:`output_projection` (a :class:`WideLoraLinear` where it is adapted too)."""
 
     inner_blocks = (WideLoraLinear,)  # LoRA-adapted projections: fused as such (see hf_wide.blocks.lora_projections)
 
@@ -109,8 +114,8 @@ class WideAttention(WideBlock):
             object.__setattr__(self, "protos", [meta_copy(m) for m in mods])  # each member's ranks
         if layout.out is not None:
             outs = [m.get_submodule(layout.out) for m in mods]
-            wide = WideLinear if type(outs[0]) is nn.Linear else WideLoraLinear
-            self.o_proj = wide.from_modules(outs, self.fold)
+            lora = "lora_qkv" in self._modules
+            self.o_proj = output_projection(outs, self.fold) if lora else WideLinear.from_modules(outs, self.fold)
         if layout.residual_norm is not None:
             dropout, norm = layout.residual_norm
             self.out_dropout = copy.deepcopy(getattr(mods[0], dropout))
@@ -130,10 +135,7 @@ class WideAttention(WideBlock):
                 for name, bias in zip(self.layout.qkv, self.qkv_bias[i].split(self.sizes)):
                     state[f"{name}.bias"] = bias
         if self.layout.out is not None:
-            if isinstance(self.o_proj, WideLoraLinear):
-                state.update({f"{self.layout.out}.{k}": v for k, v in self.o_proj.member_state_dict(i).items()})
-            else:
-                state.update(member_slices(self.layout.out, self.o_proj, i))
+            state.update(output_projection_state(self.layout.out, self.o_proj, i))
         if self.layout.residual_norm is not None:
             state.update(member_slices(self.layout.residual_norm[1], self.post_norm, i))
         return state

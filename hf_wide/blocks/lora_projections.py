@@ -29,9 +29,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..fold import Fold
-from ..primitives.base import keeps_storage
-from ..primitives.linear import wide_linear
-from .lora import LoraLinear, lora_refusal
+from ..primitives.base import keeps_storage, kept
+from ..primitives.linear import WideLinear, wide_linear
+from .base import member_slices
+from .lora import LoraLinear, WideLoraLinear, lora_refusal
 
 
 FUSE_ON_CPU = False  # see the module's docstring; tests set it to run the fused path on CPU
@@ -175,6 +176,26 @@ class WideLoraProjections(nn.Module):
     def extra_repr(self) -> str:
         shared = "shared" if self.weight.dim() == 2 else "stacked"
         return f"num_members={self.fold.num_members}, sizes={self.sizes}, rank={self.r}, base={shared}"
+
+
+def output_projection(mods: Sequence[nn.Module], fold: Fold) -> nn.Module:
+    """The block's projection after the fused ones, for LoRA members: a :class:`WideLoraLinear` where it is
+    adapted, else the base's one ``nn.Linear`` where every member's is equal (adapters of one base: held once), else
+    a :class:`WideLinear`."""
+    if type(mods[0]) is not nn.Linear:
+        return WideLoraLinear.from_modules(mods, fold)
+    if all(m.weight is mods[0].weight or _equal(m, mods[0]) for m in mods[1:]):
+        return kept(mods[0])
+    return WideLinear.from_modules(mods, fold)
+
+
+def output_projection_state(prefix: str, module: nn.Module, i: int) -> dict[str, torch.Tensor]:
+    """Member i's tensors of an :func:`output_projection` (or a block's own WideLinear), named under ``prefix``."""
+    if isinstance(module, WideLoraLinear):
+        return {f"{prefix}.{k}": v for k, v in module.member_state_dict(i).items()}
+    if type(module) is nn.Linear:  # the one layer every member shares
+        return {f"{prefix}.{k}": v for k, v in module._parameters.items() if v is not None}
+    return member_slices(prefix, module, i)
 
 
 def _equal(a: nn.Linear, b: nn.Linear) -> bool:

@@ -21,15 +21,20 @@ from ..primitives.linear import WideLinear, wide_linear
 from ..registry import register_block
 from .base import WideBlock, member_slices, stack_cat
 from .lora import LoraLinear, WideLoraLinear
-from .lora_projections import WideLoraProjections, lora_projections_refusal
+from .lora_projections import (
+    WideLoraProjections,
+    lora_projections_refusal,
+    output_projection,
+    output_projection_state,
+)
 
 
 @register_block(LlamaMLP, MistralMLP, Qwen2MLP)
 class WideGatedMLP(WideBlock):
     """``gate_up_weight``: (N, 2*I, D), gate rows then up rows; ``gate_up_bias``: (N, 2*I) or None;
     ``down_proj``: a WideLinear. LoRA members (gate and up ``lora.Linear`` layers) hold ``lora_gate_up``, a
-    :class:`WideLoraProjections`, instead of the two, and a :class:`WideLoraLinear` ``down_proj`` where it is
-    adapted too."""
+    :class:`WideLoraProjections`, instead of the two, and an :func:`output_projection` ``down_proj`` (a
+    :class:`WideLoraLinear` where it is adapted too)."""
 
     inner_blocks = (WideLoraLinear,)  # LoRA-adapted projections: fused as such (see hf_wide.blocks.lora_projections)
 
@@ -56,14 +61,12 @@ class WideGatedMLP(WideBlock):
             self.lora_gate_up = WideLoraProjections(self.fold, [[m.gate_proj, m.up_proj] for m in mods])
             object.__setattr__(self, "protos", [meta_copy(m) for m in mods])  # each member's ranks
         downs = [m.down_proj for m in mods]
-        self.down_proj = (WideLinear if type(downs[0]) is nn.Linear else WideLoraLinear).from_modules(downs, self.fold)
+        lora = "lora_gate_up" in self._modules
+        self.down_proj = output_projection(downs, self.fold) if lora else WideLinear.from_modules(downs, self.fold)
         self.act_fn = mods[0].act_fn
 
     def member_state_dict(self, i: int) -> dict[str, torch.Tensor]:
-        if isinstance(self.down_proj, WideLoraLinear):
-            state = {f"down_proj.{k}": v for k, v in self.down_proj.member_state_dict(i).items()}
-        else:
-            state = member_slices("down_proj", self.down_proj, i)
+        state = output_projection_state("down_proj", self.down_proj, i)
         if "lora_gate_up" in self._modules:
             return {**self.lora_gate_up.member_state_dict(i, ("gate_proj", "up_proj")), **state}
         gate_w, up_w = self.gate_up_weight[i].split(self.intermediate)

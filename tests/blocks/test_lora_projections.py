@@ -117,3 +117,19 @@ def test_declined_on_cpu_by_default():
     assert "WideAttention" not in blocks(wide).values()
     assert any("on CPU LoRA projections run apart" in note for note in wide.plan.warnings)
     assert max_member_error(wide, members, LLAMA.inputs(2, padded=True)) <= TOLERANCE
+
+
+def test_projections_left_unadapted_are_held_once(fused_on_cpu):
+    base = LLAMA.build(0)
+    members = [lora_members.adapted(base, seed, task_type="CAUSAL_LM", r=4, lora_alpha=8,
+                                    target_modules=["q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"])
+               for seed in range(3)]
+    wide = WideModel.from_models(members)
+    fused = blocks(wide)
+    attention = wide.model.get_submodule(next(f for f, c in fused.items() if c == "WideAttention"))
+    mlp = wide.model.get_submodule(next(f for f, c in fused.items() if c == "WideGatedMLP"))
+    assert type(attention.o_proj) is torch.nn.Linear and type(mlp.down_proj) is torch.nn.Linear  # the base's own
+    assert max_member_error(wide, members, LLAMA.inputs(2, padded=True)) <= TOLERANCE
+    for i, member in enumerate(members):
+        got, want = wide.member(i).state_dict(), member.state_dict()
+        assert list(got) == list(want) and all(torch.equal(got[k], want[k]) for k in want)
