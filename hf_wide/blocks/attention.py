@@ -93,6 +93,9 @@ class WideAttention(WideBlock):
             if why is None and out is not None and type(out) is not nn.Linear:
                 why = WideLoraLinear.refusal(out) if type(out) is LoraLinear else f"{layout.out} is a {type(out)}"
             return None if why is None else f"{layout.qkv}: {why}"
+        out = None if layout.out is None else module.get_submodule(layout.out)
+        if out is not None and type(out) is not nn.Linear:  # the only lora.Linear: the block would not build it
+            return f"{layout.out} is a {type(out).__qualname__} but q, k and v are not adapted: planned by its parts"
         with_bias = [p.bias is not None for p in projections]
         if not (all(with_bias) or not any(with_bias)):
             return "some of q, k and v have a bias and some do not: no one fused bias"

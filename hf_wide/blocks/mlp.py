@@ -47,6 +47,8 @@ class WideGatedMLP(WideBlock):
                 why = (WideLoraLinear.refusal(module.down_proj) if type(module.down_proj) is LoraLinear
                        else f"down_proj is a {type(module.down_proj)}")
             return None if why is None else f"gate_proj, up_proj: {why}"
+        if type(module.down_proj) is not nn.Linear:  # the only lora.Linear: the block would not build it
+            return f"down_proj is a {type(module.down_proj).__qualname__} but gate and up are not adapted"
         if (module.gate_proj.bias is None) != (module.up_proj.bias is None):
             return "one of gate_proj and up_proj has a bias: no one fused bias"
         return None

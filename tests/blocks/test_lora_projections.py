@@ -133,3 +133,13 @@ def test_projections_left_unadapted_are_held_once(fused_on_cpu):
     for i, member in enumerate(members):
         got, want = wide.member(i).state_dict(), member.state_dict()
         assert list(got) == list(want) and all(torch.equal(got[k], want[k]) for k in want)
+
+
+def test_an_adapted_output_projection_alone_is_planned_by_its_parts(fused_on_cpu):
+    base = LLAMA.build(0)
+    members = [lora_members.adapted(base, seed, task_type="CAUSAL_LM", r=4, lora_alpha=8,
+                                    target_modules=["o_proj", "down_proj"]) for seed in range(2)]
+    wide = WideModel.from_models(members)
+    assert set(blocks(wide).values()) == {"WideLoraLinear"}  # no fused block around a layer it would not build
+    assert any("o_proj is a Linear but q, k and v are not adapted" in w for w in wide.plan.warnings)
+    assert max_member_error(wide, members, LLAMA.inputs(2, padded=True)) <= TOLERANCE
