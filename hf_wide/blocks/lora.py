@@ -83,7 +83,7 @@ class WideLoraLinear(WideBlock):
         bases = [m.base_layer for m in mods]
         if any(b.weight.shape != bases[0].weight.shape for b in bases):
             raise ValueError("WideLoraLinear: the members' base layers differ in shape.")
-        same = all(_equal_tensors(b, bases[0]) for b in bases[1:])
+        same = all(equal_tensors(b, bases[0]) for b in bases[1:])
         self.base_layer = kept(bases[0]) if same else WideLinear.from_modules(bases, self.fold)
         ranks = [m.r[self.adapter] for m in mods]
         r = max(ranks)
@@ -114,15 +114,9 @@ class WideLoraLinear(WideBlock):
         # x_m @ A_m.T computed as A_m @ x_m.T, with the rank as the GEMM's rows: about twice as fast on CPU
         rows = (self.lora_dropout(x) if self.training else x).reshape(n, -1, x.shape[-1])  # (N, M, D_in)
         low = torch.bmm(self.lora_A, rows.transpose(1, 2)).transpose(1, 2)  # (N, M, r): a view of (N, r, M)
-        scaling = self.scaling
-        if torch.compiler.is_compiling():  # a traced graph reads the buffer
-            scale = None
-        elif self._scale_key == (scaling.data_ptr(), scaling._version):
-            scale = self._scale
-        else:
-            scale = self._one_scale()
+        scale = one_scale(self)
         if scale is None:  # the members' scalings differ: each member's on its (small) low-rank activations
-            low = low.mul_(scaling.view(n, 1, 1))
+            low = low.mul_(self.scaling.view(n, 1, 1))
             scale = 1.0
         base = self.base_layer
         if type(base) is not nn.Linear:  # the members' base weights differ: a WideLinear
@@ -149,18 +143,8 @@ class WideLoraLinear(WideBlock):
             result[m].addmm_(low[m], self.lora_B[m].t(), alpha=scale)
         return result.view(*x.shape[:-1], weight.shape[0])
 
-    _scale_key: tuple[int, int] | None = None  # the ``scaling`` buffer (data pointer, version) ``_scale`` is of
+    _scale_key: tuple[int, int] | None = None  # see one_scale
     _scale: float | None = None
-
-    def _one_scale(self) -> float | None:
-        """The members' one scaling, for baddbmm's ``alpha``, or None where they differ; kept until the buffer
-        changes (a state dict loaded into it, say)."""
-        key = (self.scaling.data_ptr(), self.scaling._version)
-        values = set(self.scaling.tolist())
-        # the key last: a thread that reads the new key finds the new scale (attribute writes are atomic)
-        self._scale = values.pop() if len(values) == 1 else None
-        self._scale_key = key
-        return self._scale
 
     def member_state_dict(self, i: int) -> dict[str, torch.Tensor]:
         rank = int(self.rank[i])
@@ -178,6 +162,21 @@ class WideLoraLinear(WideBlock):
         state = {k: v.detach() if share else v.detach().clone() for k, v in self.member_state_dict(i).items()}
         mod.load_state_dict(state, strict=True, assign=True)
         return mod
+
+
+def one_scale(module: nn.Module) -> float | None:
+    """The one value of ``module.scaling`` (every member's, every projection's), for baddbmm's ``alpha``; None
+    where they differ, or under torch.compile (a traced graph reads the buffer). Kept in ``module._scale`` until the
+    buffer changes (a state dict loaded into it, say), as its (data pointer, version) in ``module._scale_key``."""
+    if torch.compiler.is_compiling():
+        return None
+    scaling = module.scaling
+    key = (scaling.data_ptr(), scaling._version)
+    if module._scale_key != key:
+        values = set(scaling.flatten().tolist())
+        module._scale = values.pop() if len(values) == 1 else None
+        module._scale_key = key  # last: a thread that reads the new key finds the new scale (writes are atomic)
+    return module._scale
 
 
 PER_MEMBER_ROWS = 384  # rows per member from which a CPU call runs each member's rows as a matmul of their own
@@ -198,7 +197,8 @@ def _rebind(linear: nn.Linear, view: torch.Tensor) -> None:
     linear.weight = nn.Parameter(view, requires_grad=linear.weight.requires_grad)
 
 
-def _equal_tensors(a: nn.Module, b: nn.Module) -> bool:
+def equal_tensors(a: nn.Module, b: nn.Module) -> bool:
+    """Whether two modules hold the same parameters: the very tensors, or equal ones."""
     ta, tb = dict(a.named_parameters()), dict(b.named_parameters())
     return ta.keys() == tb.keys() and all(
         ta[k] is tb[k] or (ta[k].shape == tb[k].shape and torch.equal(ta[k], tb[k])) for k in ta)

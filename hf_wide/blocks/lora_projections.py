@@ -32,7 +32,7 @@ from ..fold import Fold
 from ..primitives.base import keeps_storage, kept
 from ..primitives.linear import WideLinear, wide_linear
 from .base import member_slices
-from .lora import LoraLinear, WideLoraLinear, lora_refusal
+from .lora import LoraLinear, WideLoraLinear, equal_tensors, lora_refusal, one_scale
 
 
 FUSE_ON_CPU = False  # see the module's docstring; tests set it to run the fused path on CPU
@@ -70,7 +70,7 @@ class WideLoraProjections(nn.Module):
         r = self.r = max(max(member) for member in ranks)
         bases = [[layer.base_layer for layer in member] for member in layers]
         weight, dtype = first[0].base_layer.weight, first[0].base_layer.weight.dtype
-        same = all(all(b.weight is bases[0][j].weight or _equal(b, bases[0][j]) for j, b in enumerate(member))
+        same = all(all(equal_tensors(b, bases[0][j]) for j, b in enumerate(member))
                    for member in bases[1:])
         if same:  # adapters of one base: its one weight serves every member
             w = torch.cat([b.weight.detach() for b in bases[0]])
@@ -133,13 +133,9 @@ class WideLoraProjections(nn.Module):
         else:  # x_m @ A_m.T as A_m @ x_m.T, the rank as the GEMM's rows (see WideLoraLinear)
             rows = x.reshape(n, -1, x.shape[-1])  # (N, M, D_in)
             low = torch.bmm(self.lora_A, rows.transpose(1, 2)).transpose(1, 2)  # (N, M, P*r): a view of (N, P*r, M)
-        scaling = self.scaling
-        if torch.compiler.is_compiling() or self._scale_key != (scaling.data_ptr(), scaling._version):
-            scale = self._one_scale()
-        else:
-            scale = self._scale
+        scale = one_scale(self)
         if scale is None:  # scalings differ between members or projections: each on its rank columns
-            low = low * scaling.repeat_interleave(self.r, dim=1).unsqueeze(1)  # (N, 1, P*r)
+            low = low * self.scaling.repeat_interleave(self.r, dim=1).unsqueeze(1)  # (N, 1, P*r)
             scale = 1.0
         if self.weight.dim() == 2:
             result = F.linear(x, self.weight, self.bias)  # one matmul with the base's one weight: (N*B, ..., D_out)
@@ -148,18 +144,8 @@ class WideLoraProjections(nn.Module):
         result.view(n, -1, result.shape[-1]).baddbmm_(low, self.lora_B.transpose(1, 2), alpha=scale)
         return result
 
-    _scale_key: tuple[int, int] | None = None  # the ``scaling`` buffer (data pointer, version) ``_scale`` is of
+    _scale_key: tuple[int, int] | None = None  # see hf_wide.blocks.lora.one_scale
     _scale: float | None = None
-
-    def _one_scale(self) -> float | None:
-        """Every member's and projection's one scaling, or None where they differ (or under torch.compile)."""
-        if torch.compiler.is_compiling():
-            return None
-        key = (self.scaling.data_ptr(), self.scaling._version)
-        values = set(self.scaling.flatten().tolist())
-        self._scale = values.pop() if len(values) == 1 else None
-        self._scale_key = key  # last: a thread that reads the new key finds the new scale
-        return self._scale
 
     def member_state_dict(self, i: int, names: Sequence[str]) -> dict[str, torch.Tensor]:
         """Member i's tensors under its layers' own names (``names[j]``: projection j's path)."""
@@ -184,7 +170,7 @@ def output_projection(mods: Sequence[nn.Module], fold: Fold) -> nn.Module:
     a :class:`WideLinear`."""
     if type(mods[0]) is not nn.Linear:
         return WideLoraLinear.from_modules(mods, fold)
-    if all(m.weight is mods[0].weight or _equal(m, mods[0]) for m in mods[1:]):
+    if all(equal_tensors(m, mods[0]) for m in mods[1:]):
         return kept(mods[0])
     return WideLinear.from_modules(mods, fold)
 
@@ -196,8 +182,3 @@ def output_projection_state(prefix: str, module: nn.Module, i: int) -> dict[str,
     if type(module) is nn.Linear:  # the one layer every member shares
         return {f"{prefix}.{k}": v for k, v in module._parameters.items() if v is not None}
     return member_slices(prefix, module, i)
-
-
-def _equal(a: nn.Linear, b: nn.Linear) -> bool:
-    return torch.equal(a.weight, b.weight) and (a.bias is None) == (b.bias is None) and (
-        a.bias is None or a.bias is b.bias or torch.equal(a.bias, b.bias))
