@@ -1,8 +1,8 @@
-"""Hub I/O: resolve N member ids (Hub repos or local folders), load them as one wide model, push it back.
+"""From the Hub: resolve N member ids (Hub repos or local folders) and load them as one wide model.
 
-Everything that talks to the Hub lives here, through the real ``huggingface_hub`` client: downloads run
-in parallel across members under one progress bar, weights are safetensors unless pickle is explicitly
-allowed, and remote code never runs unless asked for.
+Downloads go through the real ``huggingface_hub`` client, in parallel across members under one progress bar;
+weights are safetensors unless pickle is explicitly allowed, and remote code never runs unless asked for.
+Uploads (``push_to_hub``, ``push_members``) are in :mod:`hf_wide.export`.
 
 :func:`load_wide` picks the way to load what was fetched: a fused repo (:mod:`hf_wide.saving`), PEFT adapters
 (:mod:`hf_wide.adapters`), or member checkpoints (:mod:`hf_wide.loading`, which keeps memory low).
@@ -13,21 +13,19 @@ from __future__ import annotations
 import inspect
 import os
 import re
-import tempfile
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
-from huggingface_hub import HfApi, list_repo_files, snapshot_download
+from huggingface_hub import list_repo_files, snapshot_download
 from huggingface_hub.errors import RepositoryNotFoundError
 from huggingface_hub.utils import tqdm as hf_tqdm
 
 from .adapter_repos import adapter_folders
 from .adapters import adapter_config, load_adapter_members
-from .checkpoints import WEIGHTS_INDEX_NAME
 from .loading import load_models, load_streaming, verified, weights_format
-from .saving import load_fused, read_section, save_member, save_wide
+from .saving import load_fused, read_section
 from .tracer import sample_inputs
 
 
@@ -308,55 +306,3 @@ def load_members(
     folders = download_members(model_ids, revision, allow_pickle=allow_pickle, **hub_kwargs)
     models = load_models(model_ids, folders, resolve_dtype(dtype), device, allow_pickle, trust_remote_code)
     return models, model_ids, [commit_sha(folder) for folder in folders]
-
-
-# ---------------------------------------------------------------- pushing
-def push_wide(wide, repo_id: str, *, private: bool | None = None, token: str | None = None,
-              commit_message: str | None = None, create_pr: bool = False, overwrite_readme: bool = False,
-              **save_kwargs):
-    """Save ``wide`` as a fused repo in a temporary folder and upload it to ``repo_id`` in one commit (the repo is
-    created if needed). A README.md already in the repo is kept unless ``overwrite_readme``; weight files of an
-    earlier upload that this one does not replace are deleted in the same commit. Returns the CommitInfo."""
-    api = HfApi(token=token)
-    group = wide.members_group  # member-parallel: every rank saves (rank 0 writes), rank 0 talks to the Hub
-
-    def on_hub(work, what: str):
-        if group is None:
-            return work()
-        from .parallel import from_rank_zero
-
-        return from_rank_zero(group, work, what)
-
-    repo_id = on_hub(lambda: api.create_repo(repo_id, private=private, exist_ok=True).repo_id, "Creating the repo")
-    with tempfile.TemporaryDirectory(prefix="hf-wide-") as tmp:
-        save_wide(wide, tmp, repo_id=repo_id, overwrite_readme=True, **save_kwargs)
-
-        def upload():
-            if not overwrite_readme and api.file_exists(repo_id, "README.md"):
-                (Path(tmp) / "README.md").unlink()
-            return api.upload_folder(
-                repo_id=repo_id,
-                folder_path=tmp,
-                commit_message=commit_message or f"Upload a wide model of {wide.num_members} members with hf-wide",
-                create_pr=create_pr,
-                delete_patterns=["model*.safetensors", WEIGHTS_INDEX_NAME],
-            )
-
-        return on_hub(upload, f"Uploading to {repo_id}")
-
-
-def push_members(wide, repo_ids: Sequence[str], *, private: bool | None = None, token: str | None = None,
-                 commit_message: str | None = None) -> list:
-    """Upload every member as an ordinary transformers repo, member i to ``repo_ids[i]`` (one commit each)."""
-    repo_ids = list(repo_ids)
-    if len(repo_ids) != wide.num_members:
-        raise ValueError(f"Got {len(repo_ids)} repo ids for {wide.num_members} members.")
-    api = HfApi(token=token)
-    commits = []
-    for i, repo_id in enumerate(repo_ids):
-        repo_id = api.create_repo(repo_id, private=private, exist_ok=True).repo_id
-        with tempfile.TemporaryDirectory(prefix="hf-wide-") as tmp:
-            save_member(wide, i, tmp)
-            message = commit_message or f"Upload member {i} ({wide.member_ids[i]}) of a wide model with hf-wide"
-            commits.append(api.upload_folder(repo_id=repo_id, folder_path=tmp, commit_message=message))
-    return commits

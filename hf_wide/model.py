@@ -9,7 +9,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import threading
 import warnings
@@ -21,18 +20,11 @@ from torch import nn
 
 from .adapters import PEFT_FORWARD_ARGS, runs_inner_model
 from .capture import asks_for_capture, install_capture_hooks
-from .compat import check_compatible, member_names
+from .compat import member_names
 from .fold import Fold, PerMember, fold_inputs, unfold_outputs
 from .parallel import gather_members, gather_outputs
-from .plan import Demotions, Kind, WidePlan
-from .primitives.base import keeping_storage
-from .structure import opaque_modules
-from .planner import make_plan, tensor_aliases, trace_members
-from .swap import build_wide, member_copy
-from .tracer import sample_inputs as build_sample_inputs
-from .verify import diagnose, record_members, wide_paths
-
-MAX_VERIFY_ROUNDS = 16  # each round moves every module that disagreed one strategy down
+from .plan import Kind, WidePlan
+from .swap import member_copy
 
 
 class WideValidationError(RuntimeError):
@@ -110,54 +102,11 @@ class WideModel(nn.Module):
         of the stacked ones (what loading adapters over one base uses: each tensor held once). The members'
         outputs that verification checks against are recorded before that, from their own tensors.
         """
-        models = list(models)
-        check_compatible(models, member_ids, allow_label_mismatch)
-        template = models[0]
-        args, kwargs = _as_args_kwargs(sample_inputs if sample_inputs is not None else build_sample_inputs(template))
-        ids = member_ids or [getattr(getattr(m, "config", None), "_name_or_path", "") or f"member-{i}"
-                             for i, m in enumerate(models)]
-        was_training = [m.training for m in models]
-        for m in models:
-            m.eval()
-        try:
-            opaque = opaque_modules(models)  # before the trace runs member 0
-            traced = trace_members(template, args, kwargs)
-            wide, demotions, recorded = None, Demotions(), None
-            for _ in range(MAX_VERIFY_ROUNDS):
-                plan = make_plan(models, *traced, share_identical=share_identical, demotions=demotions, opaque=opaque)
-                fold = Fold(len(models))
-                if verify and recorded is None:  # before the build, which may take the members' tensors
-                    recorded = record_members(models, wide_paths(plan), args, kwargs, inputs=False)
-                with contextlib.nullcontext() if copy_shared else keeping_storage():
-                    folded = build_wide(models, plan, fold)
-                wide = cls(
-                    folded,
-                    plan,
-                    fold,
-                    tensor_aliases(template),
-                    ids,
-                    [copy.deepcopy(m.config) for m in models] if hasattr(template, "config") else None,
-                    [copy.deepcopy(getattr(m, "generation_config", None)) for m in models],
-                ).eval()
-                if not verify:
-                    break
-                failures, recorded = diagnose(wide, models, args, kwargs, recorded)
-                if not failures:
-                    break
-                if not demotions.add(plan, failures):
-                    raise WideValidationError(
-                        f"hf-wide cannot fuse these members exactly: {_describe(failures)} on the sample input, and "
-                        f"nothing is left to move down. Plan:\n{plan}"
-                    )
-            else:
-                raise WideValidationError(f"hf-wide could not verify a plan in {MAX_VERIFY_ROUNDS} rounds:\n{plan}")
-        finally:
-            for m, training in zip(models, was_training):
-                m.train(training)
-        wide.train(was_training[0])
-        if validate:
-            wide.validate(models, args, kwargs, atol=atol)
-        return wide
+        from .fuse import fuse_models
+
+        return fuse_models(cls, models, sample_inputs, validate=validate, allow_label_mismatch=allow_label_mismatch,
+                           member_ids=member_ids, share_identical=share_identical, verify=verify, atol=atol,
+                           copy_shared=copy_shared)
 
     @classmethod
     def from_pretrained(cls, model_ids: Sequence[str] | str, **kwargs) -> "WideModel":
@@ -182,22 +131,22 @@ class WideModel(nn.Module):
                     commit_message: str | None = None, create_pr: bool = False, overwrite_readme: bool = False,
                     **save_kwargs):
         """Upload the fused repo to ``repo_id`` in one commit; a README already there is kept unless
-        ``overwrite_readme``. See :func:`hf_wide.hub.push_wide`."""
-        from .hub import push_wide
+        ``overwrite_readme``. See :func:`hf_wide.export.push_wide`."""
+        from .export import push_wide
 
         return push_wide(self, repo_id, private=private, token=token, commit_message=commit_message,
                          create_pr=create_pr, overwrite_readme=overwrite_readme, **save_kwargs)
 
     def save_members(self, save_directory, names: Sequence[str] | None = None):
         """Every member as an ordinary transformers repo in ``save_directory/member-{i}``: the inverse of fusion."""
-        from .saving import save_members
+        from .export import save_members
 
         return save_members(self, save_directory, names)
 
     def push_members(self, repo_ids: Sequence[str], *, private: bool | None = None, token: str | None = None,
                      commit_message: str | None = None):
         """Upload member i as an ordinary transformers repo to ``repo_ids[i]``."""
-        from .hub import push_members
+        from .export import push_members
 
         return push_members(self, repo_ids, private=private, token=token, commit_message=commit_message)
 
@@ -335,18 +284,6 @@ def _local_inputs(group, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         return PerMember(value.tensor[group.local.start:group.local.stop]) if isinstance(value, PerMember) else value
 
     return tuple(cut(a) for a in args), {k: cut(v) for k, v in kwargs.items()}
-
-
-def _describe(failures: dict[str, str]) -> str:
-    return "; ".join(f"{path or '(model)'} {reason}" for path, reason in failures.items())
-
-
-def _as_args_kwargs(sample: dict | tuple | torch.Tensor) -> tuple[tuple, dict]:
-    if isinstance(sample, dict):
-        return (), dict(sample)
-    if isinstance(sample, torch.Tensor):
-        return (sample,), {}
-    return tuple(sample), {}
 
 
 def _first_tensor(output) -> torch.Tensor:

@@ -303,20 +303,6 @@ def _check_layout(ckpt: Checkpoint, template: nn.Module, shared: set[str], n: in
     return keys
 
 
-# ---------------------------------------------------------------- members back as ordinary repos
-def save_member(wide, i: int, save_directory: str | Path) -> Path:
-    """Member i as an ordinary transformers repo (its config, weights and tokenizer files) in ``save_directory``."""
-    member = wide.member(i)
-    if not hasattr(member, "save_pretrained"):
-        raise TypeError(f"Member {i} is a {type(member).__name__}, not a transformers model: use torch.save.")
-    directory = Path(save_directory)
-    member.save_pretrained(directory)
-    sources = getattr(wide, "_source_dirs", None) or []
-    if sources:
-        copy_tokenizer_files([sources[i] if len(sources) > 1 else sources[0]], directory)
-    return directory
-
-
 def refuse_peft_without_sources(wide) -> None:
     """PEFT members that were not all loaded as adapters of one base (``from_models``, or full checkpoints among
     the adapters) have no repo layout to save to: neither a transformers class nor an adapter each."""
@@ -324,16 +310,3 @@ def refuse_peft_without_sources(wide) -> None:
         raise NotImplementedError(
             "hf-wide cannot save this wide model: its members are PEFT models not all loaded as adapters of one base "
             "(from_models, or full checkpoints among the adapters). Save each member with wide.member(i).")
-
-
-def save_members(wide, save_directory: str | Path, names: Sequence[str] | None = None) -> list[Path]:
-    """Every member as an ordinary transformers repo: ``save_directory/member-{i}`` (or ``names[i]``)."""
-    names = list(names) if names is not None else [f"member-{i}" for i in range(wide.num_members)]
-    if len(names) != wide.num_members:
-        raise ValueError(f"Got {len(names)} names for {wide.num_members} members.")
-    refuse_peft_without_sources(wide)
-    if getattr(wide, "adapter_sources", None) is not None:  # PEFT adapter folders (none for the base itself)
-        from .adapter_repos import save_adapter
-
-        return [save_adapter(wide, i, Path(save_directory) / name) for i, name in enumerate(names)]
-    return [save_member(wide, i, Path(save_directory) / name) for i, name in enumerate(names)]

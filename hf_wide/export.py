@@ -1,0 +1,96 @@
+"""A wide model out again: its members as ordinary repos, and the fused model or its members on the Hub.
+
+    wide.save_members("out")                 # out/member-{i}: transformers repos, or PEFT adapter folders
+    wide.push_to_hub("user/wide-ensemble")   # one fused repo (hf_wide.saving), uploaded in one commit
+    wide.push_members(["user/a", "user/b"])  # member i as an ordinary repo at repo_ids[i]
+"""
+
+from __future__ import annotations
+
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+
+from huggingface_hub import HfApi
+
+from .checkpoints import WEIGHTS_INDEX_NAME
+from .saving import copy_tokenizer_files, refuse_peft_without_sources, save_wide
+
+
+# ---------------------------------------------------------------- members as ordinary repos
+def save_member(wide, i: int, save_directory: str | Path) -> Path:
+    """Member i as an ordinary transformers repo (its config, weights and tokenizer files) in ``save_directory``."""
+    member = wide.member(i)
+    if not hasattr(member, "save_pretrained"):
+        raise TypeError(f"Member {i} is a {type(member).__name__}, not a transformers model: use torch.save.")
+    directory = Path(save_directory)
+    member.save_pretrained(directory)
+    sources = getattr(wide, "_source_dirs", None) or []
+    if sources:
+        copy_tokenizer_files([sources[i] if len(sources) > 1 else sources[0]], directory)
+    return directory
+
+
+def save_members(wide, save_directory: str | Path, names: Sequence[str] | None = None) -> list[Path]:
+    """Every member as an ordinary transformers repo: ``save_directory/member-{i}`` (or ``names[i]``)."""
+    names = list(names) if names is not None else [f"member-{i}" for i in range(wide.num_members)]
+    if len(names) != wide.num_members:
+        raise ValueError(f"Got {len(names)} names for {wide.num_members} members.")
+    refuse_peft_without_sources(wide)
+    if getattr(wide, "adapter_sources", None) is not None:  # PEFT adapter folders (none for the base itself)
+        from .adapter_repos import save_adapter
+
+        return [save_adapter(wide, i, Path(save_directory) / name) for i, name in enumerate(names)]
+    return [save_member(wide, i, Path(save_directory) / name) for i, name in enumerate(names)]
+
+
+# ---------------------------------------------------------------- to the Hub
+def push_wide(wide, repo_id: str, *, private: bool | None = None, token: str | None = None,
+              commit_message: str | None = None, create_pr: bool = False, overwrite_readme: bool = False,
+              **save_kwargs):
+    """Save ``wide`` as a fused repo in a temporary folder and upload it to ``repo_id`` in one commit (the repo is
+    created if needed). A README.md already in the repo is kept unless ``overwrite_readme``; weight files of an
+    earlier upload that this one does not replace are deleted in the same commit. Returns the CommitInfo."""
+    api = HfApi(token=token)
+    group = wide.members_group  # member-parallel: every rank saves (rank 0 writes), rank 0 talks to the Hub
+
+    def on_hub(work, what: str):
+        if group is None:
+            return work()
+        from .parallel import from_rank_zero
+
+        return from_rank_zero(group, work, what)
+
+    repo_id = on_hub(lambda: api.create_repo(repo_id, private=private, exist_ok=True).repo_id, "Creating the repo")
+    with tempfile.TemporaryDirectory(prefix="hf-wide-") as tmp:
+        save_wide(wide, tmp, repo_id=repo_id, overwrite_readme=True, **save_kwargs)
+
+        def upload():
+            if not overwrite_readme and api.file_exists(repo_id, "README.md"):
+                (Path(tmp) / "README.md").unlink()
+            return api.upload_folder(
+                repo_id=repo_id,
+                folder_path=tmp,
+                commit_message=commit_message or f"Upload a wide model of {wide.num_members} members with hf-wide",
+                create_pr=create_pr,
+                delete_patterns=["model*.safetensors", WEIGHTS_INDEX_NAME],
+            )
+
+        return on_hub(upload, f"Uploading to {repo_id}")
+
+
+def push_members(wide, repo_ids: Sequence[str], *, private: bool | None = None, token: str | None = None,
+                 commit_message: str | None = None) -> list:
+    """Upload every member as an ordinary transformers repo, member i to ``repo_ids[i]`` (one commit each)."""
+    repo_ids = list(repo_ids)
+    if len(repo_ids) != wide.num_members:
+        raise ValueError(f"Got {len(repo_ids)} repo ids for {wide.num_members} members.")
+    api = HfApi(token=token)
+    commits = []
+    for i, repo_id in enumerate(repo_ids):
+        repo_id = api.create_repo(repo_id, private=private, exist_ok=True).repo_id
+        with tempfile.TemporaryDirectory(prefix="hf-wide-") as tmp:
+            save_member(wide, i, tmp)
+            message = commit_message or f"Upload member {i} ({wide.member_ids[i]}) of a wide model with hf-wide"
+            commits.append(api.upload_folder(repo_id=repo_id, folder_path=tmp, commit_message=message))
+    return commits

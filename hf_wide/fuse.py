@@ -1,0 +1,99 @@
+"""Fusing N models: plan, build, verify, and move down what disagrees (:meth:`WideModel.from_models`).
+
+    plan = make_plan(members, traced)        # what each module becomes (hf_wide.planner)
+    folded = build_wide(members, plan, fold) # stacked weights, wide modules swapped in (hf_wide.swap)
+    diagnose(wide, members, ...)             # every fused module against its members (hf_wide.verify)
+
+A module whose output differs from its members' moves one strategy down the ladder (fused block, primitives,
+vectorised, a loop over the stacked tensors, a loop over the members' own modules) with the reason recorded in the
+plan, and the loop runs again; a plan with nothing left to move down is refused.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from .compat import check_compatible
+from .fold import Fold
+from .model import WideModel, WideValidationError
+from .plan import Demotions
+from .planner import make_plan, tensor_aliases, trace_members
+from .primitives.base import keeping_storage
+from .structure import opaque_modules
+from .swap import build_wide
+from .tracer import sample_inputs as build_sample_inputs
+from .verify import diagnose, record_members, wide_paths
+
+MAX_VERIFY_ROUNDS = 16  # each round moves every module that disagreed one strategy down
+
+
+def fuse_models(cls: type[WideModel], models: Sequence[nn.Module], sample_inputs: dict | tuple | None = None, *,
+                validate: bool = False, allow_label_mismatch: bool = False, member_ids: Sequence[str] | None = None,
+                share_identical: bool = True, verify: bool = True, atol: float = 1e-4,
+                copy_shared: bool = True) -> WideModel:
+    """``cls.from_models(models, ...)``: see :meth:`WideModel.from_models` for the options."""
+    models = list(models)
+    check_compatible(models, member_ids, allow_label_mismatch)
+    template = models[0]
+    args, kwargs = _as_args_kwargs(sample_inputs if sample_inputs is not None else build_sample_inputs(template))
+    ids = member_ids or [getattr(getattr(m, "config", None), "_name_or_path", "") or f"member-{i}"
+                         for i, m in enumerate(models)]
+    was_training = [m.training for m in models]
+    for m in models:
+        m.eval()
+    try:
+        opaque = opaque_modules(models)  # before the trace runs member 0
+        traced = trace_members(template, args, kwargs)
+        wide, demotions, recorded = None, Demotions(), None
+        for _ in range(MAX_VERIFY_ROUNDS):
+            plan = make_plan(models, *traced, share_identical=share_identical, demotions=demotions, opaque=opaque)
+            fold = Fold(len(models))
+            if verify and recorded is None:  # before the build, which may take the members' tensors
+                recorded = record_members(models, wide_paths(plan), args, kwargs, inputs=False)
+            with contextlib.nullcontext() if copy_shared else keeping_storage():
+                folded = build_wide(models, plan, fold)
+            wide = cls(
+                folded,
+                plan,
+                fold,
+                tensor_aliases(template),
+                ids,
+                [copy.deepcopy(m.config) for m in models] if hasattr(template, "config") else None,
+                [copy.deepcopy(getattr(m, "generation_config", None)) for m in models],
+            ).eval()
+            if not verify:
+                break
+            failures, recorded = diagnose(wide, models, args, kwargs, recorded)
+            if not failures:
+                break
+            if not demotions.add(plan, failures):
+                raise WideValidationError(
+                    f"hf-wide cannot fuse these members exactly: {_describe(failures)} on the sample input, and "
+                    f"nothing is left to move down. Plan:\n{plan}"
+                )
+        else:
+            raise WideValidationError(f"hf-wide could not verify a plan in {MAX_VERIFY_ROUNDS} rounds:\n{plan}")
+    finally:
+        for m, training in zip(models, was_training):
+            m.train(training)
+    wide.train(was_training[0])
+    if validate:
+        wide.validate(models, args, kwargs, atol=atol)
+    return wide
+
+
+def _describe(failures: dict[str, str]) -> str:
+    return "; ".join(f"{path or '(model)'} {reason}" for path, reason in failures.items())
+
+
+def _as_args_kwargs(sample: dict | tuple | torch.Tensor) -> tuple[tuple, dict]:
+    if isinstance(sample, dict):
+        return (), dict(sample)
+    if isinstance(sample, torch.Tensor):
+        return (sample,), {}
+    return tuple(sample), {}
