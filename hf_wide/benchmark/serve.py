@@ -1,23 +1,26 @@
 """Load test of ``hf-wide serve``: ``python -m hf_wide.benchmark.serve [--requests 2000] [--clients 16] [--replicas 1]``.
 
 Saves N BERT text classifiers (random weights, hidden 128, 2 layers, 3 labels) with a tokenizer, then serves them
-on loopback with Ray Serve four ways, one after another, and sends each the same requests from concurrent
-clients (one keep-alive connection each, one text per request):
+on loopback with Ray Serve four ways, and sends each the same requests from concurrent clients (one keep-alive
+connection each, one text per request):
 
 - ``wide``: hf-wide's application, requests batched by Ray Serve (``--max-batch-size``);
 - ``wide_unbatched``: the same with ``max_batch_size=1``;
 - ``members``: the N transformers models run one after another for each request (what is deployed today);
-- ``members_batched``: the same on Ray Serve's batches (one padded batch per model).
+- ``members_batched``: the same on Ray Serve's batches (one padded batch per model);
 
-Every answer is checked against ``hf_wide.pipeline`` run here on that text: the same best label, scores within
-1e-4. Every way is deployed at once, and the requests go in rounds, each way in turn, so that a slow spell on
-the machine falls on all of them. Reports, per way: errors, wrong answers, throughput (requests/s), p50 and p99
-latency (ms), as a table and, with ``--json``, a file.
+and, for reference, ``no_model``: the same Ray Serve deployment and batching answering at once, without a model:
+what Ray Serve's request path alone allows on this machine, the ceiling of every way.
 
-It also times the two models alone, in this process, with the replica's one thread, on one padded batch of
-``clients`` texts (what a full Ray batch holds): the wide model's forward against the members' forwards one after
-another. Ray's per-request work is the same for both servers, so that ratio bounds what batching through the
-wide model can gain over ``members_batched``.
+Every answer of the four is checked against ``hf_wide.pipeline`` run here on that text: the same best label,
+scores within 1e-4. Every way is deployed at once, and the requests go in rounds, each way in turn, so that a slow
+spell on the machine falls on all of them. Reports, per way: errors, wrong answers, throughput (requests/s), p50
+and p99 latency (ms), as a table and, with ``--json``, a file.
+
+It also times the two models' forwards alone, in this process, with the replica's one thread, on padded batches
+of 1, 4, 8 and ``clients`` texts: the wide model against the members one after another. Ray Serve forms its
+batches from what has arrived (on this machine, a few requests each), so these show where the wide forward gains
+and how much of a request's time is the forward at all.
 """
 
 import argparse
@@ -38,7 +41,7 @@ from starlette.responses import JSONResponse
 
 from .pipeline import make_texts, make_tokenizer
 
-WAYS = ("wide", "wide_unbatched", "members", "members_batched")
+WAYS = ("wide", "wide_unbatched", "members", "members_batched", "no_model")
 
 
 def _ranked(probs: torch.Tensor, labels: list[str]) -> list[dict]:
@@ -71,6 +74,24 @@ class MembersServer:
         return [_ranked(p, self.labels) for p in probs]
 
 
+@serve.deployment(max_ongoing_requests=256)
+class NoModelServer:
+    """The reference: Ray Serve's request path and batching as the members' server has them, and no model (the
+    answer is a fixed one, not checked)."""
+
+    def __init__(self, max_batch_size: int, batch_wait_ms: float):
+        self.answer.set_max_batch_size(max_batch_size)
+        self.answer.set_batch_wait_timeout_s(batch_wait_ms / 1000)
+
+    async def __call__(self, request: Request) -> JSONResponse:
+        payload = json.loads(await request.body())
+        return JSONResponse([await self.answer(payload["inputs"])])
+
+    @serve.batch(max_batch_size=32, batch_wait_timeout_s=0.005)
+    async def answer(self, texts: list[str]) -> list[list[dict]]:
+        return [[{"label": "none", "score": 1.0}] for _ in texts]
+
+
 def write_members(folder: Path, num_members: int, hidden: int) -> list[str]:
     tokenizer = make_tokenizer(folder)
     config = transformers.BertConfig(vocab_size=len(tokenizer), hidden_size=hidden, num_hidden_layers=2,
@@ -86,9 +107,9 @@ def write_members(folder: Path, num_members: int, hidden: int) -> list[str]:
     return paths
 
 
-def load(port: int, path: str, texts: list[str], expected: list[list[dict]], clients: int) -> dict:
+def load(port: int, path: str, texts: list[str], expected: list[list[dict]] | None, clients: int) -> dict:
     """Send every text once to ``path`` (``clients`` threads, one connection each); errors, wrong answers and
-    timings. ``expected`` is indexed like ``texts``."""
+    timings. ``expected`` is indexed like ``texts`` (None: answers not checked)."""
     latencies, errors, wrong, lock, next_index = [], [], [], threading.Lock(), iter(range(len(texts)))
 
     def client():
@@ -114,8 +135,8 @@ def load(port: int, path: str, texts: list[str], expected: list[list[dict]], cli
                 conn.close()
                 conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
                 continue
-            want = expected[i]
-            right = answer[0]["label"] == want[0]["label"] and all(
+            want = None if expected is None else expected[i]
+            right = want is None or answer[0]["label"] == want[0]["label"] and all(
                 abs(a["score"] - w["score"]) <= 1e-4 for a, w in zip(answer, want))
             with lock:
                 latencies.append(elapsed)
@@ -146,34 +167,36 @@ def _summary(rounds: list[dict]) -> dict:
             "p99_ms": ms[min(len(ms) - 1, int(0.99 * len(ms)))] if ms else None}
 
 
-def forward_ceiling(paths: list[str], texts: list[str], seconds: float = 3.0) -> dict:
-    """Milliseconds of one forward of the wide model and of the members one after another, on ``texts`` as one
-    padded batch, with one thread (a replica's, with Ray's default of one CPU)."""
+def forward_alone(paths: list[str], texts: list[str], sizes: tuple[int, ...], seconds: float = 2.0) -> list[dict]:
+    """For each batch size, milliseconds of one forward of the wide model and of the members one after another on
+    the first ``size`` texts as one padded batch, with one thread (a replica's, with Ray's default of one CPU)."""
     from .. import WideModel
     from .methods import time_interleaved
 
     tokenizer = transformers.AutoTokenizer.from_pretrained(paths[0])
-    batch = tokenizer(texts, padding=True, truncation=True, return_tensors="pt")
     wide = WideModel.from_pretrained(paths)
     members = [transformers.AutoModelForSequenceClassification.from_pretrained(p).eval() for p in paths]
-    threads = torch.get_num_threads()
+    threads, rows = torch.get_num_threads(), []
     torch.set_num_threads(1)
     try:
         with torch.inference_mode():
-            runs = {"wide": lambda: wide(**batch), "members": lambda: [m(**batch) for m in members]}
-            for run_once in runs.values():
-                run_once()
-            times, _ = time_interleaved(runs, seconds)
+            for size in sizes:
+                batch = tokenizer(texts[:size], padding=True, truncation=True, return_tensors="pt")
+                runs = {"wide": lambda: wide(**batch), "members": lambda: [m(**batch) for m in members]}
+                for run_once in runs.values():
+                    run_once()
+                times, _ = time_interleaved(runs, seconds)
+                wide_ms, members_ms = times["wide"][0], times["members"][0]
+                rows.append({"batch": list(batch["input_ids"].shape), "wide_ms": wide_ms, "members_ms": members_ms,
+                             "members_over_wide": members_ms / wide_ms})
     finally:
         torch.set_num_threads(threads)
-    wide_ms, members_ms = times["wide"][0], times["members"][0]
-    return {"batch": list(batch["input_ids"].shape), "wide_ms": wide_ms, "members_ms": members_ms,
-            "members_over_wide": members_ms / wide_ms}
+    return rows
 
 
 def run(num_requests: int = 2000, clients: int = 16, num_members: int = 8, hidden: int = 128,
         max_batch_size: int = 32, batch_wait_ms: float = 5.0, port: int = 8765, ways=WAYS,
-        replicas: int = 1, rounds: int = 4) -> dict:
+        replicas: int = 1, rounds: int = 10) -> dict:
     """Every way deployed at once (each under its own route prefix), then ``rounds`` rounds in which each way in
     turn gets its share of the requests: a slow spell on the machine falls on every way, not on one."""
     import ray
@@ -189,14 +212,14 @@ def run(num_requests: int = 2000, clients: int = 16, num_members: int = 8, hidde
         texts = make_texts(num_requests, min_words=4, max_words=24)
         reference = pipeline("text-classification", model=paths, batch_size=64)
         expected = [r["top_k"] for r in reference(texts, top_k=3)]
-        ceiling = forward_ceiling(paths, texts[:clients])
+        forwards = forward_alone(paths, texts, tuple(sorted({1, 4, 8, clients} & set(range(1, clients + 1)))))
         # A logical CPU for every replica of every way, all deployed at once (Ray gives each replica one torch thread
         # either way); they share the machine's cores, and only one way is under load at a time.
         ray.init(num_cpus=len(ways) * replicas, include_dashboard=False, logging_level="ERROR")
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         report = {"requests": num_requests, "clients": clients, "members": num_members, "hidden": hidden,
                   "max_batch_size": max_batch_size, "batch_wait_ms": batch_wait_ms, "replicas": replicas,
-                  "rounds": rounds, "forward_ceiling": ceiling, "ways": {}}
+                  "rounds": rounds, "forward_alone": forwards, "ways": {}}
         done: dict[str, list[dict]] = {way: [] for way in ways}
         try:
             for way in ways:
@@ -204,15 +227,18 @@ def run(num_requests: int = 2000, clients: int = 16, num_members: int = 8, hidde
                 if way.startswith("wide"):
                     app = build_app(paths, "text-classification", max_batch_size=batch, batch_wait_ms=batch_wait_ms,
                                     replicas=replicas)
+                elif way == "no_model":
+                    app = NoModelServer.options(num_replicas=replicas).bind(batch, batch_wait_ms)
                 else:
                     app = MembersServer.options(num_replicas=replicas).bind(paths, batch, batch_wait_ms)
                 serve.run(app, name=way, route_prefix=f"/{way}")
-                load(port, f"/{way}", texts[:clients * 2], expected, clients)  # warm-up
+                load(port, f"/{way}", texts[:clients * 2], None, clients)  # warm-up
             share = -(-num_requests // rounds)
             for start in range(0, num_requests, share):
                 part = slice(start, start + share)
                 for way in ways:
-                    done[way].append(load(port, f"/{way}", texts[part], expected[part], clients))
+                    done[way].append(load(port, f"/{way}", texts[part], None if way == "no_model" else expected[part],
+                                          clients))
             for way in ways:
                 report["ways"][way] = _summary(done[way])
                 print(f"{way}: {_row(report['ways'][way])}", file=sys.stderr)
@@ -242,7 +268,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--port", type=int, default=8765)
     parser.add_argument("--replicas", type=int, default=1, help="replicas of every way's deployment")
     parser.add_argument("--ways", nargs="+", choices=WAYS, default=list(WAYS))
-    parser.add_argument("--rounds", type=int, default=4, help="rounds in which every way gets its share in turn")
+    parser.add_argument("--rounds", type=int, default=10, help="rounds in which every way gets its share in turn")
     parser.add_argument("--json", help="also write the report to this file")
     args = parser.parse_args(argv)
     report = run(args.requests, args.clients, args.members, max_batch_size=args.max_batch_size,
@@ -255,10 +281,9 @@ def main(argv=None) -> dict:
     for key in ("wide_over_members", "wide_over_members_batched"):
         if key in report:
             print(f"{key}: {report[key]:.2f}x")
-    c = report["forward_ceiling"]
-    print(f"in this process, one thread, one batch {c['batch']}: wide forward {c['wide_ms']:.1f} ms, the members one "
-          f"after another {c['members_ms']:.1f} ms: {c['members_over_wide']:.2f}x (what batching through the wide "
-          "model can gain at most over members_batched)")
+    print("in this process, one thread, the forward alone (ms): wide / the members one after another")
+    for f in report["forward_alone"]:
+        print(f"  batch {f['batch']}: {f['wide_ms']:.1f} / {f['members_ms']:.1f} = {f['members_over_wide']:.2f}x")
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
     return report
