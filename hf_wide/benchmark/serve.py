@@ -212,7 +212,7 @@ def run(num_requests: int = 2000, clients: int = 16, num_members: int = 8, hidde
         texts = make_texts(num_requests, min_words=4, max_words=24)
         reference = pipeline("text-classification", model=paths, batch_size=64)
         expected = [r["top_k"] for r in reference(texts, top_k=3)]
-        forwards = forward_alone(paths, texts, tuple(sorted({1, 4, 8, clients} & set(range(1, clients + 1)))))
+        forwards = forward_alone(paths, texts, tuple(sorted({n for n in (1, 4, 8, clients) if n <= clients})))
         # A logical CPU for every replica of every way, all deployed at once (Ray gives each replica one torch thread
         # either way); they share the machine's cores, and only one way is under load at a time.
         ray.init(num_cpus=len(ways) * replicas, include_dashboard=False, logging_level="ERROR")
