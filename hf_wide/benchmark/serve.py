@@ -49,22 +49,29 @@ def _ranked(probs: torch.Tensor, labels: list[str]) -> list[dict]:
     return [{"label": labels[int(i)], "score": float(probs[i])} for i in order]
 
 
-@serve.deployment(max_ongoing_requests=256)
-class MembersServer:
-    """The baseline: the members as transformers models, run one after another on each request (or on each of
-    Ray Serve's batches); the answer is the mean of their probabilities, as hf-wide's ``combine="mean"``."""
+class _OneTextRequests:
+    """The baselines' request path: one text per request, answered on Ray Serve's batches by ``answer``."""
 
-    def __init__(self, paths: list[str], max_batch_size: int, batch_wait_ms: float):
-        self.tokenizer = transformers.AutoTokenizer.from_pretrained(paths[0])
-        self.models = [transformers.AutoModelForSequenceClassification.from_pretrained(p).eval() for p in paths]
-        config = self.models[0].config
-        self.labels = [config.id2label[i] for i in range(config.num_labels)]
+    def __init__(self, max_batch_size: int, batch_wait_ms: float):
         self.answer.set_max_batch_size(max_batch_size)
         self.answer.set_batch_wait_timeout_s(batch_wait_ms / 1000)
 
     async def __call__(self, request: Request) -> JSONResponse:
         payload = json.loads(await request.body())
         return JSONResponse([await self.answer(payload["inputs"])])
+
+
+@serve.deployment(max_ongoing_requests=256)
+class MembersServer(_OneTextRequests):
+    """The baseline: the members as transformers models, run one after another on each request (or on each of
+    Ray Serve's batches); the answer is the mean of their probabilities, as hf-wide's ``combine="mean"``."""
+
+    def __init__(self, paths: list[str], max_batch_size: int, batch_wait_ms: float):
+        super().__init__(max_batch_size, batch_wait_ms)
+        self.tokenizer = transformers.AutoTokenizer.from_pretrained(paths[0])
+        self.models = [transformers.AutoModelForSequenceClassification.from_pretrained(p).eval() for p in paths]
+        config = self.models[0].config
+        self.labels = [config.id2label[i] for i in range(config.num_labels)]
 
     @serve.batch(max_batch_size=32, batch_wait_timeout_s=0.005)
     async def answer(self, texts: list[str]) -> list[list[dict]]:
@@ -75,17 +82,9 @@ class MembersServer:
 
 
 @serve.deployment(max_ongoing_requests=256)
-class NoModelServer:
-    """The reference: Ray Serve's request path and batching as the members' server has them, and no model (the
-    answer is a fixed one, not checked)."""
-
-    def __init__(self, max_batch_size: int, batch_wait_ms: float):
-        self.answer.set_max_batch_size(max_batch_size)
-        self.answer.set_batch_wait_timeout_s(batch_wait_ms / 1000)
-
-    async def __call__(self, request: Request) -> JSONResponse:
-        payload = json.loads(await request.body())
-        return JSONResponse([await self.answer(payload["inputs"])])
+class NoModelServer(_OneTextRequests):
+    """The reference: the members' server's request path and batching, and no model (a fixed answer, not
+    checked)."""
 
     @serve.batch(max_batch_size=32, batch_wait_timeout_s=0.005)
     async def answer(self, texts: list[str]) -> list[list[dict]]:
