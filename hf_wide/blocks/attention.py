@@ -35,7 +35,7 @@ from ..primitives.linear import WideLinear, wide_linear
 from ..primitives.norm import WideLayerNorm
 from ..registry import register_block
 from .base import WideBlock, member_slices, stack_cat
-from .lora import LoraLinear, WideLoraLinear
+from .lora import WideLoraLinear
 from .lora_projections import (
     WideLoraProjections,
     lora_projections_refusal,
@@ -87,13 +87,10 @@ class WideAttention(WideBlock):
     def refusal(cls, module: nn.Module) -> str | None:
         layout = LAYOUTS[type(module)]
         projections = [module.get_submodule(n) for n in layout.qkv]
-        if any(type(p) is not nn.Linear for p in projections):  # adapted q, k and v: all of them, one base each
-            why = lora_projections_refusal(projections)
-            out = None if layout.out is None else module.get_submodule(layout.out)
-            if why is None and out is not None and type(out) is not nn.Linear:
-                why = WideLoraLinear.refusal(out) if type(out) is LoraLinear else f"{layout.out} is a {type(out)}"
-            return None if why is None else f"{layout.qkv}: {why}"
         out = None if layout.out is None else module.get_submodule(layout.out)
+        if any(type(p) is not nn.Linear for p in projections):  # adapted q, k and v: all of them, one base each
+            why = lora_projections_refusal(projections, out, layout.out)
+            return None if why is None else f"{layout.qkv}: {why}"
         if out is not None and type(out) is not nn.Linear:  # the only lora.Linear: the block would not build it
             return f"{layout.out} is a {type(out).__qualname__} but q, k and v are not adapted: planned by its parts"
         with_bias = [p.bias is not None for p in projections]

@@ -38,8 +38,10 @@ from .lora import LoraLinear, WideLoraLinear, equal_tensors, lora_refusal, one_s
 FUSE_ON_CPU = False  # see the module's docstring; tests set it to run the fused path on CPU
 
 
-def lora_projections_refusal(layers: Sequence[nn.Module]) -> str | None:
-    """Why one member's ``layers`` (its projections of one input) cannot be fused as LoRA projections, or None."""
+def lora_projections_refusal(layers: Sequence[nn.Module], out: nn.Module | None = None,
+                             out_name: str = "out") -> str | None:
+    """Why one member's ``layers`` (its projections of one input), with ``out`` (the block's output projection
+    after them, if any), cannot be fused as LoRA projections, or None."""
     if LoraLinear is None or not all(type(layer) is LoraLinear for layer in layers):
         return "its projections are not all LoRA layers"
     if layers[0].base_layer.weight.device.type == "cpu" and not FUSE_ON_CPU:
@@ -52,6 +54,8 @@ def lora_projections_refusal(layers: Sequence[nn.Module]) -> str | None:
         return "its projections hold adapters of different names"
     if len({layer.base_layer.bias is None for layer in layers}) != 1:
         return "some of its projections have a bias and some do not"
+    if out is not None and type(out) is not nn.Linear:
+        return WideLoraLinear.refusal(out) if type(out) is LoraLinear else f"{out_name} is a {type(out)}"
     return None
 
 

@@ -20,7 +20,7 @@ from ..primitives.base import meta_copy
 from ..primitives.linear import WideLinear, wide_linear
 from ..registry import register_block
 from .base import WideBlock, member_slices, stack_cat
-from .lora import LoraLinear, WideLoraLinear
+from .lora import WideLoraLinear
 from .lora_projections import (
     WideLoraProjections,
     lora_projections_refusal,
@@ -42,10 +42,7 @@ class WideGatedMLP(WideBlock):
     def refusal(cls, module: nn.Module) -> str | None:
         gate_up = [module.gate_proj, module.up_proj]
         if any(type(p) is not nn.Linear for p in gate_up):  # adapted gate and up: both, one base each
-            why = lora_projections_refusal(gate_up)
-            if why is None and type(module.down_proj) is not nn.Linear:
-                why = (WideLoraLinear.refusal(module.down_proj) if type(module.down_proj) is LoraLinear
-                       else f"down_proj is a {type(module.down_proj)}")
+            why = lora_projections_refusal(gate_up, module.down_proj, "down_proj")
             return None if why is None else f"gate_proj, up_proj: {why}"
         if type(module.down_proj) is not nn.Linear:  # the only lora.Linear: the block would not build it
             return f"down_proj is a {type(module.down_proj).__qualname__} but gate and up are not adapted"
