@@ -126,6 +126,17 @@ def _unbatched_uses(node: torch.fx.Node, batch_symbol) -> set[str]:
     return paths
 
 
+def _release_export_graph() -> None:
+    """Let the graph of the last export go with its program. ``torch.export`` leaves it reachable from a module
+    global of torch (fake tensor id -> graph node, cleared only when the next export starts), and with it every
+    fake tensor of the trace: for the life of the process, after the wide model is built."""
+    from torch.fx.experimental import proxy_tensor
+
+    nodes = getattr(proxy_tensor, "_FAKE_TENSOR_ID_TO_PROXY_MAP_FOR_EXPORT", None)
+    if isinstance(nodes, dict):
+        nodes.clear()
+
+
 def trace(model: nn.Module, args: tuple = (), kwargs: dict | None = None) -> Trace:
     """Export ``model`` (batch dim dynamic if it can be) and read parameter users and row mixing."""
     kwargs = dict(kwargs or {})
@@ -147,6 +158,8 @@ def trace(model: nn.Module, args: tuple = (), kwargs: dict | None = None) -> Tra
             break
         except Exception as exc:  # export raises many types; we report and try the next way
             notes.append(f"{method} failed: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}")
+        finally:
+            _release_export_graph()
     if program is None:
         return Trace("module tree", {}, {}, notes)
 

@@ -152,6 +152,23 @@ def test_a_fallback_whose_submodule_is_called_from_outside_takes_its_caller_alon
     assert exact(wide, members, torch.randn(3, 4)) <= 1e-6
 
 
+def test_no_graph_of_the_trace_outlives_it():
+    import gc
+
+    from hf_wide.tracer import trace
+
+    class TracedHere(nn.Sequential):
+        pass
+
+    def ours(node):  # a node of this test's graph: an op called inside TracedHere
+        return any(str(cls).endswith("TracedHere") for _, cls in (node.meta.get("nn_module_stack") or {}).values())
+
+    model = TracedHere(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 4))
+    assert trace(model, (torch.randn(2, 6),)).method == "export (dynamic batch)"
+    gc.collect()
+    assert not [o for o in gc.get_objects() if isinstance(o, torch.fx.Node) and ours(o)]
+
+
 def test_export_failure_plans_from_the_module_tree_loudly():
     members = members_of(lambda: DataDependent(4))
     with pytest.warns(UserWarning, match="module tree"):
