@@ -123,7 +123,7 @@ def run_benchmark(
     json_path: str | None = None,
     plot_path: str | None = None,
 ) -> list[dict]:
-    """Run a preset (``tiny``, ``quick``, ``full``), or the checkpoints ``models`` on ``batch`` x ``seq``
+    """Run a preset (``tiny``, ``quick``, ``full``, ``lora``), or the checkpoints ``models`` on ``batch`` x ``seq``
     inputs; print the tables and return one record per configuration.
 
     ``compile`` (``all``, ``subset``, ``none``) overrides the preset's choice of configs to run under
@@ -183,7 +183,8 @@ def register_cli(subparsers) -> argparse.ArgumentParser:
                     "eager and compiled. Prints a table; every method's outputs are checked against the members "
                     "run alone (exit code 1 when one differs).")
     bench.add_argument("--preset", choices=PRESETS, default="quick",
-                       help="tiny: seconds, for tests; quick: under 2 minutes; full: the whole grid (long)")
+                       help="tiny: seconds, for tests; quick: under 2 minutes; full: the whole grid (long); "
+                            "lora: the LoRA configs, each method timed longer (2 minutes)")
     bench.add_argument("--models", nargs="+", metavar="ID", help="benchmark these checkpoints instead of a preset")
     bench.add_argument("--batch", type=int, default=8, help="batch size B for --models")
     bench.add_argument("--seq", type=int, default=64, help="sequence length for --models")

@@ -72,6 +72,13 @@ def test_quick_preset_compiles_one_config_per_family():
     assert sorted(c.spec.family for c in chosen) == ["bert", "llama"]
 
 
+def test_lora_preset_times_the_lora_configs_of_both_presets_longer():
+    lora, quick, full = preset_configs("lora"), preset_configs("quick"), preset_configs("full")
+    assert lora.configs and all(c.spec.lora and not c.compile for c in lora.configs)
+    assert all(c in quick.configs and c in full.configs for c in lora.configs)
+    assert lora.target_s > max(quick.target_s, full.target_s)
+
+
 def test_configs_over_the_flop_budget_are_skipped_and_said(capsys):
     assert run_benchmark("tiny", max_gflop=0) == []
     assert "skipped 1 config(s), over the budget of 0 GFLOP" in capsys.readouterr().out
