@@ -127,9 +127,9 @@ def _unbatched_uses(node: torch.fx.Node, batch_symbol) -> set[str]:
 
 
 def _release_export_graph() -> None:
-    """Let the graph of the last export go with its program. ``torch.export`` leaves it reachable from a module
-    global of torch (fake tensor id -> graph node, cleared only when the next export starts), and with it every
-    fake tensor of the trace: for the life of the process, after the wide model is built."""
+    """Let the graph of an export go with its program. ``torch.export`` leaves it reachable from a module global of
+    torch (fake tensor id -> graph node, cleared only when the next export starts), and with it every fake tensor of
+    the trace, for as long as the process exports nothing else."""
     from torch.fx.experimental import proxy_tensor
 
     nodes = getattr(proxy_tensor, "_FAKE_TENSOR_ID_TO_PROXY_MAP_FOR_EXPORT", None)
