@@ -46,10 +46,8 @@ def save_adapter(wide, i: int, folder: Path) -> Path | None:
     config = sources.configs[i]
     if config is None:
         return None
-    member = wide.member(i, share=True)
-    state = get_peft_model_state_dict(member)
-    padded = tuple(f"{path}." for path in sources.padded[i])
-    state = {k: v.detach().contiguous() for k, v in state.items() if not k.startswith(padded)}
+    member = wide.member(i, share=True)  # without the zero updates given to targets it lacks
+    state = {k: v.detach().contiguous() for k, v in get_peft_model_state_dict(member).items()}
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "adapter_config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     save_file(state, str(folder / "adapter_model.safetensors"), metadata={"format": "pt"})

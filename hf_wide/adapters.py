@@ -60,9 +60,12 @@ def require_peft():
 @contextlib.contextmanager
 def peft_quietly() -> Iterator[None]:
     """Wrapping a model, PEFT reads ``model.is_gradient_checkpointing``, which transformers 5 deprecates with a
-    FutureWarning nobody loading adapters can act on: that one warning is dropped, any other shown."""
+    FutureWarning, and warns that the config it is given names another base (the adapters' config, which gives a
+    full member its zero updates): nobody loading adapters can act on either. Those two are dropped, any other
+    shown."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+        warnings.filterwarnings("ignore", message=".*base_model_name_or_path` was renamed.*", category=UserWarning)
         yield
 
 
@@ -87,7 +90,7 @@ def lora_refusal(config: dict) -> str | None:
     """Why an adapter config cannot be fused as LoRA (None if it can): its PEFT type, or a LoRA variant."""
     if config.get("peft_type") != "LORA":
         return f"is a {config.get('peft_type')} adapter; hf-wide fuses LoRA adapters"
-    for option in ("use_dora", "use_bdlora", "lora_bias", "fan_in_fan_out"):
+    for option in ("use_dora", "use_bdlora", "lora_bias"):  # fan_in_fan_out: GPT-2's Conv1D, taken (blocks/lora.py)
         if config.get(option):
             return f"uses {option}={config[option]!r}, which hf-wide does not fuse"
     for option in ("alora_invocation_tokens", "arrow_config", "velora_config", "monteclora_config", "kasa_config",
@@ -171,29 +174,45 @@ def lora_paths(model: nn.Module) -> set[str]:
 
 
 def pad_targets(model: nn.Module, paths: set[str]) -> list[str]:
-    """Wrap each ``nn.Linear`` at ``paths`` (relative to the PEFT model) that has no adapter in a LoRA layer
-    whose update is exactly zero (rank 1, ``lora_B = 0``): then every member has the same structure. Returns the
-    paths wrapped."""
+    """Wrap each ``nn.Linear`` (or GPT-2's ``Conv1D``) at ``paths`` (relative to the PEFT model) that has no
+    adapter in a LoRA layer whose update is exactly zero (rank 1, ``lora_B = 0``): then every member has the same
+    structure. Returns the paths wrapped."""
     peft = require_peft()
     from peft.tuners.lora import Linear as LoraLinear
+    from transformers.pytorch_utils import Conv1D
 
     wrapped = []
-    config = peft.LoraConfig(r=1, lora_alpha=1, lora_dropout=0.0, target_modules=[])
     for path in sorted(paths - lora_paths(model)):
         parent_path, _, child = path.rpartition(".")
         parent = model.get_submodule(parent_path)
         layer = getattr(parent, child)
-        if type(layer) is not nn.Linear:
+        if type(layer) not in (nn.Linear, Conv1D):
             raise IncompatibleMembersError(f"{path} is a {type(layer).__name__}: hf-wide can give it no zero LoRA.")
-        lora = LoraLinear(layer, "default", config=config, r=1, lora_alpha=1)
+        conv = type(layer) is Conv1D  # PEFT wraps it with fan_in_fan_out, as its own dispatch does
+        config = peft.LoraConfig(r=1, lora_alpha=1, lora_dropout=0.0, target_modules=[], fan_in_fan_out=conv)
+        lora = LoraLinear(layer, "default", config=config, r=1, lora_alpha=1, is_target_conv_1d_layer=conv)
         lora.to(layer.weight.device, layer.weight.dtype)
         nn.init.zeros_(lora.lora_B["default"].weight)
         lora.requires_grad_(False)
         setattr(parent, child, lora.eval())
         wrapped.append(path)
-    # PEFT's LoraModel lists the targeted names relative to its model: every member's are now the union
-    model.base_model.targeted_module_names = sorted(p.removeprefix("base_model.model.") for p in lora_paths(model))
+    _list_targets(model)  # every member's are now the union
     return wrapped
+
+
+def unpad_targets(model: nn.Module, paths: Sequence[str]) -> None:
+    """Undo :func:`pad_targets` on a member taken out of the wide model: each zero-update layer at ``paths``
+    becomes its base layer again, so the member is the adapter as it was saved."""
+    for path in paths:
+        parent_path, _, child = path.rpartition(".")
+        parent = model.get_submodule(parent_path)
+        setattr(parent, child, getattr(parent, child).base_layer)
+    _list_targets(model)
+
+
+def _list_targets(model: nn.Module) -> None:
+    """PEFT's LoraModel lists the names of the layers it adapted, relative to its model."""
+    model.base_model.targeted_module_names = sorted(p.removeprefix("base_model.model.") for p in lora_paths(model))
 
 
 def load_adapter_members(ids, folders, configs, *, base_model=None, base_revision=None, merge=False,

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .adapters import PEFT_FORWARD_ARGS, runs_inner_model
+from .adapters import PEFT_FORWARD_ARGS, runs_inner_model, unpad_targets
 from .capture import asks_for_capture, install_capture_hooks
 from .compat import member_names
 from .fold import Fold, PerMember, fold_inputs, unfold_outputs
@@ -257,6 +257,8 @@ class WideModel(nn.Module):
         model = member_copy(self.model, local, self._aliases, memo, share=share)
         if i in self.full_members:  # a full checkpoint among adapters: PEFT's zero-update layers taken out
             model = model.unload()  # (nothing is merged: its own weights, exactly)
+        elif self.adapter_sources is not None:  # an adapter: the zero updates given to targets it lacks taken out
+            unpad_targets(model, self.adapter_sources.padded[local])
         return model
 
     def validate(self, models: Sequence[nn.Module], args: tuple = (), kwargs: dict | None = None, *, atol=1e-4):

@@ -17,6 +17,7 @@ from hf_wide import IncompatibleMembersError, Kind, WideModel
 from hf_wide.hub import MemberLoadError
 
 LLAMA, BERT, VIT = CASES["llama-causallm"], CASES["bert-seqcls"], CASES["vit-imgcls"]
+GPT2 = CASES["gpt2-causallm"]
 EVERY_LINEAR = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
@@ -94,7 +95,11 @@ def test_a_full_checkpoint_of_the_base_architecture_among_adapters(llama_adapter
     base, adapters = llama_adapters
     full = LLAMA.build(5)  # another model of the base's architecture: a member with its own weights
     full.save_pretrained(tmp_path / "full")
-    wide = WideModel.from_pretrained([adapters[0], str(tmp_path / "full")])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        wide = WideModel.from_pretrained([adapters[0], str(tmp_path / "full")])
+    # PEFT's warning that the adapters' config names another base, wrapping the full member: nothing to act on
+    assert not [w for w in caught if "base_model_name_or_path" in str(w.message)]
     references = [alone(LLAMA, base, adapters[0]), full]
     assert max_member_error(wide, references, LLAMA.inputs(2, padded=True)) <= TOLERANCE
     assert type(wide.member(1)) is LLAMA.model_class and torch.equal(
@@ -146,6 +151,48 @@ def test_vit_image_classifier(tmp_path):
     wide = WideModel.from_pretrained(adapters)
     references = [alone(VIT, tmp_path / "base", a) for a in adapters]
     assert max_member_error(wide, references, VIT.inputs(2, padded=False)) <= TOLERANCE
+
+
+def test_gpt2_adapters_over_conv1d_layers(tmp_path):
+    """GPT-2's layers are transformers' ``Conv1D`` (weight ``(D_in, D_out)``), which PEFT wraps with
+    ``fan_in_fan_out=True``: ranks 2, 4 and 8 on different targets, one with rsLoRA, and a full checkpoint of the
+    architecture among them (its own Conv1D weights: the bases stacked)."""
+    with warnings.catch_warnings():  # PEFT says it sets fan_in_fan_out for Conv1D
+        warnings.simplefilter("ignore", UserWarning)
+        GPT2.build(0).save_pretrained(tmp_path / "base")
+        adapters = [
+            save_adapter(GPT2, tmp_path / "base", tmp_path / "a0", 0, r=4, lora_alpha=8,
+                         target_modules=["c_attn", "c_proj", "c_fc"], task_type="CAUSAL_LM"),
+            save_adapter(GPT2, tmp_path / "base", tmp_path / "a1", 1, r=8, lora_alpha=16, target_modules=["c_attn"],
+                         task_type="CAUSAL_LM"),
+            save_adapter(GPT2, tmp_path / "base", tmp_path / "a2", 2, r=2, lora_alpha=4, use_rslora=True,
+                         target_modules=["c_fc", "c_proj"], task_type="CAUSAL_LM"),
+        ]
+    assert all(json.loads((Path(a) / "adapter_config.json").read_text())["fan_in_fan_out"] for a in adapters)
+    wide = WideModel.from_pretrained(adapters)
+    references = [alone(GPT2, tmp_path / "base", a) for a in adapters]
+    inputs = GPT2.inputs(3, padded=True)
+    assert max_member_error(wide, references, inputs) <= TOLERANCE
+    lora = [e for e in wide.plan.entries.values() if e.wide_class == "WideLoraLinear"]
+    assert len(lora) == 2 * 4 and not wide.plan.fallbacks  # c_attn, attn.c_proj, c_fc, mlp.c_proj per layer
+    tokens = wide.generate(**inputs, max_new_tokens=4, do_sample=False)
+    for i, reference in enumerate(references):
+        assert torch.equal(tokens[i], reference.generate(**inputs, max_new_tokens=4, do_sample=False))
+        member, want = wide.member(i).state_dict(), reference.state_dict()  # the adapter as saved, no zero updates
+        assert member.keys() == want.keys() and all(torch.equal(member[k], want[k]) for k in want)
+    for folder, adapter in zip(wide.save_members(tmp_path / "members"), adapters):  # ordinary PEFT adapters
+        again, original = alone(GPT2, tmp_path / "base", str(folder)), alone(GPT2, tmp_path / "base", adapter)
+        assert lora_keys(again) == lora_keys(original)
+        with torch.no_grad():
+            assert torch.equal(again(**inputs).logits, original(**inputs).logits)
+
+    full = GPT2.build(5)
+    full.save_pretrained(tmp_path / "full")
+    mixed = WideModel.from_pretrained([adapters[0], str(tmp_path / "full")])
+    assert max_member_error(mixed, [references[0], full], inputs) <= TOLERANCE
+    layer = mixed.model.get_submodule(next(e.fqn for e in mixed.plan.entries.values()
+                                           if e.wide_class == "WideLoraLinear"))
+    assert type(layer.base_layer).__name__ == "WideConv1D"  # the two members' own Conv1D weights, stacked
 
 
 def test_adapters_of_different_bases_are_refused(llama_adapters, tmp_path):

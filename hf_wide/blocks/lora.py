@@ -9,9 +9,10 @@ they differ. The updates run as two batched matmuls over the members. Ranks may 
 zero-padded to the largest rank (the padded rows and columns add zeros). ``lora_alpha`` and ``use_rslora``, and
 so the scaling, may differ: ``scale`` holds each member's.
 
-Only vanilla LoRA with one adapter, active, unmerged, is taken: DoRA and PEFT's other variants, a bias on
-``lora_B``, ``fan_in_fan_out`` or a base layer that is not an exact ``nn.Linear`` are declined, and the module
-then runs as each member's own code.
+Only vanilla LoRA with one adapter, active, unmerged, over an exact ``nn.Linear`` or transformers' ``Conv1D``
+(GPT-2's, which PEFT wraps with ``fan_in_fan_out``: that flag only transposes the merged delta, the forward is
+the same) is taken: DoRA and PEFT's other variants, a bias on ``lora_B`` or any other base layer are declined, and
+the module then runs as each member's own code.
 """
 
 from __future__ import annotations
@@ -22,9 +23,10 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 from torch import nn
+from transformers.pytorch_utils import Conv1D
 
 from ..primitives.base import keeps_storage, kept, meta_copy
-from ..primitives.linear import WideLinear
+from ..primitives.linear import WideConv1D, WideLinear
 from ..registry import register_block
 from .base import WideBlock
 
@@ -32,6 +34,10 @@ try:
     from peft.tuners.lora import Linear as LoraLinear
 except ImportError:  # peft is optional: without it there are no LoRA members to fuse
     LoraLinear = None
+
+
+# The base layers taken, and the fan_in_fan_out PEFT gives each (it sets the flag from the base layer's class).
+BASE_LAYERS = {nn.Linear: False, Conv1D: True}
 
 
 def lora_refusal(module: nn.Module) -> str | None:
@@ -44,7 +50,7 @@ def lora_refusal(module: nn.Module) -> str | None:
         return "its adapter is merged into the base weight or disabled"
     if name in module.lora_variant:
         return f"its adapter is a {type(module.lora_variant[name]).__name__} (not vanilla LoRA)"
-    if module.fan_in_fan_out or type(module.base_layer) is not nn.Linear:
+    if BASE_LAYERS.get(type(module.base_layer)) != module.fan_in_fan_out:  # Conv1D's weight is (D_in, D_out)
         return f"its base layer is a {type(module.base_layer).__name__} (fan_in_fan_out={module.fan_in_fan_out})"
     if module.lora_B[name].bias is not None or module.lora_A[name].bias is not None:
         return "its adapter has a bias (lora_bias=True)"
@@ -84,11 +90,13 @@ class WideLoraLinear(WideBlock):
         if any(b.weight.shape != bases[0].weight.shape for b in bases):
             raise ValueError("WideLoraLinear: the members' base layers differ in shape.")
         same = all(equal_tensors(b, bases[0]) for b in bases[1:])
-        self.base_layer = kept(bases[0]) if same else WideLinear.from_modules(bases, self.fold)
+        wide = WideConv1D if type(bases[0]) is Conv1D else WideLinear
+        self.base_layer = kept(bases[0]) if same else wide.from_modules(bases, self.fold)
         ranks = [m.r[self.adapter] for m in mods]
         r = max(ranks)
-        a = torch.zeros(len(mods), r, bases[0].in_features, dtype=bases[0].weight.dtype)
-        b = torch.zeros(len(mods), bases[0].out_features, r, dtype=bases[0].weight.dtype)
+        d_in, d_out = mods[0].in_features, mods[0].out_features  # PEFT's, read from either base layout
+        a = torch.zeros(len(mods), r, d_in, dtype=bases[0].weight.dtype)
+        b = torch.zeros(len(mods), d_out, r, dtype=bases[0].weight.dtype)
         for i, (m, rank) in enumerate(zip(mods, ranks)):
             a[i, :rank] = m.lora_A[self.adapter].weight.detach()
             b[i, :, :rank] = m.lora_B[self.adapter].weight.detach()
@@ -119,7 +127,7 @@ class WideLoraLinear(WideBlock):
             low = low.mul_(self.scaling.view(n, 1, 1))
             scale = 1.0
         base = self.base_layer
-        if type(base) is not nn.Linear:  # the members' base weights differ: a WideLinear
+        if type(base) is not nn.Linear:  # a WideLinear or WideConv1D (the members' bases differ), or one Conv1D
             result = base(x)
         elif _per_member(x, n):
             return self._per_member_rows(x, low, scale)
@@ -149,7 +157,7 @@ class WideLoraLinear(WideBlock):
     def member_state_dict(self, i: int) -> dict[str, torch.Tensor]:
         rank = int(self.rank[i])
         base = self.base_layer
-        if isinstance(base, WideLinear):
+        if isinstance(base, (WideLinear, WideConv1D)):
             state = {f"base_layer.{k}": t[i] for k, t in base._parameters.items() if t is not None}
         else:
             state = {f"base_layer.{k}": t for k, t in base._parameters.items() if t is not None}

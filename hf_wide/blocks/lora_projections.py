@@ -47,7 +47,8 @@ def lora_projections_refusal(layers: Sequence[nn.Module], out: nn.Module | None 
     if layers[0].base_layer.weight.device.type == "cpu" and not FUSE_ON_CPU:
         return "on CPU LoRA projections run apart (fused, they are no faster: see hf_wide.blocks.lora_projections)"
     for layer in layers:
-        why = lora_refusal(layer)
+        why = lora_refusal(layer) or (None if type(layer.base_layer) is nn.Linear else
+                                      f"its base layers are {type(layer.base_layer).__name__}s, not nn.Linear")
         if why is not None:
             return why
     if len({tuple(layer.lora_A) for layer in layers}) != 1:
