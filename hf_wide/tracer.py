@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import re
 from collections import defaultdict
 
 import torch
@@ -69,7 +70,21 @@ class Trace:
 def _module_stack(node: torch.fx.Node) -> list[str]:
     """The paths of the modules an op was called in, outermost first (the exported wrapper's prefix cut)."""
     stack = node.meta.get("nn_module_stack") or {}
-    return [path.removeprefix("model").removeprefix(".") for path, _ in stack.values()]
+    return [_unslice(path.removeprefix("model").removeprefix(".")) for path, _ in stack.values()]
+
+
+# Export sometimes names a module reached through a sliced ModuleList by the slice (Llama's
+# ``self.layers[: self.config.num_hidden_layers]``): "layers.slice(None, 2, None).1" is "layers.1".
+_SLICE = re.compile(r"\.slice\((None|\d+), (None|-?\d+), (None|\d+)\)\.(\d+)(?=\.|$)")
+
+
+def _unslice(path: str) -> str:
+    """``path`` with each slice of a ModuleList resolved to the index in the list itself."""
+    def index(match: re.Match) -> str:
+        start, _, step, i = (None if g == "None" else int(g) for g in match.groups())
+        return f".{(start or 0) + i * (step or 1)}"
+
+    return _SLICE.sub(index, path)
 
 
 def _module_path(node: torch.fx.Node) -> str:
