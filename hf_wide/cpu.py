@@ -26,7 +26,7 @@ import sys
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_MAX = -4
 
-_state = {"tuned": False}
+_state: dict = {"tuned": False}  # and "trim": glibc's malloc_trim, once looked up
 
 
 def _preloaded_allocator() -> str | None:
@@ -55,6 +55,25 @@ def tune_cpu_allocator() -> bool:
     ok = mallopt(_M_MMAP_MAX, 0) == 1 and mallopt(_M_TRIM_THRESHOLD, 2**31 - 1) == 1
     _state["tuned"] = ok
     return ok
+
+
+def release_freed_memory() -> None:
+    """Give the free pages inside glibc's heap back to the system (``malloc_trim``). Fusing runs in phases (trace,
+    plan, record the members, build, verify) whose temporaries are freed into the heap, where the next phase's
+    large tensors (served by ``mmap``) cannot reuse them: trimmed between phases they stop adding to the peak
+    (4 adapters of a 727 MiB BERT: 16 MiB less). A few milliseconds; nothing where the allocator keeps what is
+    freed on purpose (:func:`tune_cpu_allocator`), is preloaded, or is not glibc's."""
+    if _state["tuned"] or not sys.platform.startswith("linux") or _preloaded_allocator():
+        return
+    if "trim" not in _state:
+        try:
+            trim = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
+            trim.argtypes, trim.restype = (ctypes.c_size_t,), ctypes.c_int
+        except (OSError, AttributeError):  # musl and other C libraries have no malloc_trim
+            trim = None
+        _state["trim"] = trim
+    if _state["trim"] is not None:
+        _state["trim"](0)
 
 
 def allocator_state() -> str:

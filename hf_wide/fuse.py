@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from .compat import check_compatible
+from .cpu import release_freed_memory
 from .fold import Fold
 from .model import WideModel, WideValidationError
 from .plan import Demotions
@@ -49,14 +50,17 @@ def fuse_models(cls: type[WideModel], models: Sequence[nn.Module], sample_inputs
     try:
         opaque = opaque_modules(models)  # before the trace runs member 0
         traced = trace_members(template, args, kwargs)
+        release_freed_memory()  # after each phase, its temporaries: see hf_wide.cpu
         wide, demotions, recorded = None, Demotions(), None
         for _ in range(MAX_VERIFY_ROUNDS):
             plan = make_plan(models, *traced, share_identical=share_identical, demotions=demotions, opaque=opaque)
             fold = Fold(len(models))
             if verify and recorded is None:  # before the build, which may take the members' tensors
                 recorded = record_members(models, wide_paths(plan), args, kwargs, inputs=False)
+                release_freed_memory()
             with contextlib.nullcontext() if copy_shared else keeping_storage():
                 folded = build_wide(models, plan, fold)
+            release_freed_memory()
             wide = cls(
                 folded,
                 plan,

@@ -1,6 +1,7 @@
 """PEFT adapters as members (hf_wide/adapters.py): from_pretrained of adapter folders and repos over one base,
 each member against ``PeftModel.from_pretrained(base, adapter)`` run alone."""
 
+import gc
 import json
 import sys
 import warnings
@@ -218,6 +219,26 @@ def test_adapters_with_trainable_tokens(tmp_path):
     assert max_member_error(wide, references, inputs) <= TOLERANCE
     lora = [e for e in wide.plan.entries.values() if e.wide_class == "WideLoraLinear"]
     assert len(lora) == 2 * 2  # not one fallback of the whole model (the trace names its layers by a slice)
+
+
+@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="mappings are read from /proc (Linux)")
+def test_each_adapter_is_read_once_into_the_tensors_the_wide_model_holds(llama_adapters):
+    """PEFT maps each adapter's file. The loader copies every LoRA weight into one stacked tensor per layer (the
+    members' become views of it, which ``WideLoraLinear`` then holds as it is: no second copy) and copies the
+    rest, so no adapter file stays mapped, its pages resident, while the base is traced and fused."""
+    from hf_wide.adapters import adapter_config, load_adapter_members
+
+    _, adapters = llama_adapters
+    models, _ = load_adapter_members(adapters, adapters, [adapter_config(Path(a)) for a in adapters])
+    gc.collect()
+    maps = Path("/proc/self/maps").read_text()
+    assert not [a for a in adapters if f"{a}/adapter_model.safetensors" in maps]
+    path = "base_model.model.model.layers.1.mlp.down_proj"  # ranks 4 and 16, and a zero update for member 1
+    views = [m.get_submodule(path).lora_B["default"].weight for m in models]
+    wide = WideModel.from_models(models, copy_shared=False)
+    held = wide.model.get_submodule(path).lora_B
+    assert held.shape == (3, views[0].shape[0], 16)
+    assert {v.untyped_storage().data_ptr() for v in views} == {held.untyped_storage().data_ptr()}
 
 
 def test_adapters_of_different_bases_are_refused(llama_adapters, tmp_path):

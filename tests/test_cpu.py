@@ -63,3 +63,32 @@ print(peak_rss() - before)
         pytest.skip("VmRSS comes from /proc (Linux)")
     (grown,) = run(code)
     assert int(grown) >= 250 * 2**20
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux") or os.confstr("CS_GNU_LIBC_VERSION") is None,
+                    reason="glibc only")
+@pytest.mark.parametrize("tuned", [False, True])
+def test_freed_memory_goes_back_to_the_system_unless_the_allocator_keeps_it(tuned):
+    """64 MiB of small tensors freed below one still alive stay in glibc's heap (its top cannot shrink) until
+    ``release_freed_memory`` trims it; after ``tune_cpu_allocator`` (keep what is freed) it leaves them."""
+    code = f"""
+import torch
+import hf_wide.cpu as cpu
+def anon():
+    for line in open("/proc/self/status"):
+        if line.startswith("RssAnon:"):
+            return int(line.split()[1]) * 1024
+if {tuned}:
+    cpu.tune_cpu_allocator()
+small = [torch.ones(1000) for _ in range(16_000)]  # 4 KB each, from the heap
+pin = torch.ones(1000)
+del small
+before = anon()
+cpu.release_freed_memory()
+print(before - anon())
+"""
+    (released,) = run(code)
+    if tuned:
+        assert int(released) < 8 * 2**20
+    else:
+        assert int(released) >= 48 * 2**20

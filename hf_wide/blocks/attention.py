@@ -30,7 +30,7 @@ from transformers.models.qwen2.modeling_qwen2 import Qwen2Attention
 from transformers.models.roberta.modeling_roberta import RobertaSelfAttention
 from transformers.models.vit.modeling_vit import ViTAttention
 
-from ..primitives.base import meta_copy
+from ..primitives.base import meta_copies
 from ..primitives.linear import WideLinear, wide_linear
 from ..primitives.norm import WideLayerNorm
 from ..registry import register_block
@@ -111,7 +111,7 @@ class WideAttention(WideBlock):
             self.qkv_bias = None if bias is None else nn.Parameter(bias)
         else:  # LoRA members: the base's q, k and v in one matmul, the members' updates in one more
             self.lora_qkv = WideLoraProjections(self.fold, projections)
-            object.__setattr__(self, "protos", [meta_copy(m) for m in mods])  # each member's ranks
+            object.__setattr__(self, "protos", meta_copies(mods, self.proto))  # each member's ranks
         if layout.out is not None:
             outs = [m.get_submodule(layout.out) for m in mods]
             lora = "lora_qkv" in self._modules

@@ -18,6 +18,7 @@ the module then runs as each member's own code.
 from __future__ import annotations
 
 import copy
+import math
 from collections.abc import Sequence
 
 import torch
@@ -25,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.pytorch_utils import Conv1D
 
-from ..primitives.base import keeps_storage, kept, meta_copy
+from ..primitives.base import keeps_storage, kept, meta_copies
 from ..primitives.linear import WideConv1D, WideLinear
 from ..registry import register_block
 from .base import WideBlock
@@ -95,11 +96,15 @@ class WideLoraLinear(WideBlock):
         ranks = [m.r[self.adapter] for m in mods]
         r = max(ranks)
         d_in, d_out = mods[0].in_features, mods[0].out_features  # PEFT's, read from either base layout
-        a = torch.zeros(len(mods), r, d_in, dtype=bases[0].weight.dtype)
-        b = torch.zeros(len(mods), d_out, r, dtype=bases[0].weight.dtype)
-        for i, (m, rank) in enumerate(zip(mods, ranks)):
-            a[i, :rank] = m.lora_A[self.adapter].weight.detach()
-            b[i, :, :rank] = m.lora_B[self.adapter].weight.detach()
+        dtype = bases[0].weight.dtype
+        a = _stacked([m.lora_A[self.adapter].weight for m in mods], (len(mods), r, d_in), 0, dtype)
+        b = _stacked([m.lora_B[self.adapter].weight for m in mods], (len(mods), d_out, r), 1, dtype)
+        if a is None or b is None:
+            a = torch.zeros(len(mods), r, d_in, dtype=dtype)
+            b = torch.zeros(len(mods), d_out, r, dtype=dtype)
+            for i, (m, rank) in enumerate(zip(mods, ranks)):
+                a[i, :rank] = m.lora_A[self.adapter].weight.detach()
+                b[i, :, :rank] = m.lora_B[self.adapter].weight.detach()
         trainable = mods[0].lora_A[self.adapter].weight.requires_grad  # as the source's: PEFT trains only these
         self.lora_A = nn.Parameter(a.to(bases[0].weight.device), requires_grad=trainable)
         self.lora_B = nn.Parameter(b.to(bases[0].weight.device), requires_grad=trainable)
@@ -112,7 +117,7 @@ class WideLoraLinear(WideBlock):
                 _rebind(m.lora_A[self.adapter], self.lora_A.detach()[i, :rank])
                 _rebind(m.lora_B[self.adapter], self.lora_B.detach()[i, :, :rank])
         self.lora_dropout = copy.deepcopy(mods[0].lora_dropout[self.adapter])
-        object.__setattr__(self, "protos", [meta_copy(m) for m in mods])  # each member's ranks and attributes
+        object.__setattr__(self, "protos", meta_copies(mods, self.proto))  # each member's ranks and attributes
 
     def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:  # x: (N*B, ..., D_in)
         # Kept to the ops themselves: at 16 rows per member a layer's Python costs as much as its update.
@@ -198,6 +203,23 @@ def _per_member(x: torch.Tensor, n: int) -> bool:
     fixed cost rules, and one op for all members wins; on a GPU so do fewer, larger kernels."""
     return (x.numel() // (n * x.shape[-1]) >= PER_MEMBER_ROWS and x.device.type == "cpu"
             and not torch.is_grad_enabled() and not torch.compiler.is_compiling())
+
+
+def _stacked(weights: Sequence[torch.Tensor], shape: tuple[int, int, int], rank_dim: int,
+             dtype: torch.dtype) -> torch.Tensor | None:
+    """The ``(N, ...)`` tensor of ``shape`` whose member ``i``, cut to its rank along ``rank_dim`` (0 for A, 1 for
+    B), each of the members' ``weights`` already is, as :func:`hf_wide.adapters.stack_adapters` leaves them: taken
+    as it is, not copied (within :func:`keeping_storage` only). None where they are not such views."""
+    storage = weights[0].untyped_storage()
+    if not keeps_storage() or weights[0].dtype != dtype or storage.nbytes() != math.prod(shape) * dtype.itemsize:
+        return None
+    whole = weights[0].detach().new_empty(0).set_(storage, 0, shape)
+    for i, w in enumerate(weights):
+        view = whole[i].narrow(rank_dim, 0, w.shape[rank_dim])
+        if (w.untyped_storage().data_ptr() != storage.data_ptr() or w.storage_offset() != view.storage_offset()
+                or w.shape != view.shape or w.stride() != view.stride()):
+            return None
+    return whole
 
 
 def _rebind(linear: nn.Linear, view: torch.Tensor) -> None:

@@ -16,7 +16,7 @@ from transformers.models.mistral.modeling_mistral import MistralMLP
 from transformers.models.qwen2.modeling_qwen2 import Qwen2MLP
 from transformers.models.vit.modeling_vit import ViTMLP
 
-from ..primitives.base import meta_copy
+from ..primitives.base import meta_copies
 from ..primitives.linear import WideLinear, wide_linear
 from ..registry import register_block
 from .base import WideBlock, member_slices, stack_cat
@@ -58,7 +58,7 @@ class WideGatedMLP(WideBlock):
             self.gate_up_bias = None if bias is None else nn.Parameter(bias)
         else:  # LoRA members: the base's gate and up in one matmul, the members' updates in one more
             self.lora_gate_up = WideLoraProjections(self.fold, [[m.gate_proj, m.up_proj] for m in mods])
-            object.__setattr__(self, "protos", [meta_copy(m) for m in mods])  # each member's ranks
+            object.__setattr__(self, "protos", meta_copies(mods, self.proto))  # each member's ranks
         downs = [m.down_proj for m in mods]
         lora = "lora_gate_up" in self._modules
         self.down_proj = output_projection(downs, self.fold) if lora else WideLinear.from_modules(downs, self.fold)

@@ -53,6 +53,49 @@ def meta_copy(module: nn.Module) -> nn.Module:
     return copy.deepcopy(module, memo)
 
 
+def meta_copies(modules: Sequence[nn.Module], first: nn.Module | None = None) -> list[nn.Module]:
+    """:func:`meta_copy` of each of ``modules``, one object for those alike in all but their tensors' values (the
+    members of an ensemble mostly are: a copy per member and layer was 2-9 MiB of Python objects while loading
+    4 adapters). ``first``: a meta copy of ``modules[0]`` already made."""
+    copies: list[nn.Module] = []
+    for i, module in enumerate(modules):
+        twin = next((copies[j] for j in range(i) if _alike(modules[j], module)), None)
+        copies.append(twin if twin is not None else first if i == 0 and first is not None else meta_copy(module))
+    return copies
+
+
+def _alike(a: nn.Module, b: nn.Module) -> bool:
+    """Whether two modules differ in nothing but their tensors' values: the same classes, the same tensors'
+    names, shapes, dtypes and flags, and equal attributes, all the way down."""
+    if a is b:
+        return True
+    modules_a, modules_b = dict(a.named_modules()), dict(b.named_modules())
+    if modules_a.keys() != modules_b.keys():
+        return False
+    for name, x in modules_a.items():
+        y = modules_b[name]
+        if type(x) is not type(y):
+            return False
+        for tx, ty in ((x._parameters, y._parameters), (x._buffers, y._buffers)):
+            if tx.keys() != ty.keys() or any(_tensor_key(tx[k]) != _tensor_key(ty[k]) for k in tx):
+                return False
+        ax = {k: v for k, v in vars(x).items() if k not in ("_parameters", "_buffers", "_modules")}
+        ay = {k: v for k, v in vars(y).items() if k not in ("_parameters", "_buffers", "_modules")}
+        if ax.keys() != ay.keys():
+            return False
+        for k, v in ax.items():
+            try:
+                if v is not ay[k] and not bool(v == ay[k]):
+                    return False
+            except Exception:  # a tensor, or anything else that does not compare to one bool: not alike
+                return False
+    return True
+
+
+def _tensor_key(t: torch.Tensor | None) -> tuple | None:
+    return None if t is None else (type(t), t.shape, t.dtype, t.requires_grad)
+
+
 class WideModule(nn.Module):
     """N members of one module class, their tensors stacked on a leading member dim."""
 

@@ -127,3 +127,18 @@ def test_members_with_different_hyper_parameters_are_refused():
 def test_registry_raises_with_the_supported_list():
     with pytest.raises(KeyError, match="Supported: .*Linear"):
         get_wide(nn.LSTM)
+
+
+def test_meta_copies_are_shared_only_by_modules_alike():
+    """One meta copy for members that differ in nothing but their tensors' values (what wide blocks keep to
+    rebuild each member); another where a shape or an attribute differs."""
+    from hf_wide.primitives.base import meta_copies
+
+    a, b, narrower, flagged = nn.Linear(4, 3), nn.Linear(4, 3), nn.Linear(4, 2), nn.Linear(4, 3)
+    flagged.scaling = {"default": 2.0}
+    copies = meta_copies([a, b, narrower, flagged, nn.Linear(4, 3)])
+    assert copies[0] is copies[1] is copies[4]
+    assert len({id(c) for c in copies}) == 3 and copies[2].out_features == 2 and copies[3].scaling == {"default": 2.0}
+    assert all(t.is_meta for c in copies for t in c.parameters())
+    first = nn.Linear(4, 3).to("meta")
+    assert meta_copies([a, b], first)[1] is first  # a copy of the first already made: taken
