@@ -174,10 +174,11 @@ def lora_paths(model: nn.Module) -> set[str]:
     return {path for path, m in model.named_modules() if isinstance(m, LoraLayer)}
 
 
-def pad_targets(model: nn.Module, paths: set[str]) -> list[str]:
+def pad_targets(model: nn.Module, paths: set[str], dtype: torch.dtype) -> list[str]:
     """Wrap each ``nn.Linear`` (or GPT-2's ``Conv1D``) at ``paths`` (relative to the PEFT model) that has no
     adapter in a LoRA layer whose update is exactly zero (rank 1, ``lora_B = 0``): then every member has the same
-    structure. Returns the paths wrapped."""
+    structure; their weights are in ``dtype``, the adapters' (float32 over a half-precision base, as PEFT keeps
+    them), so each layer's stacked updates have one dtype. Returns the paths wrapped."""
     peft = require_peft()
     from peft.tuners.lora import Linear as LoraLinear
     from transformers.pytorch_utils import Conv1D
@@ -192,7 +193,8 @@ def pad_targets(model: nn.Module, paths: set[str]) -> list[str]:
         conv = type(layer) is Conv1D  # PEFT wraps it with fan_in_fan_out, as its own dispatch does
         config = peft.LoraConfig(r=1, lora_alpha=1, lora_dropout=0.0, target_modules=[], fan_in_fan_out=conv)
         lora = LoraLinear(layer, "default", config=config, r=1, lora_alpha=1, is_target_conv_1d_layer=conv)
-        lora.to(layer.weight.device, layer.weight.dtype)
+        for adapter in (lora.lora_A, lora.lora_B):  # not the base layer inside: it stays the base's tensors
+            adapter.to(layer.weight.device, dtype)
         nn.init.zeros_(lora.lora_B["default"].weight)
         lora.requires_grad_(False)
         setattr(parent, child, lora.eval())
@@ -309,8 +311,9 @@ def load_adapter_members(ids, folders, configs, *, base_model=None, base_revisio
         target = copy.deepcopy(base) if merge else shared_view(base)
         try:
             with peft_quietly():
-                member = peft.PeftModel.from_pretrained(target, str(folder), is_trainable=False,
-                                                        low_cpu_mem_usage=True)
+                # Not low_cpu_mem_usage: over a half-precision base it rounds the adapter's weights to the base's
+                # dtype before PEFT upcasts them to float32 (PEFT 0.21), unlike PeftModel.from_pretrained(base, adapter)
+                member = peft.PeftModel.from_pretrained(target, str(folder), is_trainable=False)
         except Exception as exc:
             raise IncompatibleMembersError(f"{name} does not load over {base_name}: {type(exc).__name__}: {exc}") from exc
         models.append(member.merge_and_unload().eval() if merge else member.eval())
@@ -318,6 +321,7 @@ def load_adapter_members(ids, folders, configs, *, base_model=None, base_revisio
         return models, None
     union = set().union(*(lora_paths(m) for m in models if isinstance(m, peft.PeftModel)))
     reference = next(m for m in models if isinstance(m, peft.PeftModel))
+    dtype = next(p.dtype for name, p in reference.named_parameters() if ".lora_" in name)
     padded = []
     for i, model in enumerate(models):
         if not isinstance(model, peft.PeftModel):  # a full member: the adapters' structure, with zero updates
@@ -327,7 +331,7 @@ def load_adapter_members(ids, folders, configs, *, base_model=None, base_revisio
                 nn.init.zeros_(model.get_submodule(path).lora_B["default"].weight)
             model.requires_grad_(False)
             models[i] = model
-        padded.append(pad_targets(models[i], union))
+        padded.append(pad_targets(models[i], union, dtype))
     stack_adapters(models, base, [config is not None for config in configs])
     full = any(c is None and str(i) != str(base_id) for c, i in zip(configs, ids))  # a full checkpoint, not the base
     sources = None if full else AdapterSources(base_id, base_revision or commit_sha(Path(base_folder)), list(configs),

@@ -96,7 +96,7 @@ class WideLoraLinear(WideBlock):
         ranks = [m.r[self.adapter] for m in mods]
         r = max(ranks)
         d_in, d_out = mods[0].in_features, mods[0].out_features  # PEFT's, read from either base layout
-        dtype = bases[0].weight.dtype
+        dtype = adapter_dtype(mods) or bases[0].weight.dtype
         a = _stacked([m.lora_A[self.adapter].weight for m in mods], (len(mods), r, d_in), 0, dtype)
         b = _stacked([m.lora_B[self.adapter].weight for m in mods], (len(mods), d_out, r), 1, dtype)
         if a is None or b is None:
@@ -110,7 +110,7 @@ class WideLoraLinear(WideBlock):
         self.lora_B = nn.Parameter(b.to(bases[0].weight.device), requires_grad=trainable)
         self.__dict__.pop("scaling", None)  # member 0's {adapter: scaling}, copied from the source: each member's here
         self.register_buffer("scaling", torch.tensor([m.scaling[self.adapter] for m in mods],
-                                                     dtype=bases[0].weight.dtype, device=bases[0].weight.device))
+                                                     dtype=dtype, device=bases[0].weight.device))
         self.register_buffer("rank", torch.tensor(ranks), persistent=False)
         if keeps_storage():  # our own members (adapters loaded here): theirs become views of these, held once
             for i, (m, rank) in enumerate(zip(mods, ranks)):
@@ -125,7 +125,10 @@ class WideLoraLinear(WideBlock):
         if x.shape[0] % n:
             raise RuntimeError(f"A wide LoRA layer got {x.shape[0]} rows, which do not split into {n} members.")
         # x_m @ A_m.T computed as A_m @ x_m.T, with the rank as the GEMM's rows: about twice as fast on CPU
-        rows = (self.lora_dropout(x) if self.training else x).reshape(n, -1, x.shape[-1])  # (N, M, D_in)
+        # Adapters kept in float32 over a half-precision base (PEFT's autocast_adapter_dtype): the update in
+        # float32, added to the base's output in float32 and rounded once, as PEFT does.
+        rows = x.to(self.lora_A.dtype)
+        rows = (self.lora_dropout(rows) if self.training else rows).reshape(n, -1, x.shape[-1])  # (N, M, D_in)
         low = torch.bmm(self.lora_A, rows.transpose(1, 2)).transpose(1, 2)  # (N, M, r): a view of (N, r, M)
         scale = one_scale(self)
         if scale is None:  # the members' scalings differ: each member's on its (small) low-rank activations
@@ -134,14 +137,15 @@ class WideLoraLinear(WideBlock):
         base = self.base_layer
         if type(base) is not nn.Linear:  # a WideLinear or WideConv1D (the members' bases differ), or one Conv1D
             result = base(x)
-        elif _per_member(x, n):
+        elif _per_member(x, n) and low.dtype == x.dtype:
             return self._per_member_rows(x, low, scale)
         else:  # one matmul over every member's rows with the base's one weight: (N*B, ..., D_out)
             result = F.linear(x, base.weight, base.bias)
         # result += scale_m * low_m @ B_m.T, in the batched matmul itself: no pass over a separate delta (the
         # base layer's output is this call's own tensor, which the base's backward does not keep)
-        result.view(n, -1, result.shape[-1]).baddbmm_(low, self.lora_B.transpose(1, 2), alpha=scale)
-        return result
+        out = result.to(low.dtype)
+        out.view(n, -1, result.shape[-1]).baddbmm_(low, self.lora_B.transpose(1, 2), alpha=scale)
+        return out.to(result.dtype)
 
     def _per_member_rows(self, x: torch.Tensor, low: torch.Tensor, scale: float) -> torch.Tensor:
         """The same, one member's rows at a time, each update while its output is still in cache."""
@@ -175,6 +179,13 @@ class WideLoraLinear(WideBlock):
         state = {k: v.detach() if share else v.detach().clone() for k, v in self.member_state_dict(i).items()}
         mod.load_state_dict(state, strict=True, assign=True)
         return mod
+
+
+def adapter_dtype(mods: Sequence[nn.Module]) -> torch.dtype | None:
+    """The dtype every member's adapter weights have (float32 over a half-precision base, where PEFT upcasts
+    them: ``autocast_adapter_dtype``), or None where they differ."""
+    dtypes = {w.dtype for m in mods for d in (m.lora_A, m.lora_B) for w in (d[k].weight for k in d)}
+    return dtypes.pop() if len(dtypes) == 1 else None
 
 
 def one_scale(module: nn.Module) -> float | None:

@@ -32,7 +32,7 @@ from ..fold import Fold
 from ..primitives.base import keeps_storage, kept
 from ..primitives.linear import WideLinear, wide_linear
 from .base import member_slices
-from .lora import LoraLinear, WideLoraLinear, equal_tensors, lora_refusal, one_scale
+from .lora import LoraLinear, WideLoraLinear, adapter_dtype, equal_tensors, lora_refusal, one_scale
 
 
 FUSE_ON_CPU = False  # see the module's docstring; tests set it to run the fused path on CPU
@@ -53,6 +53,9 @@ def lora_projections_refusal(layers: Sequence[nn.Module], out: nn.Module | None 
             return why
     if len({tuple(layer.lora_A) for layer in layers}) != 1:
         return "its projections hold adapters of different names"
+    base_dtype, dtype = layers[0].base_layer.weight.dtype, adapter_dtype(layers)
+    if dtype != base_dtype:  # PEFT's autocast_adapter_dtype: WideLoraLinear computes each update as PEFT does
+        return f"its adapters are {dtype} over a {base_dtype} base: projections run apart, each update in float32"
     if len({layer.base_layer.bias is None for layer in layers}) != 1:
         return "some of its projections have a bias and some do not"
     if out is not None and type(out) is not nn.Linear:

@@ -143,3 +143,16 @@ def test_an_adapted_output_projection_alone_is_planned_by_its_parts(fused_on_cpu
     assert set(blocks(wide).values()) == {"WideLoraLinear"}  # no fused block around a layer it would not build
     assert any("o_proj is a Linear but q, k and v are not adapted" in w for w in wide.plan.warnings)
     assert max_member_error(wide, members, LLAMA.inputs(2, padded=True)) <= TOLERANCE
+
+
+def test_float32_adapters_over_a_bfloat16_base_run_apart(fused_on_cpu):
+    """PEFT keeps adapters of a half-precision base in float32 and computes their updates so: the fused block
+    (one dtype for the base and the updates) declines, and each projection's WideLoraLinear computes as PEFT."""
+    base = LLAMA.build(0).to(torch.bfloat16)
+    members = [lora_members.adapted(base, seed, task_type="CAUSAL_LM", r=4, lora_alpha=8, target_modules=EVERY_LINEAR)
+               for seed in range(2)]
+    assert members[0].base_model.model.model.layers[0].self_attn.q_proj.lora_A["default"].weight.dtype == torch.float32
+    wide = WideModel.from_models(members)
+    assert "WideAttention" not in blocks(wide).values() and not wide.plan.fallbacks
+    assert any("float32" in note for note in wide.plan.warnings)
+    assert max_member_error(wide, members, LLAMA.inputs(2, padded=True)) == 0.0
