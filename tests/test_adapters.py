@@ -222,10 +222,10 @@ def test_adapters_with_trainable_tokens(tmp_path):
 
 
 @pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="mappings are read from /proc (Linux)")
-def test_each_adapter_is_read_once_into_the_tensors_the_wide_model_holds(llama_adapters):
-    """PEFT maps each adapter's file. The loader copies every LoRA weight into one stacked tensor per layer (the
-    members' become views of it, which ``WideLoraLinear`` then holds as it is: no second copy) and copies the
-    rest, so no adapter file stays mapped, its pages resident, while the base is traced and fused."""
+def test_each_adapter_is_held_once_in_the_tensors_the_wide_model_keeps(llama_adapters):
+    """As the adapters are loaded, every LoRA weight moves into one stacked tensor per layer (the members' become
+    views of it), which ``WideLoraLinear`` then holds as it is: no second copy of the adapters while the base is
+    traced and fused, and no adapter file left mapped."""
     from hf_wide.adapters import adapter_config, load_adapter_members
 
     _, adapters = llama_adapters

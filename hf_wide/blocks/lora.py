@@ -124,11 +124,12 @@ class WideLoraLinear(WideBlock):
         n = self.fold.num_members
         if x.shape[0] % n:
             raise RuntimeError(f"A wide LoRA layer got {x.shape[0]} rows, which do not split into {n} members.")
-        # x_m @ A_m.T computed as A_m @ x_m.T, with the rank as the GEMM's rows: about twice as fast on CPU
         # Adapters kept in float32 over a half-precision base (PEFT's autocast_adapter_dtype): the update in
         # float32, added to the base's output in float32 and rounded once, as PEFT does.
-        rows = x.to(self.lora_A.dtype)
+        dtype = self.lora_A.dtype
+        rows = x if x.dtype == dtype else x.to(dtype)
         rows = (self.lora_dropout(rows) if self.training else rows).reshape(n, -1, x.shape[-1])  # (N, M, D_in)
+        # x_m @ A_m.T computed as A_m @ x_m.T, with the rank as the GEMM's rows: about twice as fast on CPU
         low = torch.bmm(self.lora_A, rows.transpose(1, 2)).transpose(1, 2)  # (N, M, r): a view of (N, r, M)
         scale = one_scale(self)
         if scale is None:  # the members' scalings differ: each member's on its (small) low-rank activations
@@ -137,15 +138,15 @@ class WideLoraLinear(WideBlock):
         base = self.base_layer
         if type(base) is not nn.Linear:  # a WideLinear or WideConv1D (the members' bases differ), or one Conv1D
             result = base(x)
-        elif _per_member(x, n) and low.dtype == x.dtype:
+        elif _per_member(x, n) and x.dtype == dtype:
             return self._per_member_rows(x, low, scale)
         else:  # one matmul over every member's rows with the base's one weight: (N*B, ..., D_out)
             result = F.linear(x, base.weight, base.bias)
         # result += scale_m * low_m @ B_m.T, in the batched matmul itself: no pass over a separate delta (the
         # base layer's output is this call's own tensor, which the base's backward does not keep)
-        out = result.to(low.dtype)
+        out = result if result.dtype == dtype else result.to(dtype)
         out.view(n, -1, result.shape[-1]).baddbmm_(low, self.lora_B.transpose(1, 2), alpha=scale)
-        return out.to(result.dtype)
+        return out if out is result else out.to(result.dtype)
 
     def _per_member_rows(self, x: torch.Tensor, low: torch.Tensor, scale: float) -> torch.Tensor:
         """The same, one member's rows at a time, each update while its output is still in cache."""
