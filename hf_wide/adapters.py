@@ -251,8 +251,9 @@ def _list_targets(model: nn.Module) -> None:
 
 def load_adapter_members(ids, folders, configs, *, base_model=None, base_revision=None, merge=False,
                          allow_pickle=False, dtype=None, device=None, trust_remote_code=False, hub_kwargs=None):
-    """The members of a list that holds adapters, and where they came from (:class:`AdapterSources`, for saving;
-    None after ``merge`` or with full checkpoints other than the base). Each adapter is a ``PeftModel`` over a
+    """The members of a list that holds adapters, where they came from (:class:`AdapterSources`, for saving;
+    None after ``merge`` or with full checkpoints other than the base) and each member's zero-update paths
+    (:func:`pad_targets`; None after ``merge``). Each adapter is a ``PeftModel`` over a
     view of the one base (or, with ``merge``, merged into its own copy); each full checkpoint is loaded and,
     like the base when it is in the list, given zero LoRA layers."""
     from .hub import MemberLoadError, commit_sha, download_members
@@ -301,7 +302,7 @@ def load_adapter_members(ids, folders, configs, *, base_model=None, base_revisio
             raise IncompatibleMembersError(f"{name} does not load over {base_name}: {type(exc).__name__}: {exc}") from exc
         models.append(member.merge_and_unload().eval() if merge else member.eval())
     if merge:
-        return models, None
+        return models, None, None
     union = set().union(*(lora_paths(m) for m in models if isinstance(m, peft.PeftModel)))
     reference = next(m for m in models if isinstance(m, peft.PeftModel))
     dtype = next(p.dtype for name, p in reference.named_parameters() if ".lora_" in name)
@@ -319,4 +320,4 @@ def load_adapter_members(ids, folders, configs, *, base_model=None, base_revisio
     full = any(c is None and str(i) != str(base_id) for c, i in zip(configs, ids))  # a full checkpoint, not the base
     sources = None if full else AdapterSources(base_id, base_revision or commit_sha(Path(base_folder)), list(configs),
                                                padded)
-    return models, sources
+    return models, sources, padded

@@ -231,7 +231,7 @@ def load_wide(
             raise ValueError(f"{fused[0]} is a fused hf-wide repo: load it on its own, not as a member.")
         wide = load_fused(cls, folders[0], name=ids[0], dtype=torch_dtype, device=device)
     elif any(adapters):
-        models, sources = load_adapter_members(
+        models, sources, padded = load_adapter_members(
             ids, member_folders, adapters, base_model=base_model, base_revision=base_revision, merge=merge,
             allow_pickle=allow_pickle, dtype=torch_dtype, device=device, trust_remote_code=trust_remote_code,
             hub_kwargs=hub_kwargs)
@@ -242,6 +242,7 @@ def load_wide(
         wide.adapter_sources, wide._source_dirs = sources, source_dirs
         if not merge:  # (merged, every member is a plain model already)
             wide.full_members = frozenset(i for i, config in enumerate(adapters) if config is None)
+            wide.padded_targets = padded
         wide.member_revisions = list(revisions)
         validate = False  # done against the models themselves
     else:

@@ -42,6 +42,7 @@ class WideModel(nn.Module):
 
     adapter_sources = None
     full_members: frozenset[int] = frozenset()
+    padded_targets: list[list[str]] | None = None  # per member held here: the zero-update layers it was given
     members_group = None  # a MemberGroup when the members are split over ranks (hf_wide.parallel)
 
     def __init__(
@@ -257,8 +258,8 @@ class WideModel(nn.Module):
         model = member_copy(self.model, local, self._aliases, memo, share=share)
         if i in self.full_members:  # a full checkpoint among adapters: PEFT's zero-update layers taken out
             model = model.unload()  # (nothing is merged: its own weights, exactly)
-        elif self.adapter_sources is not None:  # an adapter: the zero updates given to targets it lacks taken out
-            unpad_targets(model, self.adapter_sources.padded[local])
+        elif self.padded_targets:  # an adapter: the zero updates given to targets it lacks taken out
+            unpad_targets(model, self.padded_targets[local])
         return model
 
     def validate(self, models: Sequence[nn.Module], args: tuple = (), kwargs: dict | None = None, *, atol=1e-4):

@@ -189,11 +189,13 @@ def test_gpt2_adapters_over_conv1d_layers(tmp_path):
 
     full = GPT2.build(5)
     full.save_pretrained(tmp_path / "full")
-    mixed = WideModel.from_pretrained([adapters[0], str(tmp_path / "full")])
-    assert max_member_error(mixed, [references[0], full], inputs) <= TOLERANCE
+    mixed = WideModel.from_pretrained([adapters[1], adapters[2], str(tmp_path / "full")])
+    assert max_member_error(mixed, [references[1], references[2], full], inputs) <= TOLERANCE
     layer = mixed.model.get_submodule(next(e.fqn for e in mixed.plan.entries.values()
                                            if e.wide_class == "WideLoraLinear"))
-    assert type(layer.base_layer).__name__ == "WideConv1D"  # the two members' own Conv1D weights, stacked
+    assert type(layer.base_layer).__name__ == "WideConv1D"  # the members' own Conv1D weights, stacked
+    member, want = mixed.member(0).state_dict(), references[1].state_dict()  # c_attn only: no zero updates left
+    assert member.keys() == want.keys() and all(torch.equal(member[k], want[k]) for k in want)
 
 
 def test_adapters_with_trainable_tokens(tmp_path):
@@ -229,7 +231,7 @@ def test_each_adapter_is_held_once_in_the_tensors_the_wide_model_keeps(llama_ada
     from hf_wide.adapters import adapter_config, load_adapter_members
 
     _, adapters = llama_adapters
-    models, _ = load_adapter_members(adapters, adapters, [adapter_config(Path(a)) for a in adapters])
+    models, _, _ = load_adapter_members(adapters, adapters, [adapter_config(Path(a)) for a in adapters])
     gc.collect()
     maps = Path("/proc/self/maps").read_text()
     assert not [a for a in adapters if f"{a}/adapter_model.safetensors" in maps]
