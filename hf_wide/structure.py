@@ -22,16 +22,14 @@ neither: the block, which reads ``q_proj.weight``, would drop the adapter.
 
 from __future__ import annotations
 
-import functools
-import types
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
-import torch
 from torch import nn
 from torch.nn.utils import parametrize
 
 from .capture import is_capture_hook
+from .primitives.base import same_value
 from .registry import find_block, has_exact_builder
 
 # Configs are checked by hf_wide.compat, and `name_or_path` is where a member came from. PEFT's `peft_config` (on
@@ -64,21 +62,6 @@ def hook_reason(module: nn.Module) -> str | None:
     return None
 
 
-def _same_value(a, b) -> bool:
-    if isinstance(a, functools.partial) and isinstance(b, functools.partial):  # compare by identity otherwise
-        return (_same_value(a.func, b.func) and len(a.args) == len(b.args)
-                and all(map(_same_value, a.args, b.args)) and _same_value(a.keywords, b.keywords))
-    if isinstance(a, types.MethodType) and isinstance(b, types.MethodType):  # each bound to its own module
-        return a.__func__ is b.__func__ and type(a.__self__) is type(b.__self__)
-    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-        return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape
-                and a.dtype == b.dtype and torch.equal(a, b))
-    try:
-        return bool(a == b)
-    except Exception:  # a value that cannot say whether it equals another: treat it as different
-        return a is b
-
-
 def attribute_reason(mods: Sequence[nn.Module], allowed: Callable[[str], bool] = lambda name: False) -> str | None:
     """Why the members' modules at one path cannot run as member 0's code: another class, or a plain
     attribute (not a tensor or child) that differs, other than the ``allowed`` ones."""
@@ -91,7 +74,7 @@ def attribute_reason(mods: Sequence[nn.Module], allowed: Callable[[str], bool] =
         for name in sorted(set(ours) | set(theirs)):
             if name.startswith("_") or name in IGNORED_ATTRIBUTES or allowed(name):
                 continue
-            if name not in ours or name not in theirs or not _same_value(ours[name], theirs[name]):
+            if name not in ours or name not in theirs or not same_value(ours[name], theirs[name]):
                 return f"its attribute {name!r} differs between members 0 and {i}"
     return None
 
