@@ -47,7 +47,14 @@ def save_adapter(wide, i: int, folder: Path) -> Path | None:
     if config is None:
         return None
     member = wide.member(i, share=True)  # without the zero updates given to targets it lacks
-    state = {k: v.detach().contiguous() for k, v in get_peft_model_state_dict(member).items()}
+    state, seen = {}, set()
+    for k, v in get_peft_model_state_dict(member).items():
+        v = v.detach().contiguous()
+        view = (v.untyped_storage().data_ptr(), v.storage_offset(), v.shape, v.stride())
+        # PEFT names one tensor twice with bias="all" and modules_to_save (the head's bias), and safetensors
+        # refuses aliases: a copy, as PEFT's own save_pretrained makes
+        state[k] = v.clone() if view in seen else v
+        seen.add(view)
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "adapter_config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     save_file(state, str(folder / "adapter_model.safetensors"), metadata={"format": "pt"})

@@ -21,7 +21,7 @@ import copy
 import json
 import sys
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import torch
@@ -163,9 +163,43 @@ def head_labels(folders: Sequence[Path], configs: Sequence[dict | None]) -> int 
     return None
 
 
-def shared_view(model: nn.Module) -> nn.Module:
-    """A structural copy of ``model`` that holds the very same tensors (nothing is copied)."""
-    return copy.deepcopy(model, {id(t): t for t in (*model.parameters(), *model.buffers())})
+def shared_view(model: nn.Module, own: Callable[[str], bool] | None = None) -> nn.Module:
+    """A structural copy of ``model`` that holds the very same tensors (nothing is copied), except those whose
+    names ``own`` picks: copies of its own."""
+    tensors = (*model.named_parameters(), *model.named_buffers())
+    return copy.deepcopy(model, {id(t): t for name, t in tensors if own is None or not own(name)})
+
+
+def adapter_view(base: nn.Module, config: dict) -> nn.Module:
+    """The base for one adapter to load over: a :func:`shared_view`, with copies of its own of the base tensors
+    the adapter holds values of. PEFT's ``bias="all"`` trains and saves every tensor whose name holds "bias", and
+    ``bias="lora_only"`` the biases of the layers it adapts: loaded into the shared tensors, one adapter's biases
+    would be every member's."""
+    if config.get("bias", "none") == "none":
+        return shared_view(base)
+    return shared_view(base, own=lambda name: "bias" in name)
+
+
+@contextlib.contextmanager
+def base_untouched(base: nn.Module, name: str) -> Iterator[None]:
+    """Refuse an adapter that, as it loads, writes into a tensor of the base its members share (an adapter file
+    that holds a base weight, say): it would change every member, so no member would be what was saved."""
+    before = {key: _version(t) for key, t in base.state_dict(keep_vars=True).items()}
+    yield
+    written = [key for key, t in base.state_dict(keep_vars=True).items() if _version(t) != before[key]]
+    if written:
+        shown = ", ".join(written[:3]) + (f" and {len(written) - 3} more" if len(written) > 3 else "")
+        raise IncompatibleMembersError(
+            f"{name} holds values of the base's own tensors ({shown}), which its members share. Pass merge=True to "
+            "merge each adapter into its own copy of the base (exact, N full weight sets).")
+
+
+def _version(t: torch.Tensor) -> int | None:
+    """How many times ``t`` was written in place (None for inference tensors, which do not count)."""
+    try:
+        return t._version
+    except RuntimeError:
+        return None
 
 
 def lora_paths(model: nn.Module) -> set[str]:
@@ -292,14 +326,17 @@ def load_adapter_members(ids, folders, configs, *, base_model=None, base_revisio
                                           trust_remote_code=trust_remote_code,
                                           use_safetensors=weights_format(folder, name, allow_pickle)))
             continue
-        target = copy.deepcopy(base) if merge else shared_view(base)
-        try:
-            with peft_quietly():
-                # Not low_cpu_mem_usage: over a half-precision base it rounds the adapter's weights to the base's
-                # dtype before PEFT upcasts them to float32 (PEFT 0.21), unlike PeftModel.from_pretrained(base, adapter)
-                member = peft.PeftModel.from_pretrained(target, str(folder), is_trainable=False)
-        except Exception as exc:
-            raise IncompatibleMembersError(f"{name} does not load over {base_name}: {type(exc).__name__}: {exc}") from exc
+        target = copy.deepcopy(base) if merge else adapter_view(base, config)
+        with base_untouched(base, name):
+            try:
+                with peft_quietly():
+                    # Not low_cpu_mem_usage: over a half-precision base it rounds the adapter's weights to the base's
+                    # dtype before PEFT upcasts them to float32 (PEFT 0.21), unlike PeftModel.from_pretrained(base,
+                    # adapter)
+                    member = peft.PeftModel.from_pretrained(target, str(folder), is_trainable=False)
+            except Exception as exc:
+                raise IncompatibleMembersError(
+                    f"{name} does not load over {base_name}: {type(exc).__name__}: {exc}") from exc
         models.append(member.merge_and_unload().eval() if merge else member.eval())
     if merge:
         return models, None, None

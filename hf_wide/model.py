@@ -43,6 +43,7 @@ class WideModel(nn.Module):
     adapter_sources = None
     full_members: frozenset[int] = frozenset()
     padded_targets: list[list[str]] | None = None  # per member held here: the zero-update layers it was given
+    member_peft_configs: list[dict] | None = None  # each PeftModel member's own (the fused model holds member 0's)
     members_group = None  # a MemberGroup when the members are split over ranks (hf_wide.parallel)
 
     def __init__(
@@ -255,6 +256,8 @@ class WideModel(nn.Module):
         gen = getattr(self.model, "generation_config", None)
         if gen is not None and self.member_generation_configs and self.member_generation_configs[i] is not None:
             memo[id(gen)] = copy.deepcopy(self.member_generation_configs[i])
+        if self.member_peft_configs is not None:  # its own rank, alpha, targets: what save_pretrained writes
+            memo[id(self.model.peft_config)] = copy.deepcopy(self.member_peft_configs[i])
         model = member_copy(self.model, local, self._aliases, memo, share=share)
         if i in self.full_members:  # a full checkpoint among adapters: PEFT's zero-update layers taken out
             model = model.unload()  # (nothing is merged: its own weights, exactly)

@@ -137,6 +137,8 @@ def attach(wide, members: MemberGroup, allow_label_mismatch: bool = False):
         wide.member_configs = configs
     if wide.member_generation_configs is not None:
         wide.member_generation_configs = all_slices(members, wide.member_generation_configs)
+    if wide.member_peft_configs is not None:
+        wide.member_peft_configs = all_slices(members, wide.member_peft_configs)
     full = all_slices(members, [j in wide.full_members for j in range(len(members.local))])
     wide.full_members = frozenset(i for i, is_full in enumerate(full) if is_full)
     wide.members_group = members

@@ -16,3 +16,14 @@ def adapted(base, seed: int, scale: float = 0.1, **config) -> peft.PeftModel:
             if "lora_" in name:
                 p.copy_(scale * torch.randn(p.shape, generator=gen))
     return model.eval()
+
+
+def own_biases(members, seed: int, scale: float = 0.1) -> None:
+    """Give each member's adapted layers biases of their own (PEFT's ``bias="lora_only"`` trains them), random
+    from ``seed``; the base weights stay equal."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for member in members:
+            for name, p in member.named_parameters():
+                if name.endswith("base_layer.bias"):
+                    p.add_(scale * torch.randn(p.shape, generator=gen))

@@ -26,9 +26,10 @@ def save_adapter(case, base_dir, folder, seed: int, base_name: str | None = None
     """An adapter of the base saved at ``base_dir``, with random A and B, saved to ``folder``."""
     model = peft.get_peft_model(case.model_class.from_pretrained(base_dir), peft.LoraConfig(**config))
     gen = torch.Generator().manual_seed(seed)
+    trains_biases = config.get("bias", "none") != "none"  # PEFT's bias="all" or "lora_only": saved with the adapter
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if "lora_" in name or "modules_to_save" in name:
+            if "lora_" in name or "modules_to_save" in name or (trains_biases and "bias" in name and p.requires_grad):
                 p.add_(0.1 * torch.randn(p.shape, generator=gen))
     model.save_pretrained(folder)
     if base_name is not None:  # where the base lives on the Hub
@@ -69,6 +70,24 @@ def test_llama_adapters_of_different_ranks_and_targets(llama_adapters):
     tokens = wide.generate(**inputs, max_new_tokens=4, do_sample=False)
     for i, reference in enumerate(references):
         assert torch.equal(tokens[i], reference.generate(**inputs, max_new_tokens=4, do_sample=False))
+
+
+def test_a_member_is_its_own_adapter_with_its_own_config(llama_adapters, tmp_path):
+    """``member(i).peft_config`` was member 0's (the fused model's): ``member(1).save_pretrained`` wrote rank 4
+    and alpha 8 beside rank-8 weights, which PEFT then could not load (or, at equal ranks, loaded with the wrong
+    scaling)."""
+    base, adapters = llama_adapters
+    wide = WideModel.from_pretrained(adapters)
+    inputs = LLAMA.inputs(2, padded=True)
+    for i, adapter in enumerate(adapters):
+        config = wide.member(i).peft_config["default"]
+        saved = json.loads((Path(adapter) / "adapter_config.json").read_text())
+        assert (config.r, config.lora_alpha, config.use_rslora, set(config.target_modules)) == (
+            saved["r"], saved["lora_alpha"], saved["use_rslora"], set(saved["target_modules"]))
+        wide.member(i).save_pretrained(tmp_path / f"m{i}")  # PEFT's own save of the member
+        with torch.no_grad():
+            assert torch.equal(alone(LLAMA, base, str(tmp_path / f"m{i}"))(**inputs).logits,
+                               alone(LLAMA, base, adapter)(**inputs).logits)
 
 
 def test_the_base_in_the_list_is_a_member(llama_adapters):
@@ -196,6 +215,59 @@ def test_gpt2_adapters_over_conv1d_layers(tmp_path):
     assert type(layer.base_layer).__name__ == "WideConv1D"  # the members' own Conv1D weights, stacked
     member, want = mixed.member(0).state_dict(), references[1].state_dict()  # c_attn only: no zero updates left
     assert member.keys() == want.keys() and all(torch.equal(member[k], want[k]) for k in want)
+
+
+@pytest.mark.parametrize("case, targets", [(BERT, ["query", "value"]), (GPT2, ["c_attn"])], ids=["bert", "gpt2"])
+def test_adapters_that_train_the_base_biases(case, targets, tmp_path):
+    """PEFT's ``bias="all"`` and ``bias="lora_only"`` train the base's biases and save them with the adapter. They
+    were loaded into the base tensors the members share, so every member ran the last adapter's biases (0.07 off
+    on BERT logits), and the check at fuse time could not see it (its members were loaded the same way). Each
+    member now has biases of its own, over the base's one weight."""
+    with warnings.catch_warnings():  # PEFT says it sets fan_in_fan_out for GPT-2's Conv1D
+        warnings.simplefilter("ignore", UserWarning)
+        case.build(0).save_pretrained(tmp_path / "base")
+        task = dict(modules_to_save=["classifier"], task_type="SEQ_CLS") if case is BERT else dict(task_type="CAUSAL_LM")
+        adapters = [save_adapter(case, tmp_path / "base", tmp_path / f"a{seed}", seed, r=4, lora_alpha=8,
+                                 target_modules=targets, bias=bias, **task)
+                    for seed, bias in enumerate(["all", "lora_only", "none"])]
+    wide = WideModel.from_pretrained(adapters)
+    references = [alone(case, tmp_path / "base", a) for a in adapters]
+    inputs = case.inputs(3, padded=True)
+    assert max_member_error(wide, references, inputs) <= TOLERANCE
+    for entry in (e for e in wide.plan.entries.values() if e.wide_class == "WideLoraLinear"):
+        layer = wide.model.get_submodule(entry.fqn)
+        assert layer.base_layer.weight.dim() == 2 and layer.base_bias.shape[0] == 3  # one weight, N biases
+    for i, reference in enumerate(references):
+        member, want = wide.member(i).state_dict(), reference.state_dict()
+        assert member.keys() == want.keys() and all(torch.equal(member[k], want[k]) for k in want)
+    for folder, adapter in zip(wide.save_members(tmp_path / "members"), adapters):  # the biases saved too
+        again, original = alone(case, tmp_path / "base", str(folder)), alone(case, tmp_path / "base", adapter)
+        with torch.no_grad():
+            assert torch.equal(again(**inputs).logits, original(**inputs).logits)
+    wide.save_pretrained(tmp_path / "ensemble")
+    back = WideModel.from_pretrained(str(tmp_path / "ensemble"))
+    with torch.no_grad():
+        assert torch.equal(back(**inputs).logits, wide(**inputs).logits)
+
+
+def test_an_adapter_that_holds_a_base_weight_is_refused_and_merge_is_the_way_out(llama_adapters, tmp_path):
+    """An adapter file with a tensor of the base itself (edited by hand, or by a tool other than PEFT) would be
+    loaded into the base every member shares."""
+    from safetensors.torch import load_file, save_file
+
+    base, adapters = llama_adapters
+    edited = tmp_path / "edited"
+    edited.mkdir()
+    (edited / "adapter_config.json").write_bytes((Path(adapters[1]) / "adapter_config.json").read_bytes())
+    tensors = load_file(Path(adapters[1]) / "adapter_model.safetensors")
+    weight = LLAMA.model_class.from_pretrained(base).model.layers[0].mlp.up_proj.weight.detach()
+    tensors["base_model.model.model.layers.0.mlp.up_proj.weight"] = weight + 0.1
+    save_file(tensors, edited / "adapter_model.safetensors")
+    with pytest.raises(IncompatibleMembersError, match=r"member 1 .*layers\.0\.mlp\.up_proj\.weight.*merge=True"):
+        WideModel.from_pretrained([adapters[0], str(edited)])
+    wide = WideModel.from_pretrained([adapters[0], str(edited)], merge=True)
+    references = [alone(LLAMA, base, adapters[0]), alone(LLAMA, base, str(edited))]
+    assert max_member_error(wide, references, LLAMA.inputs(2, padded=True)) <= 1e-4  # merged weights round
 
 
 def test_adapters_with_trainable_tokens(tmp_path):

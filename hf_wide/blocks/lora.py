@@ -4,10 +4,11 @@
     A: (N, r, D_in), B: (N, D_out, r), scale: (N,)
 
 The base layer stays one ``nn.Linear`` where every member's base weights are equal (adapters of one base: one
-matmul over all N*B rows with the base's one weight, the ideal's weight traffic), and is a ``WideLinear`` where
-they differ. The updates run as two batched matmuls over the members. Ranks may differ: ``A`` and ``B`` are
-zero-padded to the largest rank (the padded rows and columns add zeros). ``lora_alpha`` and ``use_rslora``, and
-so the scaling, may differ: ``scale`` holds each member's.
+matmul over all N*B rows with the base's one weight, the ideal's weight traffic), with each member's own bias
+``base_bias`` (N, D_out) where only the biases differ (PEFT's ``bias="all"`` and ``"lora_only"`` train them), and
+is a ``WideLinear`` where the weights differ. The updates run as two batched matmuls over the members. Ranks may
+differ: ``A`` and ``B`` are zero-padded to the largest rank (the padded rows and columns add zeros).
+``lora_alpha`` and ``use_rslora``, and so the scaling, may differ: ``scale`` holds each member's.
 
 Only vanilla LoRA with one adapter, active, unmerged, over an exact ``nn.Linear`` or transformers' ``Conv1D``
 (GPT-2's, which PEFT wraps with ``fan_in_fan_out``: that flag only transposes the merged delta, the forward is
@@ -59,8 +60,9 @@ def lora_refusal(module: nn.Module) -> str | None:
 
 
 class WideLoraLinear(WideBlock):
-    """N members' ``lora.Linear`` layers: ``base_layer`` shared or wide, ``lora_A`` (N, r, D_in), ``lora_B``
-    (N, D_out, r), ``scaling`` (N,), ``rank`` (N,) each member's own rank (``r`` is the padded one)."""
+    """N members' ``lora.Linear`` layers: ``base_layer`` shared or wide, ``base_bias`` (N, D_out) or None (a
+    shared base layer's biases, where they differ), ``lora_A`` (N, r, D_in), ``lora_B`` (N, D_out, r), ``scaling``
+    (N,), ``rank`` (N,) each member's own rank (``r`` is the padded one)."""
 
     @staticmethod
     def member_attribute(path: str, name: str) -> bool:
@@ -90,9 +92,17 @@ class WideLoraLinear(WideBlock):
         bases = [m.base_layer for m in mods]
         if any(b.weight.shape != bases[0].weight.shape for b in bases):
             raise ValueError("WideLoraLinear: the members' base layers differ in shape.")
-        same = all(equal_tensors(b, bases[0]) for b in bases[1:])
-        wide = WideConv1D if type(bases[0]) is Conv1D else WideLinear
-        self.base_layer = kept(bases[0]) if same else wide.from_modules(bases, self.fold)
+        self.register_parameter("base_bias", None)
+        if all(equal_tensors(b, bases[0]) for b in bases[1:]):
+            self.base_layer = kept(bases[0])
+        elif bases[0].bias is not None and all(same_tensor(b.weight, bases[0].weight) for b in bases[1:]):
+            # the base's one weight and each member's own bias (PEFT's bias="all" or "lora_only" trains them)
+            self.base_layer = _without_bias(bases[0])
+            self.base_bias = nn.Parameter(torch.stack([b.bias.detach() for b in bases]),
+                                          requires_grad=bases[0].bias.requires_grad)  # (N, D_out)
+        else:
+            wide = WideConv1D if type(bases[0]) is Conv1D else WideLinear
+            self.base_layer = wide.from_modules(bases, self.fold)
         ranks = [m.r[self.adapter] for m in mods]
         r = max(ranks)
         d_in, d_out = mods[0].in_features, mods[0].out_features  # PEFT's, read from either base layout
@@ -116,6 +126,8 @@ class WideLoraLinear(WideBlock):
             for i, (m, rank) in enumerate(zip(mods, ranks)):
                 _rebind(m.lora_A[self.adapter], self.lora_A.detach()[i, :rank])
                 _rebind(m.lora_B[self.adapter], self.lora_B.detach()[i, :, :rank])
+                if self.base_bias is not None:
+                    m.base_layer.bias = nn.Parameter(self.base_bias.detach()[i], m.base_layer.bias.requires_grad)
         self.lora_dropout = copy.deepcopy(mods[0].lora_dropout[self.adapter])
         object.__setattr__(self, "protos", meta_copies(mods, self.proto))  # each member's ranks and attributes
 
@@ -136,8 +148,8 @@ class WideLoraLinear(WideBlock):
             low = low.mul_(self.scaling.view(n, 1, 1))
             scale = 1.0
         base = self.base_layer
-        if type(base) is not nn.Linear:  # a WideLinear or WideConv1D (the members' bases differ), or one Conv1D
-            result = base(x)
+        if type(base) is not nn.Linear or self.base_bias is not None:
+            result = self._base(x)
         elif _per_member(x, n) and x.dtype == dtype:
             return self._per_member_rows(x, low, scale)
         else:  # one matmul over every member's rows with the base's one weight: (N*B, ..., D_out)
@@ -147,6 +159,18 @@ class WideLoraLinear(WideBlock):
         out = result if result.dtype == dtype else result.to(dtype)
         out.view(n, -1, result.shape[-1]).baddbmm_(low, self.lora_B.transpose(1, 2), alpha=scale)
         return out if out is result else out.to(result.dtype)
+
+    def _base(self, x: torch.Tensor) -> torch.Tensor:  # x: (N*B, ..., D_in) -> (N*B, ..., D_out)
+        """The base layer's output where it is not one ``nn.Linear``: a WideLinear or WideConv1D (the members'
+        bases differ), one Conv1D, or the base's one weight with each member's own bias (added after the matmul:
+        in half precision, one rounding more than the member's own addmm)."""
+        base = self.base_layer
+        if self.base_bias is None:
+            return base(x)
+        # Conv1D holds its weight as (D_in, D_out)
+        result = F.linear(x, base.weight) if type(base) is nn.Linear else torch.matmul(x, base.weight)
+        result.view(self.fold.num_members, -1, result.shape[-1]).add_(self.base_bias.unsqueeze(1))
+        return result
 
     def _per_member_rows(self, x: torch.Tensor, low: torch.Tensor, scale: float) -> torch.Tensor:
         """The same, one member's rows at a time, each update while its output is still in cache."""
@@ -171,6 +195,8 @@ class WideLoraLinear(WideBlock):
             state = {f"base_layer.{k}": t[i] for k, t in base._parameters.items() if t is not None}
         else:
             state = {f"base_layer.{k}": t for k, t in base._parameters.items() if t is not None}
+            if self.base_bias is not None:
+                state["base_layer.bias"] = self.base_bias[i]
         state[f"lora_A.{self.adapter}.weight"] = self.lora_A[i, :rank]
         state[f"lora_B.{self.adapter}.weight"] = self.lora_B[i, :, :rank]
         return state
@@ -234,6 +260,20 @@ def _stacked(weights: Sequence[torch.Tensor], shape: tuple[int, int, int], rank_
     return whole
 
 
+def same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two members' tensors are the same: the very tensor, or an equal one."""
+    return a is b or (a.shape == b.shape and a.dtype == b.dtype and torch.equal(a, b))
+
+
+def _without_bias(layer: nn.Module) -> nn.Module:
+    """A copy of the base layer ``layer`` (``nn.Linear`` or ``Conv1D``) with no bias, holding ``layer``'s own
+    weight within :func:`keeping_storage` (a copy of it otherwise)."""
+    memo = {id(layer.bias): None}  # deepcopy takes the memo's value: the copy's bias is None
+    if keeps_storage():
+        memo[id(layer.weight)] = layer.weight
+    return copy.deepcopy(layer, memo)
+
+
 def _rebind(linear: nn.Linear, view: torch.Tensor) -> None:
     """``linear.weight`` becomes ``view`` (of the stacked tensor); its own storage is freed with the last reference."""
     linear.weight = nn.Parameter(view, requires_grad=linear.weight.requires_grad)
@@ -242,8 +282,7 @@ def _rebind(linear: nn.Linear, view: torch.Tensor) -> None:
 def equal_tensors(a: nn.Module, b: nn.Module) -> bool:
     """Whether two modules hold the same parameters: the very tensors, or equal ones."""
     ta, tb = dict(a.named_parameters()), dict(b.named_parameters())
-    return ta.keys() == tb.keys() and all(
-        ta[k] is tb[k] or (ta[k].shape == tb[k].shape and torch.equal(ta[k], tb[k])) for k in ta)
+    return ta.keys() == tb.keys() and all(same_tensor(ta[k], tb[k]) for k in ta)
 
 
 if LoraLinear is not None:

@@ -32,7 +32,8 @@ from ..fold import Fold
 from ..primitives.base import keeps_storage, kept
 from ..primitives.linear import WideLinear, wide_linear
 from .base import member_slices
-from .lora import LoraLinear, WideLoraLinear, adapter_dtype, equal_tensors, lora_refusal, one_scale
+from .lora import (LoraLinear, WideLoraLinear, adapter_dtype, equal_tensors, lora_refusal, one_scale,
+                   same_tensor)
 
 
 FUSE_ON_CPU = False  # see the module's docstring; tests set it to run the fused path on CPU
@@ -64,8 +65,8 @@ def lora_projections_refusal(layers: Sequence[nn.Module], out: nn.Module | None 
 
 
 class WideLoraProjections(nn.Module):
-    """``weight`` (D_out, D_in) or (N, D_out, D_in), ``bias`` likewise or None, ``lora_A`` (N, P*r, D_in),
-    ``lora_B`` (N, D_out, P*r), ``scaling`` (N, P); ``sizes``: each projection's D_out."""
+    """``weight`` (D_out, D_in) or (N, D_out, D_in), ``bias`` (D_out,) or (N, D_out) or None, ``lora_A``
+    (N, P*r, D_in), ``lora_B`` (N, D_out, P*r), ``scaling`` (N, P); ``sizes``: each projection's D_out."""
 
     def __init__(self, fold: Fold, layers: Sequence[Sequence[nn.Module]]):  # layers[m][j]: member m, projection j
         super().__init__()
@@ -78,15 +79,20 @@ class WideLoraProjections(nn.Module):
         r = self.r = max(max(member) for member in ranks)
         bases = [[layer.base_layer for layer in member] for member in layers]
         weight, dtype = first[0].base_layer.weight, first[0].base_layer.weight.dtype
-        same = all(all(equal_tensors(b, bases[0][j]) for j, b in enumerate(member))
-                   for member in bases[1:])
-        if same:  # adapters of one base: its one weight serves every member
+        same_weight = all(all(same_tensor(b.weight, bases[0][j].weight) for j, b in enumerate(member))
+                          for member in bases[1:])
+        same_bias = bases[0][0].bias is None or all(all(same_tensor(b.bias, bases[0][j].bias)
+                                                        for j, b in enumerate(member)) for member in bases[1:])
+        if same_weight:  # adapters of one base: its one weight serves every member
             w = torch.cat([b.weight.detach() for b in bases[0]])
-            bias = None if bases[0][0].bias is None else torch.cat([b.bias.detach() for b in bases[0]])
         else:
             w = torch.stack([torch.cat([b.weight.detach() for b in member]) for member in bases])
-            bias = None if bases[0][0].bias is None else torch.stack(
-                [torch.cat([b.bias.detach() for b in member]) for member in bases])
+        if bases[0][0].bias is None:
+            bias = None
+        elif same_bias and same_weight:
+            bias = torch.cat([b.bias.detach() for b in bases[0]])
+        else:  # each member's own (PEFT's bias="all" or "lora_only" trains the base's biases)
+            bias = torch.stack([torch.cat([b.bias.detach() for b in member]) for member in bases])
         self.weight = nn.Parameter(w, requires_grad=weight.requires_grad)  # frozen, as PEFT leaves the base
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=bases[0][0].bias.requires_grad)
         a = weight.new_zeros(n, p * r, weight.shape[1])
@@ -145,8 +151,12 @@ class WideLoraProjections(nn.Module):
         if scale is None:  # scalings differ between members or projections: each on its rank columns
             low = low * self.scaling.repeat_interleave(self.r, dim=1).unsqueeze(1)  # (N, 1, P*r)
             scale = 1.0
-        if self.weight.dim() == 2:
-            result = F.linear(x, self.weight, self.bias)  # one matmul with the base's one weight: (N*B, ..., D_out)
+        if self.weight.dim() == 2:  # one matmul with the base's one weight: (N*B, ..., D_out)
+            if self.bias is None or self.bias.dim() == 1:
+                result = F.linear(x, self.weight, self.bias)
+            else:  # and each member's own bias
+                result = F.linear(x, self.weight)
+                result.view(n, -1, result.shape[-1]).add_(self.bias.unsqueeze(1))
         else:
             result = wide_linear(self.fold, x, self.weight.transpose(1, 2), self.bias)
         result.view(n, -1, result.shape[-1]).baddbmm_(low, self.lora_B.transpose(1, 2), alpha=scale)

@@ -45,6 +45,26 @@ def test_ranks_alphas_and_rslora_that_differ_are_one_block_per_layer(ranks_and_s
         assert list(got) == list(want) and all(torch.equal(got[k], want[k]) for k in want)
 
 
+def test_members_with_their_own_biases_over_one_base_weight():
+    """PEFT's ``bias="lora_only"`` trains the adapted layers' biases: the base's one weight, each member's bias."""
+    bert = CASES["bert-seqcls"]
+    base, inputs = bert.build(0), bert.inputs(3, padded=True)
+    members = [lora_members.adapted(base, seed, task_type="SEQ_CLS", r=4, lora_alpha=8, bias="lora_only",
+                                    target_modules=["query", "value", "dense"]) for seed in range(3)]
+    lora_members.own_biases(members, 7)
+    wide = WideModel.from_models(members)
+    assert max_member_error(wide, members, inputs) <= TOLERANCE
+    lora = [e for e in wide.plan.entries.values() if e.wide_class == "WideLoraLinear"]
+    assert lora and not wide.plan.fallbacks
+    for entry in lora:
+        block = wide.model.get_submodule(entry.fqn)
+        assert type(block.base_layer) is torch.nn.Linear and block.base_layer.bias is None
+        assert block.base_bias.shape == (3, block.base_layer.out_features)
+    for i, member in enumerate(members):
+        got, want = wide.member(i).state_dict(), member.state_dict()
+        assert list(got) == list(want) and all(torch.equal(got[k], want[k]) for k in want)
+
+
 def test_scalings_that_differ_and_scalings_loaded_later():
     base, inputs = LLAMA.build(0), LLAMA.inputs(2, padded=True)
     targets = ["q_proj", "v_proj"]

@@ -64,6 +64,21 @@ def test_members_with_their_own_base_weights_stack_the_base(fused_on_cpu):
     assert max_member_error(wide, members, LLAMA.inputs(2, padded=True)) <= TOLERANCE
 
 
+def test_members_with_their_own_biases_keep_one_base_weight(fused_on_cpu):
+    """PEFT's ``bias="lora_only"`` trains the adapted projections' biases: one q/k/v weight, each member's biases."""
+    base = BERT.build(0)
+    members = [lora_members.adapted(base, seed, task_type="SEQ_CLS", r=4, lora_alpha=8, bias="lora_only",
+                                    target_modules=["query", "key", "value"]) for seed in range(3)]
+    lora_members.own_biases(members, 7)
+    wide = WideModel.from_models(members)
+    attention = wide.model.get_submodule(next(f for f, c in blocks(wide).items() if c == "WideAttention"))
+    assert attention.lora_qkv.weight.dim() == 2 and attention.lora_qkv.bias.shape[0] == 3  # (D_out, D_in), (N, D_out)
+    assert max_member_error(wide, members, BERT.inputs(3, padded=True)) <= TOLERANCE
+    for i, member in enumerate(members):
+        got, want = wide.member(i).state_dict(), member.state_dict()
+        assert list(got) == list(want) and all(torch.equal(got[k], want[k]) for k in want)
+
+
 def test_dropout_applies_in_training_only(fused_on_cpu):
     base = LLAMA.build(0)
     targets = ["q_proj", "k_proj", "v_proj"]
