@@ -3,11 +3,13 @@
 An adapter folder (``adapter_config.json`` + ``adapter_model.safetensors``) names its base in
 ``base_model_name_or_path``; every adapter must name the same one (or the caller passes ``base_model=``). The
 base is downloaded and loaded **once**; each member is a ``PeftModel`` over a structural copy of it whose
-tensors are the base's own (no copy), with the adapter's weights injected. Fusing then takes each ``lora.Linear``
-as a :class:`~hf_wide.blocks.lora.WideLoraLinear`: one base matmul over all N*B rows plus each member's low-rank
-update. Members must share one structure, so where adapters target different modules, a member without an
-adapter on a module gets one whose update is exactly zero (``lora_B = 0``); where the list also holds full
-checkpoints of the base's architecture (the base itself, say), they are wrapped the same way.
+tensors are the base's own (no copy; the biases an adapter trains are its own), with the adapter's weights
+injected. Fusing then takes each ``lora.Linear`` as a :class:`~hf_wide.blocks.lora.WideLoraLinear`: one base
+matmul over all N*B rows plus each member's low-rank update. Members must share one structure, so where adapters
+target different modules, a member without an adapter on a module gets one whose update is exactly zero
+(``lora_B = 0``), and where they save different modules whole (``modules_to_save``), a member gets a saved copy
+of the base's module (:mod:`hf_wide.adapter_layers`); where the list also holds full checkpoints of the base's
+architecture (the base itself, say), they are wrapped the same way.
 
 LoRA is fused as such. Any other PEFT type (IA3, LoHa, prompt tuning, ...) or LoRA variant (DoRA, ...) is
 refused with the member and the option named, unless ``merge=True``: then each adapter is merged into its own
@@ -21,13 +23,14 @@ import copy
 import json
 import sys
 import warnings
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
-import torch
 import transformers
 from torch import nn
 
+from .adapter_layers import (adapter_view, base_untouched, lora_paths, pad_saved_modules, pad_targets,
+                             saved_paths, shared_view, stack_adapters)
 from .adapter_repos import AdapterSources
 from .compat import IncompatibleMembersError
 
@@ -163,133 +166,13 @@ def head_labels(folders: Sequence[Path], configs: Sequence[dict | None]) -> int 
     return None
 
 
-def shared_view(model: nn.Module, own: Callable[[str], bool] | None = None) -> nn.Module:
-    """A structural copy of ``model`` that holds the very same tensors (nothing is copied), except those whose
-    names ``own`` picks: copies of its own."""
-    tensors = (*model.named_parameters(), *model.named_buffers())
-    return copy.deepcopy(model, {id(t): t for name, t in tensors if own is None or not own(name)})
-
-
-def adapter_view(base: nn.Module, config: dict) -> nn.Module:
-    """The base for one adapter to load over: a :func:`shared_view`, with copies of its own of the base tensors
-    the adapter holds values of. PEFT's ``bias="all"`` trains and saves every tensor whose name holds "bias", and
-    ``bias="lora_only"`` the biases of the layers it adapts: loaded into the shared tensors, one adapter's biases
-    would be every member's."""
-    if config.get("bias", "none") == "none":
-        return shared_view(base)
-    return shared_view(base, own=lambda name: "bias" in name)
-
-
-@contextlib.contextmanager
-def base_untouched(base: nn.Module, name: str) -> Iterator[None]:
-    """Refuse an adapter that, as it loads, writes into a tensor of the base its members share (an adapter file
-    that holds a base weight, say): it would change every member, so no member would be what was saved."""
-    before = {key: _version(t) for key, t in base.state_dict(keep_vars=True).items()}
-    yield
-    written = [key for key, t in base.state_dict(keep_vars=True).items() if _version(t) != before[key]]
-    if written:
-        shown = ", ".join(written[:3]) + (f" and {len(written) - 3} more" if len(written) > 3 else "")
-        raise IncompatibleMembersError(
-            f"{name} holds values of the base's own tensors ({shown}), which its members share. Pass merge=True to "
-            "merge each adapter into its own copy of the base (exact, N full weight sets).")
-
-
-def _version(t: torch.Tensor) -> int | None:
-    """How many times ``t`` was written in place (None for inference tensors, which do not count)."""
-    try:
-        return t._version
-    except RuntimeError:
-        return None
-
-
-def lora_paths(model: nn.Module) -> set[str]:
-    from peft.tuners.lora import LoraLayer
-
-    return {path for path, m in model.named_modules() if isinstance(m, LoraLayer)}
-
-
-def pad_targets(model: nn.Module, paths: set[str], dtype: torch.dtype) -> list[str]:
-    """Wrap each ``nn.Linear`` (or GPT-2's ``Conv1D``) at ``paths`` (relative to the PEFT model) that has no
-    adapter in a LoRA layer whose update is exactly zero (rank 1, ``lora_B = 0``): then every member has the same
-    structure; their weights are in ``dtype``, the adapters' (float32 over a half-precision base, as PEFT keeps
-    them), so each layer's stacked updates have one dtype. Returns the paths wrapped."""
-    peft = require_peft()
-    from peft.tuners.lora import Linear as LoraLinear
-    from transformers.pytorch_utils import Conv1D
-
-    wrapped = []
-    for path in sorted(paths - lora_paths(model)):
-        parent_path, _, child = path.rpartition(".")
-        parent = model.get_submodule(parent_path)
-        layer = getattr(parent, child)
-        if type(layer) not in (nn.Linear, Conv1D):
-            raise IncompatibleMembersError(f"{path} is a {type(layer).__name__}: hf-wide can give it no zero LoRA.")
-        conv = type(layer) is Conv1D  # PEFT wraps it with fan_in_fan_out, as its own dispatch does
-        config = peft.LoraConfig(r=1, lora_alpha=1, lora_dropout=0.0, target_modules=[], fan_in_fan_out=conv)
-        lora = LoraLinear(layer, "default", config=config, r=1, lora_alpha=1, is_target_conv_1d_layer=conv)
-        for adapter in (lora.lora_A, lora.lora_B):  # not the base layer inside: it stays the base's tensors
-            adapter.to(layer.weight.device, dtype)
-        nn.init.zeros_(lora.lora_B["default"].weight)
-        lora.requires_grad_(False)
-        setattr(parent, child, lora.eval())
-        wrapped.append(path)
-    _list_targets(model)  # every member's are now the union
-    return wrapped
-
-
-def stack_adapters(models: Sequence[nn.Module]) -> None:
-    """Move the members' adapters into the tensors the wide model will hold: for each LoRA layer, every member's
-    ``lora_A`` and ``lora_B`` are copied into one ``(N, r, D_in)`` and one ``(N, D_out, r)`` tensor (ranks
-    zero-padded to the largest) and theirs become views of them, which ``WideLoraLinear`` then takes as they are.
-    Done as the adapters are loaded, before the trace: PEFT's own copies are freed then, rather than staying
-    beside the stacked ones until the fused model is built (4 adapters of a 727 MiB BERT: 27 MiB)."""
-    from peft.tuners.lora import Linear as LoraLinear
-
-    layers = [dict(m.named_modules()) for m in models]
-    for path, first in layers[0].items():
-        mods = [modules.get(path) for modules in layers]
-        if type(first) is not LoraLinear or any(type(m) is not LoraLinear or list(m.lora_A) != list(first.lora_A)
-                                                 or len(m.lora_A) != 1 for m in mods):
-            continue
-        a = [next(iter(m.lora_A.values())) for m in mods]  # nn.Linear: weight (r_i, D_in)
-        b = [next(iter(m.lora_B.values())) for m in mods]  # weight (D_out, r_i)
-        if len({(x.weight.dtype, x.weight.device, x.weight.shape[1]) for x in a}) != 1 or len(
-                {(x.weight.dtype, x.weight.device, x.weight.shape[0]) for x in b}) != 1:
-            continue
-        r = max(x.weight.shape[0] for x in a)
-        with torch.no_grad():
-            stacked_a = a[0].weight.new_zeros(len(mods), r, a[0].weight.shape[1])
-            stacked_b = b[0].weight.new_zeros(len(mods), b[0].weight.shape[0], r)
-            for i, (la, lb) in enumerate(zip(a, b)):
-                rank = la.weight.shape[0]
-                stacked_a[i, :rank] = la.weight
-                stacked_b[i, :, :rank] = lb.weight
-                la.weight = nn.Parameter(stacked_a[i, :rank], requires_grad=la.weight.requires_grad)
-                lb.weight = nn.Parameter(stacked_b[i, :, :rank], requires_grad=lb.weight.requires_grad)
-
-
-def unpad_targets(model: nn.Module, paths: Sequence[str]) -> None:
-    """Undo :func:`pad_targets` on a member taken out of the wide model: each zero-update layer at ``paths``
-    becomes its base layer again, so the member is the adapter as it was saved."""
-    for path in paths:
-        parent_path, _, child = path.rpartition(".")
-        parent = model.get_submodule(parent_path)
-        setattr(parent, child, getattr(parent, child).base_layer)
-    _list_targets(model)
-
-
-def _list_targets(model: nn.Module) -> None:
-    """PEFT's LoraModel lists the names of the layers it adapted, relative to its model."""
-    model.base_model.targeted_module_names = sorted(p.removeprefix("base_model.model.") for p in lora_paths(model))
-
-
 def load_adapter_members(ids, folders, configs, *, base_model=None, base_revision=None, merge=False,
                          allow_pickle=False, dtype=None, device=None, trust_remote_code=False, hub_kwargs=None):
     """The members of a list that holds adapters, where they came from (:class:`AdapterSources`, for saving;
-    None after ``merge`` or with full checkpoints other than the base) and each member's zero-update paths
-    (:func:`pad_targets`; None after ``merge``). Each adapter is a ``PeftModel`` over a
-    view of the one base (or, with ``merge``, merged into its own copy); each full checkpoint is loaded and,
-    like the base when it is in the list, given zero LoRA layers."""
+    None after ``merge`` or with full checkpoints other than the base) and the paths of each member's no-ops
+    (:func:`~hf_wide.adapter_layers.pad_targets`, :func:`~hf_wide.adapter_layers.pad_saved_modules`; None after
+    ``merge``). Each adapter is a ``PeftModel`` over a view of the one base (or, with ``merge``, merged into its
+    own copy); each full checkpoint is loaded and, like the base when it is in the list, given zero LoRA layers."""
     from .hub import MemberLoadError, commit_sha, download_members
     from .loading import load_member, weights_format
 
@@ -341,6 +224,7 @@ def load_adapter_members(ids, folders, configs, *, base_model=None, base_revisio
     if merge:
         return models, None, None
     union = set().union(*(lora_paths(m) for m in models if isinstance(m, peft.PeftModel)))
+    saved = set().union(*(saved_paths(m) for m in models if isinstance(m, peft.PeftModel)))
     reference = next(m for m in models if isinstance(m, peft.PeftModel))
     dtype = next(p.dtype for name, p in reference.named_parameters() if ".lora_" in name)
     padded = []
@@ -352,7 +236,7 @@ def load_adapter_members(ids, folders, configs, *, base_model=None, base_revisio
                 nn.init.zeros_(model.get_submodule(path).lora_B["default"].weight)
             model.requires_grad_(False)
             models[i] = model
-        padded.append(pad_targets(models[i], union, dtype))
+        padded.append(pad_saved_modules(models[i], saved) + pad_targets(models[i], union, dtype))
     stack_adapters(models)
     full = any(c is None and str(i) != str(base_id) for c, i in zip(configs, ids))  # a full checkpoint, not the base
     sources = None if full else AdapterSources(base_id, base_revision or commit_sha(Path(base_folder)), list(configs),

@@ -18,7 +18,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from .adapters import PEFT_FORWARD_ARGS, runs_inner_model, unpad_targets
+from .adapter_layers import unpad
+from .adapters import PEFT_FORWARD_ARGS, runs_inner_model
 from .capture import asks_for_capture, install_capture_hooks
 from .compat import member_names
 from .fold import Fold, PerMember, fold_inputs, unfold_outputs
@@ -42,7 +43,7 @@ class WideModel(nn.Module):
 
     adapter_sources = None
     full_members: frozenset[int] = frozenset()
-    padded_targets: list[list[str]] | None = None  # per member held here: the zero-update layers it was given
+    padded_targets: list[list[str]] | None = None  # per member held here: the no-ops it was given (adapter_layers)
     member_peft_configs: list[dict] | None = None  # each PeftModel member's own (the fused model holds member 0's)
     members_group = None  # a MemberGroup when the members are split over ranks (hf_wide.parallel)
 
@@ -261,8 +262,8 @@ class WideModel(nn.Module):
         model = member_copy(self.model, local, self._aliases, memo, share=share)
         if i in self.full_members:  # a full checkpoint among adapters: PEFT's zero-update layers taken out
             model = model.unload()  # (nothing is merged: its own weights, exactly)
-        elif self.padded_targets:  # an adapter: the zero updates given to targets it lacks taken out
-            unpad_targets(model, self.padded_targets[local])
+        elif self.padded_targets:  # an adapter: the no-ops given for targets and saved modules it lacks taken out
+            unpad(model, self.padded_targets[local])
         return model
 
     def validate(self, models: Sequence[nn.Module], args: tuple = (), kwargs: dict | None = None, *, atol=1e-4):

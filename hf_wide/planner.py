@@ -103,7 +103,7 @@ def make_plan(
     for fqn, module in template.named_modules():
         if any(is_under(fqn, root) for root in blocks):
             continue
-        block_cls = find_block(module)
+        block_cls, refused = find_block(module), ""
         if block_cls is not None and fqn in demoted:
             notes.append(f"{fqn or '(model)'}: {block_cls.__name__} {demoted[fqn]}; planned by its parts")
             block_cls = None
@@ -111,11 +111,12 @@ def make_plan(
             refusal = _block_refusal(fqn, block_cls, member_modules, fallback_roots)
             if refusal is not None:
                 notes.append(f"{fqn or '(model)'}: not a {block_cls.__name__} block: {refusal}")
+                refused = f" (which a {block_cls.__name__} would take, but {refusal})"
                 block_cls = None
         if block_cls is not None and not _fusable(fqn, member_modules, aliases, trace, share_identical):
             block_cls = None
         if block_cls is None and fqn in opaque and opaque[fqn].block_may_take:  # its members differ: own code
-            fallback_roots.setdefault(fqn, opaque[fqn].reason)
+            fallback_roots.setdefault(fqn, opaque[fqn].reason + refused)
         if block_cls is not None:
             blocks.append(fqn)
             entries[fqn] = ModulePlan(

@@ -142,6 +142,27 @@ def test_bert_classifier_with_a_saved_head(tmp_path):
     assert heads and all(e.kind == Kind.PRIMITIVE for e in heads)  # each member's own head, stacked
 
 
+def test_adapters_that_save_different_modules(tmp_path):
+    """``modules_to_save`` that differ between adapters were refused ("has no tensor ..."): a member gets a saved
+    copy of the base's module for each one it lacks (exact), taken out again by ``member(i)``."""
+    BERT.build(0).save_pretrained(tmp_path / "base")
+    saved = [["classifier"], [], ["classifier", "pooler"]]
+    adapters = [save_adapter(BERT, tmp_path / "base", tmp_path / f"a{seed}", seed, r=4, lora_alpha=8,
+                             target_modules=["value"] if seed == 1 else ["query"], modules_to_save=modules,
+                             task_type="SEQ_CLS") for seed, modules in enumerate(saved)]
+    wide = WideModel.from_pretrained(adapters)
+    references = [alone(BERT, tmp_path / "base", a) for a in adapters]
+    inputs = BERT.inputs(3, padded=True)
+    assert max_member_error(wide, references, inputs) <= TOLERANCE and not wide.plan.fallbacks
+    for i, reference in enumerate(references):
+        member, want = wide.member(i).state_dict(), reference.state_dict()  # as saved: no copies it lacked
+        assert member.keys() == want.keys() and all(torch.equal(member[k], want[k]) for k in want)
+    for folder, adapter in zip(wide.save_members(tmp_path / "members"), adapters):
+        with torch.no_grad():
+            assert torch.equal(alone(BERT, tmp_path / "base", str(folder))(**inputs).logits,
+                               alone(BERT, tmp_path / "base", adapter)(**inputs).logits)
+
+
 def test_the_text_classification_pipeline_on_adapters(tmp_path):
     from hf_wide.pipelines import pipeline
 

@@ -246,8 +246,8 @@ def _per_member(x: torch.Tensor, n: int) -> bool:
 def _stacked(weights: Sequence[torch.Tensor], shape: tuple[int, int, int], rank_dim: int,
              dtype: torch.dtype) -> torch.Tensor | None:
     """The ``(N, ...)`` tensor of ``shape`` whose member ``i``, cut to its rank along ``rank_dim`` (0 for A, 1 for
-    B), each of the members' ``weights`` already is, as :func:`hf_wide.adapters.stack_adapters` leaves them: taken
-    as it is, not copied (within :func:`keeping_storage` only). None where they are not such views."""
+    B), each of the members' ``weights`` already is, as :func:`hf_wide.adapter_layers.stack_adapters` leaves
+    them: taken as it is, not copied (within :func:`keeping_storage` only). None where they are not such views."""
     storage = weights[0].untyped_storage()
     if not keeps_storage() or weights[0].dtype != dtype or storage.nbytes() != math.prod(shape) * dtype.itemsize:
         return None
