@@ -194,6 +194,20 @@ def test_vit_image_classifier(tmp_path):
     assert max_member_error(wide, references, VIT.inputs(2, padded=False)) <= TOLERANCE
 
 
+def test_t5_adapters_on_the_feed_forward_run_fused(tmp_path):
+    """T5's feed-forward reads ``self.wo.weight.dtype``, which PEFT's LoRA layers give (their base's weight): the
+    wide LoRA layer had no ``weight``, the layer raised and ran as each member's own code (exact, member by member)."""
+    t5 = CASES["t5-encoder"]
+    t5.build(0).save_pretrained(tmp_path / "base")
+    adapters = [save_adapter(t5, tmp_path / "base", tmp_path / f"a{seed}", seed, r=4 * (seed + 1), lora_alpha=8,
+                             target_modules=["q", "v", "wi", "wo"]) for seed in range(2)]
+    wide = WideModel.from_pretrained(adapters)
+    references = [alone(t5, tmp_path / "base", a) for a in adapters]
+    assert max_member_error(wide, references, t5.inputs(2, padded=True)) <= TOLERANCE
+    assert not wide.plan.fallbacks and any(e.fqn.endswith("DenseReluDense.wo") for e in wide.plan.entries.values()
+                                           if e.wide_class == "WideLoraLinear")
+
+
 def test_gpt2_adapters_over_conv1d_layers(tmp_path):
     """GPT-2's layers are transformers' ``Conv1D`` (weight ``(D_in, D_out)``), which PEFT wraps with
     ``fan_in_fan_out=True``: ranks 2, 4 and 8 on different targets, one with rsLoRA, and a full checkpoint of the

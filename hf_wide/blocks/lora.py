@@ -160,6 +160,11 @@ class WideLoraLinear(WideBlock):
         out.view(n, -1, result.shape[-1]).baddbmm_(low, self.lora_B.transpose(1, 2), alpha=scale)
         return out if out is result else out.to(result.dtype)
 
+    @property
+    def weight(self) -> torch.Tensor:
+        """The base layer's weight, as PEFT's LoRA layers give it: transformers' T5 reads ``wo.weight.dtype``."""
+        return self.base_layer.weight
+
     def _base(self, x: torch.Tensor) -> torch.Tensor:  # x: (N*B, ..., D_in) -> (N*B, ..., D_out)
         """The base layer's output where it is not one ``nn.Linear``: a WideLinear or WideConv1D (the members'
         bases differ), one Conv1D, or the base's one weight with each member's own bias (added after the matmul:
