@@ -36,6 +36,7 @@ from .registry import find_block, has_exact_builder
 # the PeftModel and its tuner) is the adapters' recipe: what its layers run with (`scaling`, `r`, dropout) is
 # copied onto each layer, and compared there.
 IGNORED_ATTRIBUTES = frozenset({"training", "config", "generation_config", "name_or_path", "peft_config"})
+WHOLE = "(the module)"  # what a block's member_attribute is asked for a module it takes whole per member
 
 
 class Opaque(NamedTuple):
@@ -63,11 +64,11 @@ def hook_reason(module: nn.Module) -> str | None:
 
 
 def attribute_reason(mods: Sequence[nn.Module], allowed: Callable[[str], bool] = lambda name: False) -> str | None:
-    """Why the members' modules at one path cannot run as member 0's code: another class, or a plain
-    attribute (not a tensor or child) that differs, other than the ``allowed`` ones."""
+    """Why the members' modules at one path cannot run as member 0's code: another class (unless
+    ``allowed(WHOLE)``), or a plain attribute (not a tensor or child) that differs, other than the ``allowed`` ones."""
     first = mods[0]
     for i, mod in enumerate(mods[1:], start=1):
-        if source_type(mod) is not source_type(first) or (
+        if (source_type(mod) is not source_type(first) and not allowed(WHOLE)) or (
                 parametrize.is_parametrized(mod) != parametrize.is_parametrized(first)):
             return f"member {i}'s module is a {type(mod).__name__}, member 0's a {type(first).__name__}"
         ours, theirs = vars(first), vars(mod)
@@ -115,14 +116,16 @@ def opaque_modules(members: Sequence[nn.Module]) -> dict[str, Opaque]:
 
 def _taken_by_blocks(fqn: str, modules: dict[str, nn.Module]) -> Callable[[str], bool]:
     """The attributes of the module at ``fqn`` that a fused block at it or around it takes per member
-    (``member_attribute(relative path, name)``: a LoRA layer's rank, and ``out_features`` of its ``lora_A``)."""
+    (``member_attribute(relative path, name)``: a LoRA layer's rank, and ``out_features`` of its ``lora_A``; the
+    name :data:`WHOLE` asks whether it takes each member's module whole, whatever its class: a LoRA dropout)."""
     rules = []
     parts = fqn.split(".") if fqn else []
     for depth in range(len(parts) + 1):
         block = find_block(modules[".".join(parts[:depth])])
         if block is not None and hasattr(block, "member_attribute"):
             rules.append((".".join(parts[depth:]), block.member_attribute))
-    return lambda name: any(rule(relative, name) for relative, rule in rules)
+    whole = any(rule(relative, WHOLE) for relative, rule in rules)
+    return lambda name: whole or any(rule(relative, name) for relative, rule in rules)
 
 
 def block_structure_known(module: nn.Module, inner_blocks: tuple[type, ...] = ()) -> str | None:

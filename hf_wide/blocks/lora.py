@@ -68,9 +68,11 @@ class WideLoraLinear(WideBlock):
     def member_attribute(path: str, name: str) -> bool:
         """Whether attribute ``name`` of the submodule at ``path`` (relative; "" is the layer) may differ between
         members, taken here per member: the rank and the scaling it comes from (and ``kwargs``, PEFT's record of
-        how the layer was made, which its forward does not read)."""
+        how the layer was made, which its forward does not read), and the dropout, whole (:func:`member_dropout`)."""
         if not path:
             return name in ("r", "lora_alpha", "scaling", "use_rslora", "kwargs")
+        if path.startswith("lora_dropout."):  # each member's own, whatever it is (nn.Identity where p is 0)
+            return True
         return (path.startswith("lora_A.") and name == "out_features") or (
             path.startswith("lora_B.") and name == "in_features")
 
@@ -128,7 +130,7 @@ class WideLoraLinear(WideBlock):
                 _rebind(m.lora_B[self.adapter], self.lora_B.detach()[i, :, :rank])
                 if self.base_bias is not None:
                     m.base_layer.bias = nn.Parameter(self.base_bias.detach()[i], m.base_layer.bias.requires_grad)
-        self.lora_dropout = copy.deepcopy(mods[0].lora_dropout[self.adapter])
+        self.lora_dropout = member_dropout([m.lora_dropout[self.adapter] for m in mods])
         object.__setattr__(self, "protos", meta_copies(mods, self.proto))  # each member's ranks and attributes
 
     def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:  # x: (N*B, ..., D_in)
@@ -211,6 +213,28 @@ class WideLoraLinear(WideBlock):
         state = {k: v.detach() if share else v.detach().clone() for k, v in self.member_state_dict(i).items()}
         mod.load_state_dict(state, strict=True, assign=True)
         return mod
+
+
+class MemberDropout(nn.Module):
+    """Each member's own dropout on its rows (``lora_dropout`` differs between members: a sweep over it, say).
+    In eval every dropout is the identity, and so is this."""
+
+    def __init__(self, dropouts: Sequence[nn.Module]):
+        super().__init__()
+        self.dropouts = nn.ModuleList(copy.deepcopy(d) for d in dropouts)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: (N*B, ..., D), member-major rows
+        if not self.training:
+            return x
+        return torch.cat([drop(rows) for drop, rows in zip(self.dropouts, x.chunk(len(self.dropouts)))])
+
+
+def member_dropout(dropouts: Sequence[nn.Module]) -> nn.Module:
+    """The members' LoRA dropouts as one module: a copy of theirs where they are alike, else :class:`MemberDropout`."""
+    first = dropouts[0]
+    if all(type(d) is type(first) and getattr(d, "p", None) == getattr(first, "p", None) for d in dropouts):
+        return copy.deepcopy(first)
+    return MemberDropout(dropouts)
 
 
 def adapter_dtype(mods: Sequence[nn.Module]) -> torch.dtype | None:

@@ -21,7 +21,6 @@ what the fewer calls save; updating each projection's columns of the fused outpu
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Sequence
 
 import torch
@@ -32,8 +31,8 @@ from ..fold import Fold
 from ..primitives.base import keeps_storage, kept
 from ..primitives.linear import WideLinear, wide_linear
 from .base import member_slices
-from .lora import (LoraLinear, WideLoraLinear, adapter_dtype, equal_tensors, lora_refusal, one_scale,
-                   same_tensor)
+from .lora import (LoraLinear, WideLoraLinear, adapter_dtype, equal_tensors, lora_refusal, member_dropout,
+                   one_scale, same_tensor)
 
 
 FUSE_ON_CPU = False  # see the module's docstring; tests set it to run the fused path on CPU
@@ -112,7 +111,8 @@ class WideLoraProjections(nn.Module):
         if keeps_storage():  # our own members (adapters loaded here): theirs become views of these, held once
             self._rebind(layers, ranks)
         # PEFT's dropout on each projection's input, before lora_A (nn.Identity where lora_dropout is 0)
-        self.lora_dropout = nn.ModuleList([copy.deepcopy(layer.lora_dropout[self.adapter]) for layer in first])
+        self.lora_dropout = nn.ModuleList([member_dropout([member[j].lora_dropout[self.adapter] for member in layers])
+                                           for j in range(p)])
         self._dropping = any(type(d) is not nn.Identity for d in self.lora_dropout)
 
     def _rebind(self, layers, ranks) -> None:

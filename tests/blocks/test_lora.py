@@ -65,6 +65,23 @@ def test_members_with_their_own_biases_over_one_base_weight():
         assert list(got) == list(want) and all(torch.equal(got[k], want[k]) for k in want)
 
 
+def test_dropouts_that_differ_are_each_members_own():
+    """A sweep over ``lora_dropout`` (the dropout modules differ: ``nn.Identity`` where it is 0) fuses, each member's
+    dropout on its own rows in training; it ran member by member."""
+    base = LLAMA.build(0)
+    members = [adapted(base, seed, r=4, lora_alpha=8, lora_dropout=p, target_modules=EVERY_LINEAR)
+               for seed, p in enumerate((0.0, 1.0))]
+    wide = WideModel.from_models(members)
+    inputs = LLAMA.inputs(2, padded=True)
+    assert max_member_error(wide, members, inputs) <= TOLERANCE  # eval: no dropout
+    lora = [e for e in wide.plan.entries.values() if e.wide_class == "WideLoraLinear"]
+    assert len(lora) == 2 * len(EVERY_LINEAR) and not wide.plan.fallbacks
+    assert isinstance(wide.model.get_submodule(lora[0].fqn).lora_dropout, lora_block.MemberDropout)
+    assert [type(wide.member(i).get_submodule(lora[0].fqn).lora_dropout["default"]).__name__ for i in (0, 1)] == [
+        "Identity", "Dropout"]
+    lora_members.check_own_dropouts(wide, members, inputs, TOLERANCE)
+
+
 def test_scalings_that_differ_and_scalings_loaded_later():
     base, inputs = LLAMA.build(0), LLAMA.inputs(2, padded=True)
     targets = ["q_proj", "v_proj"]

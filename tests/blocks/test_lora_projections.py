@@ -104,6 +104,18 @@ def test_dropout_applies_in_training_only(fused_on_cpu):
         assert (got - adapted).abs().max().item() > 1e-3  # the updates had mattered
 
 
+def test_dropouts_that_differ_are_each_members_own(fused_on_cpu):
+    base = LLAMA.build(0)
+    members = [lora_members.adapted(base, seed, task_type="CAUSAL_LM", r=4, lora_alpha=8, lora_dropout=p,
+                                    target_modules=["q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"])
+               for seed, p in enumerate((0.0, 1.0))]
+    wide = WideModel.from_models(members)
+    assert sorted(set(blocks(wide).values())) == ["WideAttention", "WideGatedMLP"] and not wide.plan.fallbacks
+    inputs = LLAMA.inputs(2, padded=True)
+    assert max_member_error(wide, members, inputs) <= TOLERANCE  # eval: no dropout
+    lora_members.check_own_dropouts(wide, members, inputs, TOLERANCE)
+
+
 def test_loaded_members_become_views_of_the_fused_tensors(fused_on_cpu):
     base, inputs = LLAMA.build(0), LLAMA.inputs(2, padded=True)
     members = [lora_members.adapted(base, seed, task_type="CAUSAL_LM", r=rank, lora_alpha=8, target_modules=EVERY_LINEAR)
