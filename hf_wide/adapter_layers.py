@@ -66,6 +66,21 @@ def lora_paths(model: nn.Module) -> set[str]:
     return {path for path, m in model.named_modules() if isinstance(m, LoraLayer)}
 
 
+def trained_bias_paths(model: nn.Module) -> set[str]:
+    """The linears (``nn.Linear``, GPT-2's ``Conv1D``) with a bias outside the LoRA layers and the modules saved
+    whole: those whose bias PEFT's ``bias="all"`` trains beside the base's weight. Given zero LoRA layers
+    (:func:`pad_targets`), each becomes the base's one weight with the members' biases stacked, rather than N
+    copies of the weight."""
+    from peft.tuners.lora import LoraLayer
+    from peft.utils.other import AuxiliaryTrainingWrapper
+    from transformers.pytorch_utils import Conv1D
+
+    modules = dict(model.named_modules())
+    inside = [path for path, m in modules.items() if isinstance(m, (LoraLayer, AuxiliaryTrainingWrapper))]
+    return {path for path, m in modules.items() if type(m) in (nn.Linear, Conv1D) and m.bias is not None
+            and not any(path.startswith(f"{p}.") for p in inside)}
+
+
 def pad_targets(model: nn.Module, paths: set[str], dtype: torch.dtype) -> list[str]:
     """Wrap each ``nn.Linear`` (or GPT-2's ``Conv1D``) at ``paths`` (relative to the PEFT model) that has no
     adapter in a LoRA layer whose update is exactly zero (rank 1, ``lora_B = 0``): then every member has the same

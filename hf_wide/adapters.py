@@ -30,7 +30,7 @@ import transformers
 from torch import nn
 
 from .adapter_layers import (adapter_view, base_untouched, lora_paths, pad_saved_modules, pad_targets,
-                             saved_paths, shared_view, stack_adapters)
+                             saved_paths, shared_view, stack_adapters, trained_bias_paths)
 from .adapter_repos import AdapterSources
 from .compat import IncompatibleMembersError
 
@@ -224,6 +224,8 @@ def load_adapter_members(ids, folders, configs, *, base_model=None, base_revisio
     if merge:
         return models, None, None
     union = set().union(*(lora_paths(m) for m in models if isinstance(m, peft.PeftModel)))
+    if any(config is not None and config.get("bias") == "all" for config in configs):
+        union |= set().union(*(trained_bias_paths(m) for m in models if isinstance(m, peft.PeftModel)))
     saved = set().union(*(saved_paths(m) for m in models if isinstance(m, peft.PeftModel)))
     reference = next(m for m in models if isinstance(m, peft.PeftModel))
     dtype = next(p.dtype for name, p in reference.named_parameters() if ".lora_" in name)

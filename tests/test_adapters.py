@@ -272,6 +272,10 @@ def test_adapters_that_train_the_base_biases(case, targets, tmp_path):
     for entry in (e for e in wide.plan.entries.values() if e.wide_class == "WideLoraLinear"):
         layer = wide.model.get_submodule(entry.fqn)
         assert layer.base_layer.weight.dim() == 2 and layer.base_bias.shape[0] == 3  # one weight, N biases
+    # bias="all" trains every bias: the linears no adapter targets hold one weight too (given zero updates); only
+    # a head saved whole is stacked
+    stacked = [e.fqn for e in wide.plan.entries.values() if e.wide_class in ("WideLinear", "WideConv1D")]
+    assert all("modules_to_save" in fqn for fqn in stacked)
     for i, reference in enumerate(references):
         member, want = wide.member(i).state_dict(), reference.state_dict()
         assert member.keys() == want.keys() and all(torch.equal(member[k], want[k]) for k in want)
