@@ -139,7 +139,8 @@ def test_text_classification_inference_client_gets_the_ensembles_answer(servers)
     assert [(e.label, e.score) for e in got] == ranked(pipe, text)
     assert len(client.text_classification(text, top_k=1)) == 1
     alone = pipe(text)
-    assert got[0].members == alone["members"] and got[0].uncertainty == pytest.approx(alone["uncertainty"])
+    # floats within 1e-5, as everywhere here: the replica's one torch thread sums in another order than this process
+    assert close(got[0].members, alone["members"], 1e-5) and close(got[0].uncertainty, alone["uncertainty"], 1e-5)
 
 
 def test_text_classification_raw_http_health_and_info(servers):
