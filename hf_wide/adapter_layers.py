@@ -4,8 +4,9 @@ modules (:mod:`hf_wide.adapters` loads the members with these).
 Each adapter loads over a view of the base that holds the base's own tensors (:func:`adapter_view`), and is
 refused if it writes into them (:func:`base_untouched`). Where adapters target different modules, or save
 different modules whole (``modules_to_save``), each member gets the ones it lacks as exact no-ops: a LoRA layer
-whose update is zero (:func:`pad_targets`), a saved copy of the base's module (:func:`pad_saved_modules`), which
-:func:`unpad` takes out again when a member leaves the wide model. :func:`stack_adapters` moves the members' LoRA
+whose update is zero (:func:`pad_targets`; also on the linears whose biases ``bias="all"`` trains,
+:func:`trained_bias_paths`), a saved copy of the base's module (:func:`pad_saved_modules`), which :func:`unpad`
+takes out again when a member leaves the wide model. :func:`stack_adapters` moves the members' LoRA
 weights into the stacked tensors the wide model keeps.
 """
 
