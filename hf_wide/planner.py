@@ -37,6 +37,7 @@ from torch import nn
 
 from .fallback_roots import common_ancestor, is_under, loop_reason, rewriting_ancestor, settle, unbatched_root
 from .plan import OWN_CODE_LOOP, STACKED_LOOP, Demotions, Kind, ModulePlan, WidePlan
+from .primitives.base import same_value
 from .structure import Opaque, block_structure_known, opaque_modules
 from .registry import (
     declares_stacked_reads,
@@ -56,8 +57,7 @@ def direct_tensors(module: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def _same(tensors: Sequence[torch.Tensor]) -> bool:
-    first = tensors[0]
-    return all(t.shape == first.shape and t.dtype == first.dtype and torch.equal(t, first) for t in tensors[1:])
+    return all(same_value(t, tensors[0]) for t in tensors[1:])
 
 
 def tensor_aliases(model: nn.Module) -> dict[str, list[str]]:

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.pytorch_utils import Conv1D
 
-from ..primitives.base import keeps_storage, kept, meta_copies
+from ..primitives.base import keeps_storage, kept, meta_copies, same_value
 from ..primitives.linear import WideConv1D, WideLinear
 from ..registry import register_block
 from .base import WideBlock
@@ -97,7 +97,7 @@ class WideLoraLinear(WideBlock):
         self.register_parameter("base_bias", None)
         if all(equal_tensors(b, bases[0]) for b in bases[1:]):
             self.base_layer = kept(bases[0])
-        elif bases[0].bias is not None and all(same_tensor(b.weight, bases[0].weight) for b in bases[1:]):
+        elif bases[0].bias is not None and all(same_value(b.weight, bases[0].weight) for b in bases[1:]):
             # the base's one weight and each member's own bias (PEFT's bias="all" or "lora_only" trains them)
             self.base_layer = _without_bias(bases[0])
             self.base_bias = nn.Parameter(torch.stack([b.bias.detach() for b in bases]),
@@ -289,11 +289,6 @@ def _stacked(weights: Sequence[torch.Tensor], shape: tuple[int, int, int], rank_
     return whole
 
 
-def same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether two members' tensors are the same: the very tensor, or an equal one."""
-    return a is b or (a.shape == b.shape and a.dtype == b.dtype and torch.equal(a, b))
-
-
 def _without_bias(layer: nn.Module) -> nn.Module:
     """A copy of the base layer ``layer`` (``nn.Linear`` or ``Conv1D``) with no bias, holding ``layer``'s own
     weight within :func:`keeping_storage` (a copy of it otherwise)."""
@@ -311,7 +306,7 @@ def _rebind(linear: nn.Linear, view: torch.Tensor) -> None:
 def equal_tensors(a: nn.Module, b: nn.Module) -> bool:
     """Whether two modules hold the same parameters: the very tensors, or equal ones."""
     ta, tb = dict(a.named_parameters()), dict(b.named_parameters())
-    return ta.keys() == tb.keys() and all(same_tensor(ta[k], tb[k]) for k in ta)
+    return ta.keys() == tb.keys() and all(same_value(ta[k], tb[k]) for k in ta)
 
 
 if LoraLinear is not None:

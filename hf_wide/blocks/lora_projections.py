@@ -28,11 +28,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..fold import Fold
-from ..primitives.base import keeps_storage, kept
+from ..primitives.base import keeps_storage, kept, same_value
 from ..primitives.linear import WideLinear, wide_linear
 from .base import member_slices
 from .lora import (LoraLinear, WideLoraLinear, adapter_dtype, equal_tensors, lora_refusal, member_dropout,
-                   one_scale, same_tensor)
+                   one_scale)
 
 
 FUSE_ON_CPU = False  # see the module's docstring; tests set it to run the fused path on CPU
@@ -78,9 +78,9 @@ class WideLoraProjections(nn.Module):
         r = self.r = max(max(member) for member in ranks)
         bases = [[layer.base_layer for layer in member] for member in layers]
         weight, dtype = first[0].base_layer.weight, first[0].base_layer.weight.dtype
-        same_weight = all(all(same_tensor(b.weight, bases[0][j].weight) for j, b in enumerate(member))
+        same_weight = all(all(same_value(b.weight, bases[0][j].weight) for j, b in enumerate(member))
                           for member in bases[1:])
-        same_bias = bases[0][0].bias is None or all(all(same_tensor(b.bias, bases[0][j].bias)
+        same_bias = bases[0][0].bias is None or all(all(same_value(b.bias, bases[0][j].bias)
                                                         for j, b in enumerate(member)) for member in bases[1:])
         if same_weight:  # adapters of one base: its one weight serves every member
             w = torch.cat([b.weight.detach() for b in bases[0]])

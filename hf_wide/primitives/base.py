@@ -98,9 +98,9 @@ def same_value(a, b) -> bool:
                 and all(map(same_value, a.args, b.args)) and same_value(a.keywords, b.keywords))
     if isinstance(a, types.MethodType) and isinstance(b, types.MethodType):  # each bound to its own module
         return a.__func__ is b.__func__ and type(a.__self__) is type(b.__self__)
-    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-        return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape
-                and a.dtype == b.dtype and torch.equal(a, b))
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):  # the very tensor: no pass over its values
+        return a is b or (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape
+                          and a.dtype == b.dtype and torch.equal(a, b))
     try:
         return bool(a == b)
     except Exception:  # a value that cannot say whether it equals another: treat it as different
