@@ -1,8 +1,7 @@
-"""Peak resident memory while loading a wide model: ``python -m hf_wide.benchmark.load_memory``.
+"""Peak memory while loading a wide model: ``python -m hf_wide.benchmark.load_memory``.
 
 Saves N BERT checkpoints (hidden 256, 4 layers, a 30k vocabulary: about 45 MB each) and one fused repo of them
-to a temporary folder, then loads them in fresh subprocesses and reads each one's peak resident memory
-(``VmHWM``):
+to a temporary folder, then loads them in fresh subprocesses:
 
 - ``baseline``: imports torch, transformers and hf-wide and does nothing else;
 - ``members``:  ``WideModel.from_pretrained(member folders)``, the low-memory path;
@@ -13,10 +12,16 @@ to a temporary folder, then loads them in fresh subprocesses and reads each one'
   layers, the classifier saved whole) of one such base, whose cost is measured against the base plus the
   adapters (their files' bytes) rather than the fused model.
 
-A load's cost is its peak minus the baseline's, as a multiple of the fused model's size (the bytes of its
-parameters and buffers). Loading pulls in libraries the baseline has not imported (``torch.export`` for the
-trace), so each child also reports ``warm``: its peak after loading two tiny members first, which imports all
-of that, and ``over_warm``: the cost of the real load above it.
+Each child reads its peak resident memory (``VmHWM``). A load's cost is its peak minus the baseline's, as a
+multiple of the fused model's size (the bytes of its parameters and buffers). Loading pulls in libraries the
+baseline has not imported (``torch.export`` for the trace), so each child also reports ``warm``: its peak after
+loading two tiny members first, which imports all of that, and ``over_warm``: the cost of the real load above it.
+
+``held`` is the figure to read: resident memory counts only the pages of a memory-mapped checkpoint that have been
+touched, and a base kept mapped (adapters) is mostly an embedding of which a load touches a few rows, so ``VmHWM``
+swings with what happened to read the file (from 1.02x to 1.34x of the adapters' size in four runs of the
+default). ``held`` counts those files whole: the most that the real load added to the process's anonymous memory
+(sampled every 0.2 ms) plus the bytes of the checkpoint files it held mapped at the time (read every 20 ms).
 """
 
 from __future__ import annotations
@@ -27,30 +32,93 @@ import os
 import subprocess
 import sys
 import tempfile
+import threading
+import time
 from pathlib import Path
 
 CHILD = r"""
-import json, os, sys
+import gc, json, os, sys
 import torch, transformers
 import hf_wide, hf_wide.hub
 from hf_wide import WideModel
+from hf_wide.benchmark.load_memory import HeldPeak
 from hf_wide.cpu import peak_rss as peak
-mode, warmup, paths = sys.argv[1], sys.argv[2], sys.argv[3:]
+mode, warmup, root, paths = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4:]
 result = {"imports": peak()}
 if warmup != "-":  # for adapters, peft's imports and the adapter path too: on tiny adapters
     tiny = "tiny-lora" if mode == "adapters" else "tiny"
     WideModel.from_pretrained([os.path.join(warmup, f"{tiny}-0"), os.path.join(warmup, f"{tiny}-1")])
+    gc.collect()  # the tiny model's mapped files with it
 result["warm"] = peak()
-if mode in ("members", "fused", "adapters"):
-    wide = WideModel.from_pretrained(paths)
-elif mode == "whole":
-    from hf_wide.hub import load_members
-    wide = WideModel.from_models(load_members(paths)[0])
+with HeldPeak(root) as held:
+    if mode in ("members", "fused", "adapters"):
+        wide = WideModel.from_pretrained(paths)
+    elif mode == "whole":
+        from hf_wide.hub import load_members
+        wide = WideModel.from_models(load_members(paths)[0])
 if mode != "baseline":
     result["fused_bytes"] = sum(t.numel() * t.element_size() for t in (*wide.parameters(), *wide.buffers()))
 result["peak"] = peak()
+result["anonymous"], result["held"] = held.anonymous, held.held
 print(json.dumps(result))
 """
+
+
+def anonymous_rss() -> int:
+    """This process's resident anonymous memory in bytes (``RssAnon``: its heap, not files or libraries), Linux."""
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith("RssAnon:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("no RssAnon in /proc/self/status: this measure needs Linux")
+
+
+def mapped_bytes(folder: str) -> int:
+    """The bytes of the files under ``folder`` that this process has mapped (a checkpoint's memory-mapped
+    tensors), resident or not; a file mapped twice shares its pages, and counts once."""
+    prefix = os.path.join(os.path.realpath(folder), "")  # the kernel names mapped files by their real path
+    files = set()
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            fields = line.split(maxsplit=5)
+            if len(fields) == 6 and fields[5].startswith(prefix):
+                files.add(fields[5].rstrip("\n"))
+    return sum(os.path.getsize(f) for f in files if os.path.exists(f))
+
+
+class HeldPeak:
+    """``with HeldPeak(folder) as h: ...``: ``h.anonymous`` and ``h.held``, the most anonymous memory the block added
+    and the most it added and held mapped from files under ``folder`` at once (the files counted whole). A thread
+    samples the anonymous memory every ``interval`` seconds (torch releases the GIL in its ops) and the maps, whose
+    reading costs milliseconds, every ``maps_interval``."""
+
+    def __init__(self, folder: str, interval: float = 2e-4, maps_interval: float = 0.02):
+        self.folder, self.interval, self.maps_interval = folder, interval, maps_interval
+        self._done = threading.Event()
+
+    def __enter__(self) -> "HeldPeak":
+        self._anonymous, self._mapped = anonymous_rss(), mapped_bytes(self.folder)
+        self.anonymous = self.held = 0
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def _sample(self) -> None:
+        mapped, read_at = 0, time.perf_counter()
+        while not self._done.is_set():
+            if time.perf_counter() - read_at >= self.maps_interval:
+                mapped, read_at = mapped_bytes(self.folder) - self._mapped, time.perf_counter()
+            self._update(anonymous_rss() - self._anonymous, mapped)
+            time.sleep(self.interval)
+
+    def _update(self, anonymous: int, mapped: int) -> None:
+        self.anonymous = max(self.anonymous, anonymous)
+        self.held = max(self.held, anonymous + mapped)
+
+    def __exit__(self, *exc) -> None:
+        self._done.set()
+        self._thread.join()
+        self._update(anonymous_rss() - self._anonymous, mapped_bytes(self.folder) - self._mapped)
 
 
 def _bert_config(hidden: int, layers: int, vocab: int):
@@ -110,9 +178,9 @@ def write_adapters(folder: Path, num_members: int, hidden: int, layers: int, voc
     return paths, size
 
 
-def _run_child(mode: str, warmup: str, paths: list[str]) -> dict:
+def _run_child(mode: str, warmup: str, root: Path, paths: list[str]) -> dict:
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1", "TRANSFORMERS_VERBOSITY": "error"}
-    out = subprocess.run([sys.executable, "-c", CHILD, mode, warmup, *paths], env=env, check=True,
+    out = subprocess.run([sys.executable, "-c", CHILD, mode, warmup, str(root), *paths], env=env, check=True,
                          capture_output=True, text=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -128,12 +196,12 @@ def measure_load_memory(num_members: int = 4, hidden: int = 256, layers: int = 4
         paths = write_members(root, num_members, hidden, layers, vocab) if full else []
         adapter_paths, adapter_bytes = write_adapters(root, num_members, hidden, layers, vocab) if (
             "adapters" in modes) else ([], None)
-        baseline = _run_child("baseline", "-", [])
+        baseline = _run_child("baseline", "-", root, [])
         report = {"num_members": num_members, "hidden": hidden, "layers": layers, "vocab": vocab,
                   "baseline_peak": baseline["peak"], "loads": {}}
         for mode in modes:
             sources = {"fused": [str(root / "fused")], "adapters": adapter_paths}.get(mode, paths)
-            cold, warm = _run_child(mode, "-", sources), _run_child(mode, str(root), sources)
+            cold, warm = _run_child(mode, "-", root, sources), _run_child(mode, str(root), root, sources)
             size = adapter_bytes if mode == "adapters" else cold["fused_bytes"]
             if mode != "adapters":
                 report["fused_bytes"] = size
@@ -146,6 +214,9 @@ def measure_load_memory(num_members: int = 4, hidden: int = 256, layers: int = 4
                 "warm": warm["warm"],
                 "over_warm": warm["peak"] - warm["warm"],
                 "ratio_over_warm": (warm["peak"] - warm["warm"]) / size,
+                "anonymous": warm["anonymous"],
+                "held": warm["held"],
+                "ratio_held": warm["held"] / size,
             }
     return report
 
@@ -156,14 +227,16 @@ def _format(report: dict) -> str:
     lines = [
         f"{report['num_members']} x BERT (hidden {report['hidden']}, {report['layers']} layers, vocab "
         f"{report['vocab']}): {fused}baseline process (imports) {report['baseline_peak'] / mb:.1f} MiB",
-        f"{'load':<8} {'peak MiB':>9} {'- baseline':>11} {'x size':>8} {'- warm':>8} {'x size':>8}",
+        f"{'load':<8} {'peak MiB':>9} {'- baseline':>11} {'x size':>8} {'- warm':>8} {'x size':>8} "
+        f"{'anon. MiB':>10} {'held MiB':>9} {'x size':>8}",
     ]
     if "base_and_adapters_bytes" in report:
         lines.insert(1, f"adapters: the base and {report['num_members']} LoRA adapters, "
                         f"{report['base_and_adapters_bytes'] / mb:.1f} MiB (the size its x is of; the others', the fused model)")
     for mode, r in report["loads"].items():
         lines.append(f"{mode:<8} {r['peak'] / mb:>9.1f} {r['over_baseline'] / mb:>11.1f} {r['ratio']:>8.2f} "
-                     f"{r['over_warm'] / mb:>8.1f} {r['ratio_over_warm']:>8.2f}")
+                     f"{r['over_warm'] / mb:>8.1f} {r['ratio_over_warm']:>8.2f} {r['anonymous'] / mb:>10.1f} "
+                     f"{r['held'] / mb:>9.1f} {r['ratio_held']:>8.2f}")
     return "\n".join(lines)
 
 
