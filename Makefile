@@ -31,8 +31,12 @@ browser:
 	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq chromium >/dev/null; \
 	} || echo "WARNING: chromium could not be installed: the browser test will be skipped."
 
+# Two pytest-xdist workers (tests/conftest.py keeps each module on one worker and Ray's tests on one): about half
+# the time of one on a 2-core machine, where much of it is subprocesses starting and servers waiting.
+TEST_WORKERS ?= 2
+
 test: $(VENV)/.dev browser
-	$(PY) -m pytest
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadgroup
 
 clean:
 	rm -rf $(VENV) build *.egg-info

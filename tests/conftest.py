@@ -1,4 +1,5 @@
-"""Shared fixtures: the family table on sys.path, and fused models built once per case."""
+"""Shared fixtures: the family table on sys.path, and fused models built once per case; how the tests share out
+over pytest-xdist's workers (``make test`` runs two)."""
 
 import os
 import sys
@@ -29,3 +30,12 @@ def fused():
         return cache[case_id]
 
     return get
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own hook reads the groups (--dist loadgroup)
+def pytest_collection_modifyitems(config, items):
+    """Each test module's tests run on one worker (its module fixtures are built once); the modules that start
+    Ray mark themselves ``xdist_group("ray")``, so they run one after another on one worker (one cluster at a time)."""
+    for item in items:
+        if item.get_closest_marker("xdist_group") is None:
+            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
