@@ -31,12 +31,12 @@ browser:
 	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq chromium >/dev/null; \
 	} || echo "WARNING: chromium could not be installed: the browser test will be skipped."
 
-# Two pytest-xdist workers (tests/conftest.py keeps each module on one worker and Ray's tests on one): about half
-# the time of one on a 2-core machine, where much of it is subprocesses starting and servers waiting.
+# Two pytest-xdist workers, each module on one (tests/conftest.py runs the modules that start Ray one after another):
+# on a 2-core machine much of the time is subprocesses starting and servers waiting.
 TEST_WORKERS ?= 2
 
 test: $(VENV)/.dev browser
-	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadgroup
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile
 
 clean:
 	rm -rf $(VENV) build *.egg-info

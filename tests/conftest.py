@@ -32,10 +32,23 @@ def fused():
     return get
 
 
-@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own hook reads the groups (--dist loadgroup)
-def pytest_collection_modifyitems(config, items):
-    """Each test module's tests run on one worker (its module fixtures are built once); the modules that start
-    Ray mark themselves ``xdist_group("ray")``, so they run one after another on one worker (one cluster at a time)."""
-    for item in items:
-        if item.get_closest_marker("xdist_group") is None:
-            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
+# The modules that start Ray (a local cluster, a Serve app, `hf-wide serve`): one at a time, on one worker.
+RAY_MODULES = {"tests/serving/test_server.py", "tests/serving/test_serve_cli.py",
+               "tests/benchmark/test_serve_benchmark.py"}
+
+
+@pytest.hookimpl(optionalhook=True)  # a pytest-xdist hook: run without xdist, nothing calls it
+def pytest_xdist_make_scheduler(config, log):
+    """``--dist loadfile`` (each module on one worker: its module fixtures built once), with the Ray modules as one
+    file. (xdist's ``loadgroup`` would do this from marks, but with pytest 9.2 it silently stops grouping:
+    pytest-dev/pytest-xdist#1386.)"""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class OneRayModuleAtATime(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            module = nodeid.split("::", 1)[0]
+            return "ray" if module in RAY_MODULES else module
+
+    return OneRayModuleAtATime(config, log)

@@ -1,9 +1,12 @@
 """hf_wide/benchmark/load_memory.py: the peak-memory figures of loading, on tiny checkpoints (the figures
 themselves are the benchmark's to report, not a test's)."""
 
-import pytest
+import mmap
 
-from hf_wide.benchmark.load_memory import _format, measure_load_memory
+import pytest
+import torch
+
+from hf_wide.benchmark.load_memory import HeldPeak, _format, mapped_bytes, measure_load_memory
 
 pytest.importorskip("peft")
 
@@ -16,3 +19,28 @@ def test_adapters_alone_are_measured_against_the_base_and_the_adapters(tmp_path)
     assert report["base_and_adapters_bytes"] > 0 and load["peak"] > report["baseline_peak"] and load["over_warm"] >= 0
     assert load["ratio"] == pytest.approx(load["over_baseline"] / report["base_and_adapters_bytes"])
     assert "LoRA adapters" in _format(report) and "fused model " not in _format(report)
+    # held: the base the wide model keeps mapped counts whole, read or not
+    assert load["held"] >= max(load["anonymous"], (tmp_path / "base" / "model.safetensors").stat().st_size)
+    assert load["ratio_held"] == pytest.approx(load["held"] / report["base_and_adapters_bytes"])
+
+
+def test_mapped_files_count_whole_and_once(tmp_path):
+    (tmp_path / "a.bin").write_bytes(b"x" * 3 * mmap.PAGESIZE)
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / "elsewhere" / "b.bin").write_bytes(b"y" * mmap.PAGESIZE)
+    assert mapped_bytes(tmp_path / "elsewhere") == 0
+    with open(tmp_path / "a.bin", "rb") as f, open(tmp_path / "elsewhere" / "b.bin", "rb") as g:
+        first, second = (mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) for _ in range(2))
+        other = mmap.mmap(g.fileno(), 0, access=mmap.ACCESS_READ)  # none of its pages read
+        assert mapped_bytes(tmp_path / "elsewhere") == mmap.PAGESIZE
+        assert mapped_bytes(tmp_path) == 4 * mmap.PAGESIZE  # a.bin mapped twice counts once
+        for m in (first, second, other):
+            m.close()
+    assert mapped_bytes(tmp_path) == 0
+
+
+def test_held_peak_sees_what_a_block_allocates_and_frees(tmp_path):
+    with HeldPeak(str(tmp_path)) as held:
+        block = torch.ones(64 << 20, dtype=torch.uint8)  # 64 MiB, written: resident
+        del block
+    assert held.anonymous >= 60 << 20 and held.held >= held.anonymous

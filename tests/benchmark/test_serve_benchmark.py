@@ -3,7 +3,6 @@
 import pytest
 
 pytest.importorskip("ray.serve")
-pytestmark = pytest.mark.xdist_group("ray")  # one Ray cluster at a time (tests/conftest.py)
 
 from hf_wide.benchmark.serve import WAYS, run  # noqa: E402
 

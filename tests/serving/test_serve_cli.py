@@ -19,7 +19,6 @@ from test_server import free_port
 from text_members import bert_tokenizer, build_members, save_members
 
 pytest.importorskip("ray.serve")
-pytestmark = pytest.mark.xdist_group("ray")  # one Ray cluster at a time (tests/conftest.py)
 
 from huggingface_hub import InferenceClient  # noqa: E402
 

@@ -28,7 +28,6 @@ from lora_members import adapted  # noqa: E402
 from text_members import CASES, bert_tokenizer, build_members, decoder_tokenizer, save_members, sentences  # noqa: E402
 
 pytest.importorskip("ray.serve")
-pytestmark = pytest.mark.xdist_group("ray")  # one Ray cluster at a time (tests/conftest.py)
 
 from huggingface_hub import InferenceClient  # noqa: E402
 from huggingface_hub.errors import HfHubHTTPError  # noqa: E402
