@@ -104,21 +104,22 @@ class HeldPeak:
         return self
 
     def _sample(self) -> None:
-        mapped, read_at = 0, time.perf_counter()
+        mapped, read_at = self._mapped, time.perf_counter()
         while not self._done.is_set():
             if time.perf_counter() - read_at >= self.maps_interval:
-                mapped, read_at = mapped_bytes(self.folder) - self._mapped, time.perf_counter()
-            self._update(anonymous_rss() - self._anonymous, mapped)
+                mapped, read_at = mapped_bytes(self.folder), time.perf_counter()
+            self._update(anonymous_rss(), mapped)
             time.sleep(self.interval)
 
-    def _update(self, anonymous: int, mapped: int) -> None:
+    def _update(self, anonymous: int, mapped: int) -> None:  # what the block added: files it unmapped count 0
+        anonymous, mapped = anonymous - self._anonymous, max(0, mapped - self._mapped)
         self.anonymous = max(self.anonymous, anonymous)
         self.held = max(self.held, anonymous + mapped)
 
     def __exit__(self, *exc) -> None:
         self._done.set()
         self._thread.join()
-        self._update(anonymous_rss() - self._anonymous, mapped_bytes(self.folder) - self._mapped)
+        self._update(anonymous_rss(), mapped_bytes(self.folder))
 
 
 def _bert_config(hidden: int, layers: int, vocab: int):
