@@ -19,7 +19,7 @@ loading two tiny members first, which imports all of that, and ``over_warm``: th
 
 ``held`` is the figure to read: resident memory counts only the pages of a memory-mapped checkpoint that have been
 touched, and a base kept mapped (adapters) is mostly an embedding of which a load touches a few rows, so ``VmHWM``
-swings with what happened to read the file (from 1.02x to 1.34x of the adapters' size in four runs of the
+swings with what happened to read the file (from 1.00x to 1.13x of the adapters' size in eight runs of the
 default). ``held`` counts those files whole: the most that the real load added to the process's anonymous memory
 (sampled every 0.2 ms) plus the bytes of the checkpoint files it held mapped at the time (read every 20 ms).
 """
