@@ -38,6 +38,21 @@ DECODERS = {
     "opt": lambda: tf.OPTForCausalLM(tf.OPTConfig(vocab_size=V, hidden_size=32, num_hidden_layers=2,
                                                   num_attention_heads=4, ffn_dim=64, max_position_embeddings=64,
                                                   word_embed_proj_dim=32, pad_token_id=1)),
+    # State-space and hybrid decoders: their mixers run member by member on the cache's conv and recurrent states
+    "mamba": lambda: tf.MambaForCausalLM(tf.MambaConfig(vocab_size=V, hidden_size=32, state_size=4,
+                                                        num_hidden_layers=2, pad_token_id=0)),
+    "mamba2": lambda: tf.Mamba2ForCausalLM(tf.Mamba2Config(vocab_size=V, hidden_size=32, state_size=8,
+                                                           num_hidden_layers=2, num_heads=8, head_dim=8, n_groups=1,
+                                                           chunk_size=4, pad_token_id=0)),
+    "jamba": lambda: tf.JambaForCausalLM(tf.JambaConfig(**DECODER, num_experts=2, num_experts_per_tok=1,
+                                                        attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2,
+                                                        expert_layer_offset=1, mamba_d_state=4, mamba_dt_rank=4,
+                                                        use_mamba_kernels=False)),
+    "lfm2": lambda: tf.Lfm2ForCausalLM(tf.Lfm2Config(**DECODER, layer_types=["conv", "full_attention"])),
+    "qwen3_next": lambda: tf.Qwen3NextForCausalLM(tf.Qwen3NextConfig(
+        **DECODER, head_dim=8, layer_types=["linear_attention", "full_attention"], linear_num_value_heads=4,
+        linear_num_key_heads=2, linear_key_head_dim=8, linear_value_head_dim=8, num_experts=2, num_experts_per_tok=1,
+        moe_intermediate_size=16, shared_expert_intermediate_size=16)),
 }
 ENCODERS = {
     "xlm-roberta": lambda: tf.XLMRobertaForSequenceClassification(tf.XLMRobertaConfig(**TEXT, num_labels=3)),

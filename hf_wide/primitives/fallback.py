@@ -5,8 +5,9 @@ covers: raw ``nn.Parameter``s read in a forward that no block knows, a module th
 a weight used outside its own module by code that expects one member's (DeBERTa's relative embeddings,
 when one of the attention blocks they feed is not fused).
 
-A fallen-back attention that is handed the model's KV cache gets a view of its own rows of it
-(:class:`MemberCacheRows`): the members must not each append their B rows to the one cache of N*B.
+A fallen-back module that is handed the model's cache gets its member's rows of it
+(:mod:`~hf_wide.primitives.member_cache`): the members must not each append their B rows to the one cache of
+N*B, nor read each other's state.
 
 Some modules take token rows, not batch rows: a mixture of experts flattens its input to (N*B*T, D)
 before its router and experts see it. For the classes in ``TOKEN_ROWS`` every tensor whose leading dim
@@ -23,15 +24,11 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 from torch.utils import _pytree as pytree
-from transformers.cache_utils import (
-    Cache,
-    DynamicCache,
-    DynamicLayer,
-    DynamicSlidingWindowLayer,
-)
+from transformers.cache_utils import Cache
 
 from ..fold import Fold
 from ..registry import transformers_classes
+from . import member_cache
 
 # MoE routers and experts: called on (N*B*T, D) tokens, member-major, with (N*B*T, k) expert choices.
 TOKEN_ROWS = tuple(transformers_classes(*(f"{family}.{prefix}{part}" for family, prefix in [
@@ -130,68 +127,19 @@ def run_per_member(fold: Fold, members: Sequence, token_rows: bool, args: tuple,
             return t[m * block : (m + 1) * block]  # (B*T, ...): member m's tokens
         return t  # broadcast (1, ...) inputs, scalars and non-tensors are the same for every member
 
-    caches = [t for t in leaves if isinstance(t, Cache)]
-    outputs, views = [], []
+    caches = {id(t): t for t in leaves if isinstance(t, Cache)}
+    views = {key: member_cache.split(cache, n, batch) for key, cache in caches.items()}  # each member's rows
+    outputs = []
     for m, module in enumerate(members):
-        rows_m = slice(m * batch, (m + 1) * batch)
-        member_leaves = [member_slice(t, m) for t in leaves]
-        if caches:  # each member sees, and appends to, its own rows of the cache
-            views.append({id(c): MemberCacheRows(c, rows_m) for c in caches})
-            member_leaves = [views[-1].get(id(t), t) if isinstance(t, Cache) else t for t in member_leaves]
+        member_leaves = [views[id(t)][m] if id(t) in views else member_slice(t, m) for t in leaves]
         m_args, m_kwargs = pytree.tree_unflatten(member_leaves, spec)
         outputs.append(module(*m_args, **m_kwargs))
-    for cache in caches:
-        MemberCacheRows.commit(cache, [v[id(cache)] for v in views])
+    for key, cache in caches.items():
+        member_cache.merge(cache, views[key])
     if token_rows:
         return pytree.tree_map(lambda *parts: torch.cat(parts) if isinstance(parts[0], torch.Tensor) else parts[0],
                                *outputs)
     return _concat_members(outputs, batch)
-
-
-class MemberCacheRows:
-    """One member's rows of the wide model's KV cache, for one call of a per-member fallback.
-
-    ``update(keys, values, layer_idx)`` returns the member's past rows of that layer with its new keys after
-    them, as the cache itself would, and keeps the new keys; :meth:`commit` then appends every member's
-    new keys to the cache at once, N*B rows, member-major. Other reads (``get_seq_length``, mask sizes) are
-    the same for every row and go to the cache. Dynamic caches only (full and sliding-window layers):
-    a static cache's ``update`` writes at positions, which this does not reproduce.
-    """
-
-    def __init__(self, cache: Cache, rows: slice):
-        if type(cache) is not DynamicCache:
-            raise NotImplementedError(
-                f"A per-member fallback was handed a {type(cache).__name__}; it can share only a DynamicCache "
-                "between members. Pass use_cache=False, or a DynamicCache."
-            )
-        self._cache, self._rows, self.new = cache, rows, {}
-
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
-        self.new[layer_idx] = (key_states, value_states, args, kwargs)  # (B, H, T, d) each
-        layers = self._cache.layers
-        layer = layers[layer_idx] if layer_idx < len(layers) else None
-        if layer is not None and type(layer) not in (DynamicLayer, DynamicSlidingWindowLayer):
-            raise NotImplementedError(
-                f"A per-member fallback cannot share a cache layer of type {type(layer).__name__}."
-            )
-        if layer is None or not layer.is_initialized:
-            return key_states, value_states
-        return (torch.cat([layer.keys[self._rows], key_states], dim=-2),
-                torch.cat([layer.values[self._rows], value_states], dim=-2))
-
-    def __getattr__(self, name: str):  # only for names not set in __init__
-        if name.startswith("_"):
-            raise AttributeError(name)
-        return getattr(self._cache, name)
-
-    @staticmethod
-    def commit(cache: Cache, views: list[MemberCacheRows]) -> None:
-        """Append every member's new keys and values to ``cache``, member-major."""
-        for layer_idx in views[0].new:
-            parts = [view.new[layer_idx] for view in views]
-            _, _, args, kwargs = parts[0]
-            keys, values = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])  # (N*B, H, T, d)
-            cache.update(keys, values, layer_idx, *args, **kwargs)
 
 
 def _concat_members(outputs: list, batch: int):

@@ -10,9 +10,9 @@ read it with a member dim.
 
 No code per class, and one parameter tensor per source tensor, as in a primitive. Integer inputs that every
 member shares (ids, masks) are handed over once, unbatched, as the source would see them: transformers reads the
-values of a mask to skip it, which vmap cannot do on a batched tensor. Where vmap cannot run (a KV cache every
-member appends to, or data-dependent control flow on inputs that differ between members) the same stacked
-tensors run member by member. The plan chooses this for a module only after verification saw it agree with its
+values of a mask to skip it, which vmap cannot do on a batched tensor. Where vmap cannot run (a cache, whose
+rows and state each member reads and extends, or data-dependent control flow on inputs that differ between
+members) the same stacked tensors run member by member. The plan chooses this for a module only after verification saw it agree with its
 members; data-dependent control flow and ``.item()`` make vmap raise there, and the module is then planned as a
 loop (``loop=True``: member 0's code over each member's tensors in turn, still one tensor per source tensor).
 Only where the members' code differs (a hook, another class) does a loop hold each member's own module

@@ -1,0 +1,128 @@
+"""Each member's rows of the wide model's cache, for one call of a module run member by member.
+
+A wide forward's cache holds N*B rows, member-major. A module that runs member by member (a fallback, or a
+state-space mixer that vmap cannot take) must see only its member's B rows of every layer's state, and its
+member's flags: a Mamba layer's ``has_previous_state`` set by member 0's prefill would make member 1 read member
+0's convolution state as its own past. So each member gets a shallow copy of the cache whose layers are copies
+holding views of that member's rows (:func:`split`); the cache's own code (``update``, ``update_conv_state``,
+``update_recurrent_state``, lazy initialisation) runs on them unchanged, and :func:`merge` folds the members'
+layers back into the one cache: where a member replaced a tensor (a cache that grows by concatenation) the N
+tensors are concatenated, member-major; where it wrote in place (a convolution state's ``copy_``) its writes are
+already in the cache's rows.
+
+Dynamic caches only, with the layer types below (key/value layers, full or sliding window, and the linear
+attention layers of Mamba and the hybrids): a static layer counts its length in a tensor that every member would
+advance, and other layers keep state this does not know how to split. Anything else is refused.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from transformers.cache_utils import (
+    Cache,
+    DynamicCache,
+    DynamicLayer,
+    DynamicSlidingWindowLayer,
+    LinearAttentionAndFullAttentionLayer,
+    LinearAttentionAndSlidingWindowAttentionLayer,
+    LinearAttentionLayer,
+)
+
+SPLIT_LAYERS = (DynamicLayer, DynamicSlidingWindowLayer, LinearAttentionLayer, LinearAttentionAndFullAttentionLayer,
+                LinearAttentionAndSlidingWindowAttentionLayer)
+ROW_TENSORS = ("keys", "values")  # (B, H, T, d)
+ROW_STATES = ("conv_states", "recurrent_states")  # {state index: (B, ...)}
+MEMBER_DICTS = ("is_conv_states_initialized", "is_recurrent_states_initialized", "has_previous_state",
+                "conv_kernel_size")  # per-state flags each member sets for itself
+
+
+def split(cache: Cache, num_members: int, batch: int) -> list[Cache]:
+    """N shallow copies of ``cache``, member m's holding views of rows ``[m*B, (m+1)*B)`` of every layer."""
+    if type(cache) is not DynamicCache:
+        raise NotImplementedError(
+            f"A module run member by member was handed a {type(cache).__name__}; the members can share only a "
+            "DynamicCache. Pass use_cache=False, or a DynamicCache.")
+    if cache.offloading:
+        raise NotImplementedError("A module run member by member cannot share an offloading cache between members: "
+                                  "pass use_cache=False, or a DynamicCache without offloading.")
+    for layer in cache.layers:
+        if type(layer) not in SPLIT_LAYERS:
+            raise NotImplementedError(
+                f"A module run member by member cannot share a cache layer of type {type(layer).__name__} between "
+                f"members (it can: {', '.join(t.__name__ for t in SPLIT_LAYERS)}). Pass use_cache=False.")
+    views = []
+    for m in range(num_members):
+        rows = slice(m * batch, (m + 1) * batch)
+        view = copy.copy(cache)
+        view.layers = [_layer_rows(layer, rows) for layer in cache.layers]
+        views.append(view)
+    return views
+
+
+def merge(cache: Cache, views: list[Cache]) -> None:
+    """Fold the members' layers back into ``cache``: N*B rows, member-major. Layers a member added (a cache that
+    makes its layers as they are first updated) are added too."""
+    for index, parts in enumerate(zip(*(view.layers for view in views))):
+        if index < len(cache.layers):
+            _merge_layer(cache.layers[index], parts)
+        else:
+            layer = parts[0]  # a new object: member 0's, given every member's rows
+            _merge_layer(layer, parts, fresh=True)
+            cache.layers.append(layer)
+
+
+def _layer_rows(layer, rows: slice):
+    view = copy.copy(layer)
+    for name in ROW_TENSORS:
+        value = getattr(layer, name, None)
+        if _has_rows(value):
+            setattr(view, name, value[rows])
+    for name in ROW_STATES:
+        states = getattr(layer, name, None)
+        if states is not None:
+            setattr(view, name, {k: v[rows] if _has_rows(v) else v for k, v in states.items()})
+    for name in MEMBER_DICTS:
+        if hasattr(layer, name):
+            setattr(view, name, dict(getattr(layer, name)))
+    return view
+
+
+def _has_rows(value) -> bool:
+    return isinstance(value, torch.Tensor) and value.dim() > 0 and value.numel() > 0  # not a lazy layer's empty one
+
+
+def _merge_layer(layer, parts: tuple, fresh: bool = False) -> None:
+    first = parts[0]
+    for name, value in vars(first).items():  # flags and lengths: the same for every member (they saw the same
+        if name not in ROW_TENSORS and name not in ROW_STATES:  # sequence), member 0's
+            setattr(layer, name, value)
+    for name in ROW_TENSORS:
+        if hasattr(first, name):
+            setattr(layer, name, _rows_of(getattr(layer, name, None), [getattr(p, name) for p in parts], fresh))
+    for name in ROW_STATES:
+        if hasattr(first, name):
+            old = {} if fresh else getattr(layer, name)
+            keys = getattr(first, name).keys()
+            setattr(layer, name, {k: _rows_of(old.get(k), [getattr(p, name)[k] for p in parts], fresh)
+                                  for k in keys})
+
+
+def _rows_of(old, values: list, fresh: bool):
+    """The cache's tensor after the members' call: the old one where every member wrote into its own view of it
+    (or left it), else the members' tensors concatenated (N*B, ...)."""
+    if not fresh and _has_rows(old) and all(_is_view_of(v, old, m, len(values)) for m, v in enumerate(values)):
+        return old
+    if not all(_has_rows(v) for v in values):
+        return values[0]  # nothing there yet (None, or a lazy layer's empty tensor)
+    return torch.cat(values)
+
+
+def _is_view_of(value, old: torch.Tensor, member: int, num_members: int) -> bool:
+    """Whether ``value`` is still member ``member``'s view of ``old``'s rows (its writes are in ``old``)."""
+    if not isinstance(value, torch.Tensor) or value.shape[1:] != old.shape[1:]:
+        return False
+    batch = old.shape[0] // num_members
+    return (value.shape[0] == batch and value.untyped_storage().data_ptr() == old.untyped_storage().data_ptr()
+            and value.storage_offset() == old.storage_offset() + member * batch * old.stride(0))

@@ -1,0 +1,112 @@
+"""Each member's rows of the wide model's cache: member m's calls on its view equal the same calls on a cache of
+its own, and the merged cache holds every member's state, member-major (key/value layers, full and sliding, and the
+conv and recurrent states of linear-attention layers, which a Mamba mixer reads as its past)."""
+
+import pytest
+import torch
+from transformers.cache_utils import (
+    DynamicCache,
+    DynamicLayer,
+    DynamicSlidingWindowLayer,
+    LinearAttentionLayer,
+    StaticCache,
+    StaticLayer,
+)
+
+from hf_wide.primitives import member_cache
+
+N, B, H, D, K = 3, 2, 2, 4, 3  # members, rows per member, heads, head dim, conv kernel
+
+
+def layers():
+    return [DynamicLayer(), DynamicSlidingWindowLayer(sliding_window=3), LinearAttentionLayer()]
+
+
+def step(cache, states: dict, rows: slice) -> list[torch.Tensor]:
+    """What a model's layers do to the cache in one forward; the tensors they get back."""
+    keys, values, conv, recurrent = (states[k][rows] for k in ("keys", "values", "conv", "recurrent"))
+    got = [*cache.update(keys, values, 0), *cache.update(keys + 1, values + 1, 1)]
+    layer = cache.layers[2]
+    got.append(layer.update_conv_state(conv, conv_kernel_size=K))
+    got.append(layer.update_recurrent_state(recurrent))
+    return got
+
+
+def new_states(tokens: int, seed: int) -> dict:
+    gen = torch.Generator().manual_seed(seed)
+    return {"keys": torch.randn(N * B, H, tokens, D, generator=gen),
+            "values": torch.randn(N * B, H, tokens, D, generator=gen),
+            "conv": torch.randn(N * B, 5, tokens, generator=gen),
+            "recurrent": torch.randn(N * B, 5, 7, generator=gen)}
+
+
+def test_each_member_sees_and_extends_only_its_own_rows():
+    wide = DynamicCache()
+    wide.layers = layers()
+    own = []
+    for m in range(N):
+        own.append(DynamicCache())
+        own[-1].layers = layers()
+    for seed, tokens in enumerate([4, 1, 1]):  # a prefill, then two decoding steps
+        states = new_states(tokens, seed)
+        views = member_cache.split(wide, N, B)
+        for m, view in enumerate(views):
+            rows = slice(m * B, (m + 1) * B)
+            for got, want in zip(step(view, states, rows), step(own[m], states, rows), strict=True):
+                assert torch.equal(got, want)
+        member_cache.merge(wide, views)
+        for i in range(2):
+            assert torch.equal(wide.layers[i].keys, torch.cat([c.layers[i].keys for c in own]))
+            assert torch.equal(wide.layers[i].values, torch.cat([c.layers[i].values for c in own]))
+        for name in ("conv_states", "recurrent_states"):
+            assert torch.equal(getattr(wide.layers[2], name)[0], torch.cat([getattr(c.layers[2], name)[0] for c in own]))
+        assert wide.layers[2].has_previous_state[0]
+        assert wide.get_seq_length() == own[0].get_seq_length()
+
+
+def test_states_written_in_place_keep_their_tensor():
+    wide = DynamicCache()
+    wide.layers = [LinearAttentionLayer()]
+    wide.layers[0].update_conv_state(torch.randn(N * B, 5, 4), conv_kernel_size=K)  # (N*B, 5, K) once prefilled
+    before = wide.layers[0].conv_states[0]
+    new = torch.randn(N * B, 5, 1)
+    want = torch.cat([before, new], -1)[..., -K:]  # the last K positions, the new one last
+    views = member_cache.split(wide, N, B)
+    for m, view in enumerate(views):
+        view.layers[0].update_conv_state(new[m * B : (m + 1) * B])
+    member_cache.merge(wide, views)
+    assert wide.layers[0].conv_states[0] is before  # a static address stays one (CUDA graphs rely on it)
+    assert torch.equal(before, want)
+
+
+def test_layers_a_member_adds_are_added_with_every_members_rows():
+    wide = DynamicCache()  # makes its layers as they are first updated
+    states = new_states(2, 0)
+    views = member_cache.split(wide, N, B)
+    for m, view in enumerate(views):
+        view.update(states["keys"][m * B : (m + 1) * B], states["values"][m * B : (m + 1) * B], 1)
+    member_cache.merge(wide, views)
+    assert len(wide.layers) == 2 and wide.layers[1].keys.shape[0] == N * B
+    assert torch.equal(wide.layers[1].keys, states["keys"])
+
+
+@pytest.mark.parametrize("make, match", [
+    (lambda: _static(), "DynamicCache"),
+    (lambda: DynamicCache(offloading=True), "offloading"),
+    (lambda: _with_layer(StaticLayer(max_cache_len=8)), "StaticLayer"),
+])
+def test_what_cannot_be_split_is_refused(make, match):
+    with pytest.raises(NotImplementedError, match=match):
+        member_cache.split(make(), N, B)
+
+
+def _static():
+    from transformers import LlamaConfig
+
+    return StaticCache(config=LlamaConfig(hidden_size=8, num_attention_heads=2, num_hidden_layers=1), max_cache_len=8)
+
+
+def _with_layer(layer):
+    cache = DynamicCache()
+    cache.layers = [layer]
+    return cache
