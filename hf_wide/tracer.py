@@ -42,7 +42,11 @@ def sample_inputs(model: nn.Module, batch: int = SAMPLE_BATCH, seq_len: int = SA
         dtype = next(model.parameters()).dtype
         return {"pixel_values": torch.randn(batch, channels, size, size, device=device, dtype=dtype)}
     if main == "input_ids":
-        vocab = config.get_text_config().vocab_size
+        vocab = getattr(config.get_text_config(), "vocab_size", None)
+        if not isinstance(vocab, int):  # CANINE reads characters: its config names no vocabulary
+            raise ValueError(f"{type(config).__name__} has no vocab_size to draw sample input_ids from: load the "
+                             "members with transformers and pass sample inputs for the trace, "
+                             "WideModel.from_models(models, {'input_ids': ...}).")
         ids = torch.randint(0, vocab, (batch, seq_len), device=device)
         return {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
     raise ValueError(f"Cannot build sample inputs for main input {main!r}: pass sample inputs for the trace.")

@@ -90,6 +90,9 @@ IMAGES = {
     "convnext": lambda: tf.ConvNextForImageClassification(tf.ConvNextConfig(hidden_sizes=[8, 16], depths=[1, 1],
                                                                             num_stages=2, num_labels=3,
                                                                             image_size=32)),
+    # TF-style padding computed from each conv's kernel_size and stride, read off the wide conv
+    "mobilenet_v2": lambda: tf.MobileNetV2ForImageClassification(tf.MobileNetV2Config(image_size=32, depth_multiplier=0.25,
+                                                                                      num_labels=3)),
 }
 SEQ2SEQ = {
     "bart": lambda: tf.BartForConditionalGeneration(tf.BartConfig(

@@ -220,3 +220,20 @@ def test_plan_prints_flops_and_every_module(fused):
     assert "WideLinear" in text and "WideEmbedding" in text and "WideLayerNorm" in text
     assert wide.plan.total_flops > 0
     assert wide.plan.entries["classifier"].flops > 0
+
+
+def test_a_text_model_without_a_vocabulary_asks_for_sample_inputs():
+    # CANINE reads characters (hashed code points): no vocab_size to draw sample ids from
+    import transformers as tf
+
+    config = tf.CanineConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=4, intermediate_size=64,
+                             num_hash_functions=2, num_hash_buckets=32, local_transformer_stride=4)
+    members = [tf.CanineModel(config).eval() for _ in range(2)]
+    with pytest.raises(ValueError, match="CanineConfig has no vocab_size.*pass sample inputs"):
+        WideModel.from_models(members)
+    ids = torch.randint(0, 1000, (2, 8))
+    wide = WideModel.from_models(members, {"input_ids": ids})
+    with torch.no_grad():
+        got = wide(input_ids=ids).last_hidden_state
+        for i, member in enumerate(members):
+            assert (got[i] - member(input_ids=ids).last_hidden_state).abs().max().item() <= 1e-5

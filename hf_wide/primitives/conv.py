@@ -16,6 +16,8 @@ class WideConv(WideModule):
     ``(N*B, C, *sp) -> (b, N*C, *sp)``, and one conv with ``groups = N*g`` computes every member."""
 
     def setup(self, proto: nn.modules.conv._ConvNd) -> None:
+        # A member's attributes, as model code reads them (MobileNetV2's TF padding reads kernel_size and stride)
+        self.in_channels, self.out_channels, self.kernel_size = proto.in_channels, proto.out_channels, proto.kernel_size
         self.stride, self.padding, self.dilation = proto.stride, proto.padding, proto.dilation
         self.groups, self.padding_mode = proto.groups, proto.padding_mode
         self._reversed_padding_repeated_twice = proto._reversed_padding_repeated_twice
