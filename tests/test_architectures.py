@@ -100,6 +100,11 @@ SEQ2SEQ = {
         decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=64)),
     "t5": lambda: tf.T5ForConditionalGeneration(tf.T5Config(vocab_size=V, d_model=32, d_kv=8, d_ff=64, num_layers=2,
                                                              num_heads=4, decoder_start_token_id=0, pad_token_id=0)),
+    # the decoder runs member by member (its position embeddings see no batch dim), on its rows of both caches
+    "marian": lambda: tf.MarianMTModel(tf.MarianConfig(
+        vocab_size=V, d_model=32, encoder_layers=1, decoder_layers=1, encoder_attention_heads=4,
+        decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=64, pad_token_id=0,
+        decoder_start_token_id=0)),
 }
 
 # Other inputs than text or images alone: (factory, inputs, output to compare).
@@ -195,9 +200,10 @@ def test_seq2seq(name):
     inputs = {"input_ids": ids, "decoder_input_ids": torch.randint(5, V, (2, 5)), "use_cache": False}
     wide = fuse(models, inputs)
     assert worst(wide, models, inputs) <= 1e-5
-    tokens = wide.generate(input_ids=ids, max_new_tokens=4, do_sample=False, use_cache=False)
-    for i, model in enumerate(models):
-        assert torch.equal(tokens[i], model.generate(input_ids=ids, max_new_tokens=4, do_sample=False))
+    for use_cache in (False, True):  # with the cache: an EncoderDecoderCache of N*B rows
+        tokens = wide.generate(input_ids=ids, max_new_tokens=4, do_sample=False, use_cache=use_cache)
+        for i, model in enumerate(models):
+            assert torch.equal(tokens[i], model.generate(input_ids=ids, max_new_tokens=4, do_sample=False))
 
 
 @pytest.mark.parametrize("name", list(MIXED))

@@ -136,6 +136,9 @@ def run_per_member(fold: Fold, members: Sequence, token_rows: bool, args: tuple,
         outputs.append(module(*m_args, **m_kwargs))
     for key, cache in caches.items():
         member_cache.merge(cache, views[key])
+    if views:  # an output that hands a member's view back (a decoder's past_key_values) is the cache itself
+        originals = {id(view): caches[key] for key, member_views in views.items() for view in member_views}
+        outputs = [pytree.tree_map(lambda t: originals.get(id(t), t), out) for out in outputs]
     if token_rows:
         return pytree.tree_map(lambda *parts: torch.cat(parts) if isinstance(parts[0], torch.Tensor) else parts[0],
                                *outputs)

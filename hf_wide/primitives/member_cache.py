@@ -10,7 +10,7 @@ layers back into the one cache: where a member replaced a tensor (a cache that g
 tensors are concatenated, member-major; where it wrote in place (a convolution state's ``copy_``) its writes are
 already in the cache's rows.
 
-Dynamic caches only, with the layer types below (key/value layers, full or sliding window, and the linear
+Dynamic caches only (alone, or the two of an encoder-decoder cache), with the layer types below (key/value layers, full or sliding window, and the linear
 attention layers of Mamba and the hybrids): a static layer counts its length in a tensor that every member would
 advance, and other layers keep state this does not know how to split. Anything else is refused.
 """
@@ -25,6 +25,7 @@ from transformers.cache_utils import (
     DynamicCache,
     DynamicLayer,
     DynamicSlidingWindowLayer,
+    EncoderDecoderCache,
     LinearAttentionAndFullAttentionLayer,
     LinearAttentionAndSlidingWindowAttentionLayer,
     LinearAttentionLayer,
@@ -39,11 +40,23 @@ MEMBER_DICTS = ("is_conv_states_initialized", "is_recurrent_states_initialized",
 
 
 def split(cache: Cache, num_members: int, batch: int) -> list[Cache]:
-    """N shallow copies of ``cache``, member m's holding views of rows ``[m*B, (m+1)*B)`` of every layer."""
+    """N shallow copies of ``cache``, member m's holding views of rows ``[m*B, (m+1)*B)`` of every layer (an
+    encoder-decoder cache: of both its caches, with each member's own flags of which cross-attention layers it
+    has filled)."""
+    if type(cache) is EncoderDecoderCache:
+        selfs = split(cache.self_attention_cache, num_members, batch)
+        crosses = split(cache.cross_attention_cache, num_members, batch)
+        views = []
+        for own, cross in zip(selfs, crosses):
+            view = copy.copy(cache)
+            view.self_attention_cache, view.cross_attention_cache = own, cross
+            view.is_updated = dict(cache.is_updated)
+            views.append(view)
+        return views
     if type(cache) is not DynamicCache:
         raise NotImplementedError(
             f"A module run member by member was handed a {type(cache).__name__}; the members can share only a "
-            "DynamicCache. Pass use_cache=False, or a DynamicCache.")
+            "DynamicCache (or an EncoderDecoderCache of two). Pass use_cache=False, or a DynamicCache.")
     if cache.offloading:
         raise NotImplementedError("A module run member by member cannot share an offloading cache between members: "
                                   "pass use_cache=False, or a DynamicCache without offloading.")
@@ -64,6 +77,11 @@ def split(cache: Cache, num_members: int, batch: int) -> list[Cache]:
 def merge(cache: Cache, views: list[Cache]) -> None:
     """Fold the members' layers back into ``cache``: N*B rows, member-major. Layers a member added (a cache that
     makes its layers as they are first updated) are added too."""
+    if type(cache) is EncoderDecoderCache:
+        merge(cache.self_attention_cache, [view.self_attention_cache for view in views])
+        merge(cache.cross_attention_cache, [view.cross_attention_cache for view in views])
+        cache.is_updated.update(views[0].is_updated)  # the same for every member: they saw the same layers
+        return
     for index, parts in enumerate(zip(*(view.layers for view in views))):
         if index < len(cache.layers):
             _merge_layer(cache.layers[index], parts)

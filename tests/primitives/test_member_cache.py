@@ -8,12 +8,15 @@ from transformers.cache_utils import (
     DynamicCache,
     DynamicLayer,
     DynamicSlidingWindowLayer,
+    EncoderDecoderCache,
     LinearAttentionLayer,
     StaticCache,
     StaticLayer,
 )
 
+from hf_wide.fold import Fold
 from hf_wide.primitives import member_cache
+from hf_wide.primitives.fallback import run_per_member
 
 N, B, H, D, K = 3, 2, 2, 4, 3  # members, rows per member, heads, head dim, conv kernel
 
@@ -88,6 +91,35 @@ def test_layers_a_member_adds_are_added_with_every_members_rows():
     member_cache.merge(wide, views)
     assert len(wide.layers) == 2 and wide.layers[1].keys.shape[0] == N * B
     assert torch.equal(wide.layers[1].keys, states["keys"])
+
+
+def test_an_encoder_decoder_cache_splits_both_caches_and_its_flags():
+    wide = EncoderDecoderCache(DynamicCache(), DynamicCache())
+    states = new_states(2, 0)
+    views = member_cache.split(wide, N, B)
+    for m, view in enumerate(views):  # what a cross-attention does on its first call
+        rows = slice(m * B, (m + 1) * B)
+        view.self_attention_cache.update(states["keys"][rows], states["values"][rows], 0)
+        view.cross_attention_cache.update(states["values"][rows], states["keys"][rows], 0)
+        view.is_updated[0] = True
+    assert not wide.is_updated  # the members' flags are their own until merged
+    member_cache.merge(wide, views)
+    assert torch.equal(wide.self_attention_cache.layers[0].keys, states["keys"])
+    assert torch.equal(wide.cross_attention_cache.layers[0].keys, states["values"])
+    assert wide.is_updated == {0: True}
+
+
+def test_a_member_handing_its_view_back_hands_back_the_cache():
+    # A decoder run member by member returns past_key_values: the caller must get the cache, not member 0's rows
+    cache = DynamicCache()
+    x = torch.randn(N * B, H, 1, D)
+
+    def decoder(x, cache):
+        cache.update(x, x, 0)
+        return x * 2, cache
+
+    out, returned = run_per_member(Fold(N), [decoder] * N, False, (x, cache), {})
+    assert returned is cache and torch.equal(cache.layers[0].keys, x) and torch.equal(out, x * 2)
 
 
 @pytest.mark.parametrize("make, match", [
