@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 import torch
 import transformers
+from families import VOCAB, randomise_
 from lora_members import adapted
 from text_members import build_members, decoder_tokenizer, sentences
 
@@ -26,6 +27,14 @@ def setup(request, tmp_path_factory):
     else:
         members = build_members(request.param, 3)
     return tokenizer, members, WideModel.from_models(members)
+
+
+def mamba_member(seed: int):
+    config = transformers.MambaConfig(vocab_size=VOCAB, hidden_size=32, state_size=4, num_hidden_layers=2,
+                                      pad_token_id=0, bos_token_id=1, eos_token_id=1)
+    model = transformers.MambaForCausalLM(config).eval()
+    randomise_(model, seed)
+    return model
 
 
 def lora_member(base, seed: int, rank: int):
@@ -73,6 +82,31 @@ def test_ensemble_decoding_equals_stepping_the_members_without_cache(setup):
         assert u["expected_entropy"] == pytest.approx(float(entropy(p).mean()), abs=1e-5)
         assert u["member_std"] == pytest.approx(float(chosen.std(0, unbiased=False).mean()), abs=1e-6)
         assert u["agreement"] == pytest.approx(float((p.argmax(-1) == tokens).float().mean()))
+
+
+@torch.no_grad()
+def test_ensemble_decoding_of_a_state_space_model_steps_each_members_own_cache(tmp_path):
+    # Mamba's cache (cache_params: conv and recurrent states) is stepped one token at a time, which rounds
+    # differently from reading the whole sequence again: the reference steps each member's own cache.
+    tokenizer = decoder_tokenizer(tmp_path)
+    members = [mamba_member(seed) for seed in range(3)]
+    pipe = pipeline("text-generation", model=WideModel.from_models(members), tokenizer=tokenizer)
+    results = pipe(PROMPTS, max_new_tokens=NEW, return_full_text=False, batch_size=2)
+    encoded = tokenizer(PROMPTS, return_tensors="pt", padding=True)
+    step, mask, caches, new, entropies = encoded["input_ids"], encoded["attention_mask"], [None] * 3, [], []
+    for _ in range(NEW):
+        outs = [m(input_ids=step, attention_mask=mask, cache_params=c, use_cache=True) for m, c in zip(members, caches)]
+        caches = [out.cache_params for out in outs]
+        probs = torch.stack([out.logits[:, -1].softmax(-1) for out in outs]).mean(0)  # (B, V)
+        new.append(probs.argmax(-1))
+        entropies.append(entropy(probs))
+        step, mask = new[-1][:, None], torch.cat([mask, torch.ones_like(mask[:, :1])], -1)
+    for b, result in enumerate(results):
+        row = torch.stack(new, -1)[b].tolist()
+        row = row[: row.index(1) + 1] if 1 in row else row  # up to eos
+        assert result["generated_text"] == tokenizer.decode(row, skip_special_tokens=True)
+        want = float(torch.stack(entropies, -1)[b, : len(row)].mean())
+        assert result["uncertainty"]["predictive_entropy"] == pytest.approx(want, abs=1e-5)
 
 
 def test_per_member_continuations_equal_each_members_generate(setup):
