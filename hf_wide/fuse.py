@@ -27,7 +27,7 @@ from .planner import make_plan, tensor_aliases, trace_members
 from .primitives.base import keeping_storage
 from .structure import opaque_modules
 from .swap import build_wide
-from .tracer import sample_inputs as build_sample_inputs
+from .samples import sample_inputs as build_sample_inputs
 from .verify import diagnose, record_members, wide_paths
 
 MAX_VERIFY_ROUNDS = 16  # each round moves every module that disagreed one strategy down

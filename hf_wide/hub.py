@@ -26,7 +26,7 @@ from .adapter_repos import adapter_folders
 from .adapters import adapter_config, load_adapter_members
 from .loading import load_models, load_streaming, verified, weights_format
 from .saving import load_fused, read_section
-from .tracer import sample_inputs
+from .samples import sample_inputs
 
 
 class MemberLoadError(OSError):

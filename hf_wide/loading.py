@@ -25,7 +25,7 @@ from .checkpoints import Checkpoint, assemble, same_bytes, skeleton_like, state_
 from .compat import IncompatibleMembersError, check_configs
 from .planner import plan_members, tensor_aliases
 from .saving import member_config, model_class_for
-from .tracer import sample_inputs
+from .samples import sample_inputs
 from .verify import diagnose
 
 logger = logging.getLogger(__name__)

@@ -46,7 +46,8 @@ from .registry import (
     find_wide,
     stacked_read_consumers,
 )
-from .tracer import Trace, module_flops, sample_inputs, trace
+from .samples import sample_inputs
+from .tracer import Trace, module_flops, trace
 
 
 def direct_tensors(module: nn.Module) -> dict[str, torch.Tensor]:

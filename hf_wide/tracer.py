@@ -25,33 +25,6 @@ import torch
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
-SAMPLE_BATCH, SAMPLE_SEQ = 2, 8
-
-
-def sample_inputs(model: nn.Module, batch: int = SAMPLE_BATCH, seq_len: int = SAMPLE_SEQ) -> dict:
-    """Tiny inputs for a transformers model, built from its config and main input."""
-    config = getattr(model, "config", None)
-    main = getattr(model, "main_input_name", None)
-    if config is None or main is None:
-        raise ValueError(f"{type(model).__name__} is not a transformers model: pass sample inputs for the trace.")
-    device = next(model.parameters()).device
-    if main == "pixel_values":
-        size = getattr(config, "image_size", 32)
-        size = size if isinstance(size, int) else size[0]
-        channels = getattr(config, "num_channels", 3)
-        dtype = next(model.parameters()).dtype
-        return {"pixel_values": torch.randn(batch, channels, size, size, device=device, dtype=dtype)}
-    if main == "input_ids":
-        vocab = getattr(config.get_text_config(), "vocab_size", None)
-        if not isinstance(vocab, int):  # CANINE reads characters: its config names no vocabulary
-            raise ValueError(f"{type(config).__name__} has no vocab_size to draw sample input_ids from: load the "
-                             "members with transformers and pass sample inputs for the trace, "
-                             "WideModel.from_models(models, {'input_ids': ...}).")
-        ids = torch.randint(0, vocab, (batch, seq_len), device=device)
-        return {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
-    raise ValueError(f"Cannot build sample inputs for main input {main!r}: pass sample inputs for the trace.")
-
-
 @dataclasses.dataclass
 class Trace:
     """What the exported graph says about the template."""

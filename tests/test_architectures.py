@@ -215,3 +215,24 @@ def test_mixed_inputs(name):
     torch.manual_seed(4)  # other inputs than the sample the plan was verified on
     assert worst(wide, models, make_inputs(), key) <= 1e-5
     assert all(entry.reason for entry in wide.plan.loops)  # a loop always says why
+
+
+@pytest.mark.parametrize("name", ["t5", "marian", "whisper", "wav2vec2"])
+def test_from_pretrained_draws_the_sample_from_the_config(name, tmp_path):
+    # Folders fused with no sample given: encoder-decoder models get decoder_input_ids, audio models waveforms or
+    # log-mel frames of the length their config says
+    factory, make_inputs = (SEQ2SEQ[name], None) if name in SEQ2SEQ else MIXED[name][:2]
+    models = members(factory)
+    for i, model in enumerate(models):
+        model.save_pretrained(tmp_path / str(i))
+    paths = [str(tmp_path / str(i)) for i in range(len(models))]
+    with contextlib.redirect_stdout(io.StringIO()):
+        wide = WideModel.from_pretrained(paths)
+    # the members as transformers loads them (Marian's sinusoidal positions are not saved, but made again)
+    models = [type(models[0]).from_pretrained(path).eval() for path in paths]
+    if make_inputs is None:
+        inputs = {"input_ids": text_batch(0)["input_ids"].clamp(min=5), "decoder_input_ids": torch.randint(5, V, (2, 5))}
+    else:
+        torch.manual_seed(4)
+        inputs = make_inputs()
+    assert worst(wide, models, inputs) <= 1e-5

@@ -16,7 +16,7 @@ import torch
 import transformers as tf
 from torch import nn
 
-from ..tracer import sample_inputs
+from ..samples import sample_inputs
 
 VOCAB = 2048
 MAX_POSITIONS = 512

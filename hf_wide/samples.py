@@ -1,0 +1,56 @@
+"""Sample inputs for a transformers model, built from its config and its main input: what the trace, the
+verification and ``validate`` run when the caller gives none.
+
+    sample_inputs(model)   # {"input_ids", "attention_mask"}; {"pixel_values"}; {"input_values"}; ...
+
+An encoder-decoder model (T5, BART, Marian, Whisper) also gets ``decoder_input_ids``: its forward needs them
+(or labels), and the decoder's modules must be traced and verified too. A model whose inputs cannot be told from
+its config is refused with a message that asks for sample inputs.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+SAMPLE_BATCH, SAMPLE_SEQ = 2, 8
+AUDIO_SAMPLES = 16_000  # a second of 16 kHz audio: wav2vec2's feature extractor needs a few hundred at least
+
+
+def sample_inputs(model: nn.Module, batch: int = SAMPLE_BATCH, seq_len: int = SAMPLE_SEQ) -> dict:
+    """Tiny inputs for a transformers model, built from its config and main input."""
+    config = getattr(model, "config", None)
+    main = getattr(model, "main_input_name", None)
+    if config is None or main is None:
+        raise ValueError(f"{type(model).__name__} is not a transformers model: pass sample inputs for the trace.")
+    parameter = next(model.parameters())
+    device, dtype = parameter.device, parameter.dtype
+    if main == "pixel_values":
+        size = getattr(config, "image_size", 32)
+        size = size if isinstance(size, int) else size[0]
+        channels = getattr(config, "num_channels", 3)
+        sample = {"pixel_values": torch.randn(batch, channels, size, size, device=device, dtype=dtype)}
+    elif main == "input_ids":
+        ids = torch.randint(0, _vocab_size(config), (batch, seq_len), device=device)
+        sample = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+    elif main == "input_values":  # raw audio (wav2vec2, HuBERT, WavLM, ...): (B, samples)
+        sample = {"input_values": torch.randn(batch, AUDIO_SAMPLES, device=device, dtype=dtype)}
+    elif main == "input_features" and hasattr(config, "num_mel_bins") and hasattr(config, "max_source_positions"):
+        # log-mel frames (Whisper): the encoder's two convs halve them to exactly its positions
+        frames = 2 * config.max_source_positions
+        sample = {"input_features": torch.randn(batch, config.num_mel_bins, frames, device=device, dtype=dtype)}
+    else:
+        raise ValueError(f"Cannot build sample inputs for main input {main!r}: pass sample inputs for the trace.")
+    if getattr(config, "is_encoder_decoder", False):
+        vocab = _vocab_size(config)
+        sample["decoder_input_ids"] = torch.randint(0, vocab, (batch, max(2, seq_len // 2)), device=device)
+    return sample
+
+
+def _vocab_size(config) -> int:
+    vocab = getattr(config.get_text_config(), "vocab_size", None)
+    if not isinstance(vocab, int):  # CANINE reads characters: its config names no vocabulary
+        raise ValueError(f"{type(config).__name__} has no vocab_size to draw sample input_ids from: load the "
+                         "members with transformers and pass sample inputs for the trace, "
+                         "WideModel.from_models(models, {'input_ids': ...}).")
+    return vocab
