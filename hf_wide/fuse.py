@@ -25,10 +25,11 @@ from .model import WideModel, WideValidationError
 from .plan import Demotions
 from .planner import make_plan, tensor_aliases, trace_members
 from .primitives.base import keeping_storage
+from .samples import sample_inputs as build_sample_inputs
 from .structure import opaque_modules
 from .swap import build_wide
-from .samples import sample_inputs as build_sample_inputs
 from .verify import diagnose, record_members, wide_paths
+from .verify_cache import check_cache
 
 MAX_VERIFY_ROUNDS = 16  # each round moves every module that disagreed one strategy down
 
@@ -84,6 +85,9 @@ def fuse_models(cls: type[WideModel], models: Sequence[nn.Module], sample_inputs
                 )
         else:
             raise WideValidationError(f"hf-wide could not verify a plan in {MAX_VERIFY_ROUNDS} rounds:\n{plan}")
+        problem = check_cache(wide, models, ids, kwargs) if verify and not args else None
+        if problem:
+            raise WideValidationError(f"hf-wide cannot fuse these members exactly: {problem}. Plan:\n{plan}")
     finally:
         for m, training in zip(models, was_training):
             m.train(training)

@@ -1,0 +1,86 @@
+"""The cache path, checked once at fusion: what verification does not run.
+
+Verification runs the sample without a cache (a cache would be extended by every call), so the path a generating
+model takes with one is checked here: a prefill of the sample and one decoding step with the cache it returned,
+the wide model against every member doing the same alone. That path is the wide model's own code (a KV cache of
+N*B rows; each member's rows of a state-space model's convolution and recurrent states, through
+:mod:`hf_wide.primitives.member_cache`), and a state it shares wrongly between members shows nowhere else: Mamba's
+mixers once read member 0's state as every member's past, exact without a cache and wrong with one. A
+disagreement refuses the fusion, naming the member; a wide model that cannot run with a cache at all says so
+when it is asked to, as the member would.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from .verify import tolerance
+
+CACHE_NAMES = ("past_key_values", "cache_params")  # what transformers' models call it (Mamba: cache_params)
+
+
+def cache_name(model: nn.Module) -> str | None:
+    """The keyword under which ``model`` takes and returns its cache, or None where it keeps none."""
+    inner = model.get_base_model() if hasattr(model, "get_base_model") else model  # a PeftModel passes it on
+    if getattr(getattr(inner, "config", None), "use_cache", None) is None:
+        return None
+    parameters = inspect.signature(inner.forward).parameters
+    if "use_cache" not in parameters:
+        return None
+    return next((name for name in CACHE_NAMES if name in parameters), None)
+
+
+def check_cache(wide, models: Sequence[nn.Module], names: Sequence[str], kwargs: dict) -> str | None:
+    """None if the wide model with a cache (a prefill of the sample ``kwargs``, then one step) gives every member's
+    output; else what differs. Models without a cache, and samples without token ids, are not checked."""
+    name = cache_name(models[0])
+    ids = "decoder_input_ids" if "decoder_input_ids" in kwargs else "input_ids"
+    if name is None or not isinstance(kwargs.get(ids), torch.Tensor):
+        return None
+    with torch.no_grad():
+        try:
+            got = _two_steps(wide, name, ids, kwargs)
+        except Exception:  # the wide model refuses a cache (a static one, a layer it cannot split): loud when used
+            return None
+        if got is None:
+            return None
+        for i, model in enumerate(models):
+            try:
+                want = _two_steps(model, name, ids, kwargs)
+            except Exception:  # the member itself cannot: nothing to hold the wide model to
+                return None
+            if want is None:
+                return None
+            for step, (out, ref) in enumerate(zip(got, want)):
+                diff = (out[i].float() - ref.float()).abs().max().item()
+                if not diff <= tolerance(ref):
+                    what = "the prefill" if step == 0 else "a decoding step"
+                    return (f"{names[i]}: with a cache ({name}), the fused model's output on {what} differs from the "
+                            f"member run alone by {diff:.3g} (without one it agrees)")
+    return None
+
+
+def _two_steps(model: nn.Module, name: str, ids: str, kwargs: dict) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The first output tensor of a prefill of ``kwargs`` with a cache, and of one more token with it; None if the
+    model returned no cache (an encoder given ``use_cache``)."""
+    first = model(**kwargs, use_cache=True)
+    cache = getattr(first, name, None)
+    if cache is None:
+        return None
+    step = dict(kwargs)
+    step[ids] = kwargs[ids][..., -1:]  # the last token again, as the next one
+    mask = "decoder_attention_mask" if ids == "decoder_input_ids" else "attention_mask"
+    if isinstance(step.get(mask), torch.Tensor):
+        step[mask] = torch.cat([step[mask], step[mask][..., -1:]], -1)
+    step.pop("position_ids", None)
+    second = model(**step, **{name: cache}, use_cache=True)
+    return _first_tensor(first), _first_tensor(second)
+
+
+def _first_tensor(output) -> torch.Tensor:
+    return output if isinstance(output, torch.Tensor) else next(v for v in output.values()
+                                                                 if isinstance(v, torch.Tensor))
