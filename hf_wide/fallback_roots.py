@@ -73,11 +73,17 @@ def loop_reason(root: str, modules: dict[str, nn.Module], opaque: dict[str, Opaq
     return None, False
 
 
+STAND_IN = "_hf_wide_stand_in"  # marks the empty tensor a stand-in member holds where it differs (hf_wide.loading)
+_MISSING = object()
+
+
 def shape_differs(root: str, member_modules: list[dict[str, nn.Module]]) -> str | None:
-    """The first tensor under ``root`` whose shape differs between members (which cannot be stacked), or None."""
-    shapes = [{n: t.shape for n, t in (*m[root].named_parameters(), *m[root].named_buffers())} for m in member_modules]
+    """The first tensor under ``root`` whose shape differs between members (which cannot be stacked), or None. A
+    stand-in's tensor has no shape of its own (the streaming loader checked the files' shapes against member 0's)."""
+    shapes = [{n: None if getattr(t, STAND_IN, False) else t.shape
+               for n, t in (*m[root].named_parameters(), *m[root].named_buffers())} for m in member_modules]
     return next((f"{root}.{n}" if root else n for n, s in shapes[0].items()
-                 if any(other.get(n) != s for other in shapes[1:])), None)
+                 if any(other.get(n, _MISSING) not in (s, None) for other in shapes[1:])), None)
 
 
 def settle(root: str, modules: dict[str, nn.Module], callers: dict[str, set[str]]) -> str:

@@ -23,10 +23,13 @@ from torch import nn
 
 from .checkpoints import Checkpoint, assemble, same_bytes, skeleton_like, state_tensors
 from .compat import IncompatibleMembersError, check_configs
+from .fallback_roots import STAND_IN
+from .model import WideValidationError
 from .planner import plan_members, tensor_aliases
-from .saving import member_config, model_class_for
 from .samples import sample_inputs
+from .saving import member_config, model_class_for
 from .verify import diagnose
+from .verify_cache import check_cache
 
 logger = logging.getLogger(__name__)
 
@@ -91,8 +94,12 @@ def verified(wide, share_identical: bool):
     tensors in its own classes: checkpoint i as transformers would run it); else the same members fused anew
     by :meth:`WideModel.from_models`, which moves each module that disagrees one strategy down."""
     members = [wide.member(i, share=True) for i in range(wide.num_members)]
-    failures, _ = diagnose(wide, members, (), sample_inputs(members[0]))
+    sample = sample_inputs(members[0])
+    failures, _ = diagnose(wide, members, (), sample)
     if not failures:
+        problem = check_cache(wide, members, wide.member_ids, sample)
+        if problem:
+            raise WideValidationError(f"hf-wide cannot fuse these members exactly: {problem}. Plan:\n{wide.plan}")
         return wide
     logger.warning("hf-wide: %s; fusing the members again with it moved down", "; ".join(
         f"{path or '(model)'} {reason}" for path, reason in failures.items()))
@@ -143,7 +150,9 @@ def _stand_in(template: nn.Module, identical: set[str]) -> nn.Module:
     for key, t in state_tensors(template).items():
         if key not in identical:
             empty = torch.empty(0, dtype=t.dtype)
-            memo[id(t)] = nn.Parameter(empty, requires_grad=False) if isinstance(t, nn.Parameter) else empty
+            empty = nn.Parameter(empty, requires_grad=False) if isinstance(t, nn.Parameter) else empty
+            setattr(empty, STAND_IN, True)  # its shape is not the member's: the planner must not compare it
+            memo[id(t)] = empty
     for t in (*template.parameters(), *template.buffers()):
         memo.setdefault(id(t), t)
     return copy.deepcopy(template, memo)

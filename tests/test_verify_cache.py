@@ -33,6 +33,19 @@ def test_a_cache_shared_wrongly_between_members_refuses_the_fusion(monkeypatch):
     WideModel.from_models(mamba_members(), verify=False)  # unverified, nothing is checked
 
 
+def test_members_read_from_files_are_checked_too(monkeypatch, tmp_path):
+    # The streaming loader fills the wide model from the files and verifies it without from_models: same check
+    paths = []
+    for i, member in enumerate(mamba_members()):
+        member.save_pretrained(tmp_path / str(i))
+        paths.append(str(tmp_path / str(i)))
+    WideModel.from_pretrained(paths)
+    monkeypatch.setattr(member_cache, "split", lambda cache, n, batch: [cache] * n)
+    monkeypatch.setattr(member_cache, "merge", lambda cache, views: None)
+    with pytest.raises(WideValidationError, match=r"with a cache \(cache_params\).*differs"):
+        WideModel.from_pretrained(paths)
+
+
 def test_each_member_reads_its_own_state_with_a_cache():
     members = mamba_members()
     wide = WideModel.from_models(members)  # the check passed
