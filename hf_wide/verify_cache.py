@@ -38,6 +38,7 @@ def check_cache(wide, models: Sequence[nn.Module], names: Sequence[str], kwargs:
     """None if the wide model with a cache (a prefill of the sample ``kwargs``, then one step) gives every member's
     output; else what differs. Models without a cache, and samples without token ids, are not checked."""
     name = cache_name(models[0])
+    kwargs = {k: v for k, v in kwargs.items() if k not in ("use_cache", *CACHE_NAMES)}  # the sample's own say
     ids = "decoder_input_ids" if "decoder_input_ids" in kwargs else "input_ids"
     if name is None or not isinstance(kwargs.get(ids), torch.Tensor):
         return None
@@ -56,9 +57,12 @@ def check_cache(wide, models: Sequence[nn.Module], names: Sequence[str], kwargs:
             if want is None:
                 return None
             for step, (out, ref) in enumerate(zip(got, want)):
+                what = "the prefill" if step == 0 else "a decoding step"
+                if out[i].shape != ref.shape:
+                    return (f"{names[i]}: with a cache ({name}), the fused model's output on {what} has shape "
+                            f"{tuple(out[i].shape)}, the member's {tuple(ref.shape)}")
                 diff = (out[i].float() - ref.float()).abs().max().item()
                 if not diff <= tolerance(ref):
-                    what = "the prefill" if step == 0 else "a decoding step"
                     return (f"{names[i]}: with a cache ({name}), the fused model's output on {what} differs from the "
                             f"member run alone by {diff:.3g} (without one it agrees)")
     return None
