@@ -43,6 +43,8 @@ def test_mapped_files_count_whole_and_once(tmp_path):
 def test_held_peak_sees_what_a_block_allocates_and_frees(tmp_path):
     with HeldPeak(str(tmp_path)) as held:
         block = torch.ones(64 << 20, dtype=torch.uint8)  # 64 MiB, written: resident
-        time.sleep(0.05)  # the sampler's turn, however busy the machine
+        deadline = time.monotonic() + 60  # the sampler's turn, however busy the machine (a fixed 50 ms was not,
+        while held.anonymous < 60 << 20 and time.monotonic() < deadline:  # with another test worker beside it)
+            time.sleep(0.01)
         del block
     assert held.anonymous >= 60 << 20 and held.held >= held.anonymous
