@@ -5,7 +5,6 @@ import mmap
 import time
 
 import pytest
-import torch
 
 from hf_wide.benchmark.load_memory import HeldPeak, _format, mapped_bytes, measure_load_memory
 
@@ -42,9 +41,13 @@ def test_mapped_files_count_whole_and_once(tmp_path):
 
 def test_held_peak_sees_what_a_block_allocates_and_frees(tmp_path):
     with HeldPeak(str(tmp_path)) as held:
-        block = torch.ones(64 << 20, dtype=torch.uint8)  # 64 MiB, written: resident
-        deadline = time.monotonic() + 60  # the sampler's turn, however busy the machine (a fixed 50 ms was not,
-        while held.anonymous < 60 << 20 and time.monotonic() < deadline:  # with another test worker beside it)
+        # 64 MiB of anonymous pages of its own, written: resident, whatever malloc keeps (a tensor could reuse
+        # freed heap a test before it left when hf_wide.cpu.tune_cpu_allocator ran in this worker)
+        block = mmap.mmap(-1, 64 << 20, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        for offset in range(0, len(block), mmap.PAGESIZE):
+            block[offset] = 1
+        deadline = time.monotonic() + 60  # the sampler's turn, however busy the machine
+        while held.anonymous < 60 << 20 and time.monotonic() < deadline:
             time.sleep(0.01)
-        del block
+        block.close()
     assert held.anonymous >= 60 << 20 and held.held >= held.anonymous
