@@ -29,7 +29,7 @@ from .samples import sample_inputs as build_sample_inputs
 from .structure import opaque_modules
 from .swap import build_wide
 from .verify import diagnose, record_members, wide_paths
-from .verify_cache import check_cache
+from .verify_cache import require_cache_agrees
 
 MAX_VERIFY_ROUNDS = 16  # each round moves every module that disagreed one strategy down
 
@@ -85,9 +85,8 @@ def fuse_models(cls: type[WideModel], models: Sequence[nn.Module], sample_inputs
                 )
         else:
             raise WideValidationError(f"hf-wide could not verify a plan in {MAX_VERIFY_ROUNDS} rounds:\n{plan}")
-        problem = check_cache(wide, models, ids, kwargs) if verify and not args else None
-        if problem:
-            raise WideValidationError(f"hf-wide cannot fuse these members exactly: {problem}. Plan:\n{plan}")
+        if verify and not args:
+            require_cache_agrees(wide, models, ids, kwargs)
     finally:
         for m, training in zip(models, was_training):
             m.train(training)

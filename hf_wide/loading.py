@@ -24,12 +24,11 @@ from torch import nn
 from .checkpoints import Checkpoint, assemble, same_bytes, skeleton_like, state_tensors
 from .compat import IncompatibleMembersError, check_configs
 from .fallback_roots import STAND_IN
-from .model import WideValidationError
 from .planner import plan_members, tensor_aliases
 from .samples import sample_inputs
 from .saving import member_config, model_class_for
 from .verify import diagnose
-from .verify_cache import check_cache
+from .verify_cache import require_cache_agrees
 
 logger = logging.getLogger(__name__)
 
@@ -97,9 +96,7 @@ def verified(wide, share_identical: bool):
     sample = sample_inputs(members[0])
     failures, _ = diagnose(wide, members, (), sample)
     if not failures:
-        problem = check_cache(wide, members, wide.member_ids, sample)
-        if problem:
-            raise WideValidationError(f"hf-wide cannot fuse these members exactly: {problem}. Plan:\n{wide.plan}")
+        require_cache_agrees(wide, members, wide.member_ids, sample)
         return wide
     logger.warning("hf-wide: %s; fusing the members again with it moved down", "; ".join(
         f"{path or '(model)'} {reason}" for path, reason in failures.items()))

@@ -18,6 +18,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
+from .model import WideValidationError, _first_tensor
 from .verify import tolerance
 
 CACHE_NAMES = ("past_key_values", "cache_params")  # what transformers' models call it (Mamba: cache_params)
@@ -68,6 +69,13 @@ def check_cache(wide, models: Sequence[nn.Module], names: Sequence[str], kwargs:
     return None
 
 
+def require_cache_agrees(wide, models: Sequence[nn.Module], names: Sequence[str], kwargs: dict) -> None:
+    """:func:`check_cache`, refusing the fusion with a :class:`WideValidationError` where the cache path differs."""
+    problem = check_cache(wide, models, names, kwargs)
+    if problem:
+        raise WideValidationError(f"hf-wide cannot fuse these members exactly: {problem}. Plan:\n{wide.plan}")
+
+
 def _two_steps(model: nn.Module, name: str, ids: str, kwargs: dict) -> tuple[torch.Tensor, torch.Tensor] | None:
     """The first output tensor of a prefill of ``kwargs`` with a cache, and of one more token with it; None if the
     model returned no cache (an encoder given ``use_cache``)."""
@@ -83,8 +91,3 @@ def _two_steps(model: nn.Module, name: str, ids: str, kwargs: dict) -> tuple[tor
     step.pop("position_ids", None)
     second = model(**step, **{name: cache}, use_cache=True)
     return _first_tensor(first), _first_tensor(second)
-
-
-def _first_tensor(output) -> torch.Tensor:
-    return output if isinstance(output, torch.Tensor) else next(v for v in output.values()
-                                                                 if isinstance(v, torch.Tensor))

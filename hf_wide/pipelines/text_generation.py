@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from .. import metrics
+from ..verify_cache import cache_name as cache_name_of
 from .base import WidePipeline, _max_length
 from .combine import Combine, combine, member_probabilities, ranking
 
@@ -149,7 +150,7 @@ class TextGenerationPipeline(WidePipeline):
         eos = torch.tensor(self._eos_ids(), device=ids.device, dtype=ids.dtype)
         done = torch.zeros(ids.shape[0], dtype=torch.bool, device=ids.device)
         keep = {"logits_to_keep": 1} if self._keeps_logits() else {}
-        cache_name = self._cache_name()
+        cache_name = cache_name_of(self.model.model) or "past_key_values"  # Mamba: cache_params
         cache, step_ids, steps = None, ids, []
         for _ in range(max_new_tokens):
             out = self.model(input_ids=step_ids, attention_mask=mask, position_ids=positions,
@@ -198,12 +199,6 @@ class TextGenerationPipeline(WidePipeline):
             if pad is not None:
                 return pad
         return (self._eos_ids() or [0])[0]
-
-    def _cache_name(self) -> str:
-        """What the model calls its cache, in and out: ``past_key_values``, or Mamba's ``cache_params``."""
-        parameters = inspect.signature(self.model.model.forward).parameters
-        return "cache_params" if "cache_params" in parameters and "past_key_values" not in parameters else \
-            "past_key_values"
 
     def _keeps_logits(self) -> bool:
         """Whether the model can compute logits for the last position only (most causal LMs can)."""
