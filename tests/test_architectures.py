@@ -13,6 +13,7 @@ import torch
 import transformers as tf
 
 from hf_wide import WideModel
+from hf_wide.verify_cache import cache_name
 
 V = 100
 TEXT = {"vocab_size": V, "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4, "intermediate_size": 64,
@@ -204,6 +205,30 @@ def test_seq2seq(name):
         tokens = wide.generate(input_ids=ids, max_new_tokens=4, do_sample=False, use_cache=use_cache)
         for i, model in enumerate(models):
             assert torch.equal(tokens[i], model.generate(input_ids=ids, max_new_tokens=4, do_sample=False))
+
+
+@pytest.mark.parametrize("name", [*SEQ2SEQ, "mamba", "jamba", "qwen3"])
+def test_a_cache_the_wide_model_makes_serves_the_next_step(name):
+    # Asked for a cache and handed none, the model makes it: under vmap (Marian's decoder, whose members' position
+    # tables differ), member by member, or whole. It must hold every member's rows, for a step taken by hand.
+    models = members({**SEQ2SEQ, **DECODERS}[name])
+    inputs = text_batch(0)
+    if name in SEQ2SEQ:
+        inputs = {"input_ids": inputs["input_ids"].clamp(min=5), "decoder_input_ids": torch.randint(5, V, (2, 5))}
+    ids = "decoder_input_ids" if name in SEQ2SEQ else "input_ids"
+    wide = fuse(models, {**inputs, "use_cache": False})
+    step = {**inputs, ids: inputs[ids][:, -1:]}
+    if "attention_mask" in step:
+        step["attention_mask"] = torch.cat([inputs["attention_mask"], inputs["attention_mask"][:, -1:]], -1)
+    cache = cache_name(models[0])  # Mamba: cache_params
+    with torch.no_grad():
+        got = wide(**inputs, use_cache=True)
+        got_next = wide(**step, **{cache: got[cache]}, use_cache=True).logits
+        for i, model in enumerate(models):
+            want = model(**inputs, use_cache=True)
+            want_next = model(**step, **{cache: want[cache]}, use_cache=True).logits
+            assert (got.logits[i] - want.logits).abs().max() <= 1e-5
+            assert (got_next[i] - want_next).abs().max() <= 1e-5
 
 
 @pytest.mark.parametrize("name", list(MIXED))

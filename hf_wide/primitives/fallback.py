@@ -161,6 +161,8 @@ def _concat_members(outputs: list, batch: int):
                     "its output has no batch dim, so the members' outputs cannot be folded."
                 )
             merged.append(torch.cat(parts, dim=0))  # (N*B, ...)
+        elif isinstance(first, Cache) and any(p is not first for p in parts):  # each member made its own
+            merged.append(member_cache.gather(list(parts)))
         else:
             merged.append(first)
     return pytree.tree_unflatten(merged, spec)

@@ -8,7 +8,9 @@ holding views of that member's rows (:func:`split`); the cache's own code (``upd
 ``update_recurrent_state``, lazy initialisation) runs on them unchanged, and :func:`merge` folds the members'
 layers back into the one cache: where a member replaced a tensor (a cache that grows by concatenation) the N
 tensors are concatenated, member-major; where it wrote in place (a convolution state's ``copy_``) its writes are
-already in the cache's rows.
+already in the cache's rows. Members that make their caches themselves (a module asked for one and handed none)
+have theirs gathered into one of N*B rows (:func:`gather`, or :func:`row_tensors` and :func:`set_row_tensors`
+for a cache made under vmap).
 
 Dynamic caches only (alone, or the two of an encoder-decoder cache), with the layer types below (key/value layers, full or sliding window, and the linear
 attention layers of Mamba and the hybrids): a static layer counts its length in a tensor that every member would
@@ -53,18 +55,7 @@ def split(cache: Cache, num_members: int, batch: int) -> list[Cache]:
             view.is_updated = dict(cache.is_updated)
             views.append(view)
         return views
-    if type(cache) is not DynamicCache:
-        raise NotImplementedError(
-            f"A module run member by member was handed a {type(cache).__name__}; the members can share only a "
-            "DynamicCache (or an EncoderDecoderCache of two). Pass use_cache=False, or a DynamicCache.")
-    if cache.offloading:
-        raise NotImplementedError("A module run member by member cannot share an offloading cache between members: "
-                                  "pass use_cache=False, or a DynamicCache without offloading.")
-    for layer in cache.layers:
-        if type(layer) not in SPLIT_LAYERS:
-            raise NotImplementedError(
-                f"A module run member by member cannot share a cache layer of type {type(layer).__name__} between "
-                f"members (it can: {', '.join(t.__name__ for t in SPLIT_LAYERS)}). Pass use_cache=False.")
+    _check_shareable(cache)
     views = []
     for m in range(num_members):
         rows = slice(m * batch, (m + 1) * batch)
@@ -72,6 +63,77 @@ def split(cache: Cache, num_members: int, batch: int) -> list[Cache]:
         view.layers = [_layer_rows(layer, rows) for layer in cache.layers]
         views.append(view)
     return views
+
+
+def gather(caches: list[Cache]) -> Cache:
+    """One cache of N*B rows, member-major, from the N caches of B rows that the members made themselves (a
+    module run member by member, or vmapped, handed no cache and asked for one)."""
+    first = caches[0]
+    if type(first) is EncoderDecoderCache:
+        cache = copy.copy(first)
+        cache.self_attention_cache = gather([c.self_attention_cache for c in caches])
+        cache.cross_attention_cache = gather([c.cross_attention_cache for c in caches])
+        cache.is_updated = dict(first.is_updated)
+        return cache
+    for c in caches:
+        _check_shareable(c)
+    cache = copy.copy(first)
+    cache.layers = []
+    merge(cache, caches)  # every layer new to it: the members' rows concatenated
+    return cache
+
+
+def row_tensors(cache: Cache) -> list[torch.Tensor]:
+    """The tensors of ``cache`` that hold rows, in a fixed order (the order :func:`set_row_tensors` takes)."""
+    found = []
+    _map_rows(cache, lambda t: found.append(t) or t)
+    return found
+
+
+def set_row_tensors(cache: Cache, tensors: list[torch.Tensor]) -> None:
+    """Replace the row tensors of ``cache``, in :func:`row_tensors`' order (a cache made under vmap: its
+    member's tensors by the N members' ones, folded)."""
+    given = iter(tensors)
+    _map_rows(cache, lambda t: next(given))
+
+
+def _map_rows(cache: Cache, fn) -> None:
+    if type(cache) is EncoderDecoderCache:
+        _map_rows(cache.self_attention_cache, fn)
+        _map_rows(cache.cross_attention_cache, fn)
+        return
+    _check_shareable(cache)
+    for layer in cache.layers:
+        for name in ROW_TENSORS:
+            if _has_rows(getattr(layer, name, None)):
+                setattr(layer, name, fn(getattr(layer, name)))
+        for name in ROW_STATES:
+            states = getattr(layer, name, None)
+            if states is not None:
+                setattr(layer, name, {k: fn(v) if _has_rows(v) else v for k, v in states.items()})
+
+
+def _check_shareable(cache: Cache) -> None:
+    reason = unshareable(cache)
+    if reason:
+        raise NotImplementedError(reason)
+
+
+def unshareable(cache: Cache) -> str | None:
+    """Why the members cannot share ``cache`` (each its own rows of it), or None where they can."""
+    if type(cache) is EncoderDecoderCache:
+        return unshareable(cache.self_attention_cache) or unshareable(cache.cross_attention_cache)
+    if type(cache) is not DynamicCache:
+        return (f"A module run member by member was handed a {type(cache).__name__}; the members can share only a "
+                "DynamicCache (or an EncoderDecoderCache of two). Pass use_cache=False, or a DynamicCache.")
+    if cache.offloading:
+        return ("A module run member by member cannot share an offloading cache between members: pass "
+                "use_cache=False, or a DynamicCache without offloading.")
+    for layer in cache.layers:
+        if type(layer) not in SPLIT_LAYERS:
+            return (f"A module run member by member cannot share a cache layer of type {type(layer).__name__} "
+                    f"between members (it can: {', '.join(t.__name__ for t in SPLIT_LAYERS)}). Pass use_cache=False.")
+    return None
 
 
 def merge(cache: Cache, views: list[Cache]) -> None:

@@ -12,7 +12,8 @@ No code per class, and one parameter tensor per source tensor, as in a primitive
 member shares (ids, masks) are handed over once, unbatched, as the source would see them: transformers reads the
 values of a mask to skip it, which vmap cannot do on a batched tensor. Where vmap cannot run (a cache, whose
 rows and state each member reads and extends, or data-dependent control flow on inputs that differ between
-members) the same stacked tensors run member by member. The plan chooses this for a module only after verification saw it agree with its
+members) the same stacked tensors run member by member; a cache the module makes itself (asked for one, handed
+none) leaves vmap with its tensors as outputs, folded into the cache's N*B rows. The plan chooses this for a module only after verification saw it agree with its
 members; data-dependent control flow and ``.item()`` make vmap raise there, and the module is then planned as a
 loop (``loop=True``: member 0's code over each member's tensors in turn, still one tensor per source tensor).
 Only where the members' code differs (a hook, another class) does a loop hold each member's own module
@@ -32,6 +33,7 @@ from torch.utils import _pytree as pytree
 from transformers.cache_utils import Cache
 
 from ..fold import Fold
+from . import member_cache
 from .base import meta_copy
 from .fallback import TOKEN_ROWS, is_own_method, per_member_method, run_per_member
 
@@ -188,11 +190,18 @@ class VectorisedFallback(nn.Module):
             m_args, m_kwargs = pytree.tree_unflatten(list(member_leaves), spec)
             out_leaves, structure["spec"] = pytree.tree_flatten(functional_call(code, member_state, m_args, m_kwargs))
             structure["static"] = [_TENSOR if isinstance(t, torch.Tensor) else t for t in out_leaves]
-            return [t for t in out_leaves if isinstance(t, torch.Tensor)]
+            # A cache the module made (asked for one, handed none) holds its member's rows: they leave vmap too. One
+            # the members could not share is left as it is, and fails loudly if it is used.
+            structure["caches"] = [(t, len(member_cache.row_tensors(t))) for t in out_leaves
+                                   if isinstance(t, Cache) and not member_cache.unshareable(t)]
+            return [t for t in out_leaves if isinstance(t, torch.Tensor)] + [
+                r for cache, _ in structure["caches"] for r in member_cache.row_tensors(cache)]
 
         randomness = "different" if self.training else "error"
         outs = iter(vmap(member, in_dims=tuple(in_dims), randomness=randomness)(state, *mapped))
         out_leaves = [self._merge(next(outs), rows // n) if t is _TENSOR else t for t in structure["static"]]
+        for cache, count in structure["caches"]:  # (N, B, ...) each -> the cache's N*B rows, member-major
+            member_cache.set_row_tensors(cache, [self._merge(next(outs), rows // n) for _ in range(count)])
         return pytree.tree_unflatten(out_leaves, structure["spec"])
 
     def _merge(self, y: torch.Tensor, batch: int) -> torch.Tensor:

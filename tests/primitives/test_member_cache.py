@@ -122,6 +122,54 @@ def test_a_member_handing_its_view_back_hands_back_the_cache():
     assert returned is cache and torch.equal(cache.layers[0].keys, x) and torch.equal(out, x * 2)
 
 
+def test_caches_the_members_made_themselves_are_gathered_member_major():
+    # A decoder run member by member, asked for a cache and handed none: each member makes its own of B rows
+    x = torch.randn(N * B, H, 2, D)
+
+    def decoder(x):
+        cache = EncoderDecoderCache(DynamicCache(), DynamicCache())
+        cache.self_attention_cache.update(x, x + 1, 0)
+        cache.cross_attention_cache.update(x * 2, x * 3, 0)
+        cache.is_updated[0] = True
+        return x * 2, cache
+
+    out, cache = run_per_member(Fold(N), [decoder] * N, False, (x,), {})
+    assert torch.equal(out, x * 2) and cache.get_seq_length() == 2 and cache.is_updated == {0: True}
+    assert torch.equal(cache.self_attention_cache.layers[0].keys, x)
+    assert torch.equal(cache.self_attention_cache.layers[0].values, x + 1)
+    assert torch.equal(cache.cross_attention_cache.layers[0].values, x * 3)
+
+
+def test_a_cache_made_under_vmap_leaves_it_with_every_members_rows():
+    from torch import nn
+
+    from hf_wide.primitives import VectorisedFallback
+
+    class Decoder(nn.Module):  # a layer that makes its cache when asked for one
+        def __init__(self):
+            super().__init__()
+            self.proj = nn.Linear(D, D)
+
+        def forward(self, x, use_cache=False):
+            keys = self.proj(x)  # (B, H, T, D)
+            cache = DynamicCache() if use_cache else None
+            if cache is not None:
+                cache.update(keys, keys * 2, 0)
+            return keys.sum(), cache
+
+    torch.manual_seed(0)
+    mods = [Decoder().eval() for _ in range(N)]
+    wide = VectorisedFallback.from_modules(mods, Fold(N))
+    x = torch.randn(N * B, H, 3, D)
+    with torch.no_grad():
+        _, cache = wide(x, use_cache=True)
+        keys = cache.layers[0].keys  # a plain tensor of N*B rows, not one that escaped vmap
+        for m, mod in enumerate(mods):
+            rows = slice(m * B, (m + 1) * B)
+            assert torch.allclose(keys[rows], mod.proj(x[rows]), atol=1e-6)
+            assert torch.allclose(cache.layers[0].values[rows], mod.proj(x[rows]) * 2, atol=1e-6)
+
+
 @pytest.mark.parametrize("make, match", [
     (lambda: _static(), "DynamicCache"),
     (lambda: DynamicCache(offloading=True), "offloading"),
