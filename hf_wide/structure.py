@@ -1,7 +1,7 @@
 """Structural checks: which modules must run as each member's own code, whatever builders are registered.
 
 A wide builder reimplements its source module from the source's tensors and hyper-parameters. It is exact
-only when the module is what the builder knows. Three things make a module something else, and each is a
+only when the module is what the builder knows. Four things make a module something else, and each is a
 reason for the planner to run it (and its subtree) per member instead:
 
 - **hooks**: a forward hook or pre-hook (other than transformers' output capture, which hf-wide installs
@@ -10,6 +10,9 @@ reason for the planner to run it (and its subtree) per member instead:
   other tensors on every call. Where every member's module has the same parametrizations, member 0's code
   computes any member's weight from that member's tensors: the module is vectorised (``vectorisable``), not
   looped;
+- **state of its own**: a module whose forward keeps tensors in its plain attributes from one call to the next
+  (RecurrentGemma's recurrent block: its convolution state, and its RG-LRU's recurrent state). Run as one code for
+  every member, each member would read the state another left; each member's own module keeps its own;
 - **differing attributes**: a module kept as the template's code (or rebuilt from member 0's hyper-parameters)
   runs with member 0's plain attributes; where a member's differ (PEFT's per-adapter ``scaling``, a norm's
   ``eps``), member 0's would be used for all. So would a module of another class at the same path.
@@ -30,12 +33,15 @@ from torch.nn.utils import parametrize
 
 from .capture import is_capture_hook
 from .primitives.base import same_value
-from .registry import find_block, has_exact_builder
+from .registry import find_block, has_exact_builder, transformers_classes
 
 # Configs are checked by hf_wide.compat, and `name_or_path` is where a member came from. PEFT's `peft_config` (on
 # the PeftModel and its tuner) is the adapters' recipe: what its layers run with (`scaling`, `r`, dropout) is
 # copied onto each layer, and compared there.
 IGNORED_ATTRIBUTES = frozenset({"training", "config", "generation_config", "name_or_path", "peft_config"})
+# Module classes whose forward keeps state in plain attributes (of its own, or of its children): what it keeps.
+STATEFUL = dict(zip(transformers_classes("recurrent_gemma.RecurrentGemmaRecurrentBlock"),
+                    ["conv1d_state, rg_lru.recurrent_states"]))
 WHOLE = "(the module)"  # what a block's member_attribute is asked for a module it takes whole per member
 
 
@@ -84,6 +90,9 @@ def opaque_reason(mods: Sequence[nn.Module], taken: Callable[[str], bool] = lamb
     """Why the members' modules at one path must each run as their own code, or None. ``taken``: the attributes
     a fused block around the path (or at it) takes per member, which make the module opaque only if that block
     is not used (``block_may_take``)."""
+    if type(mods[0]) in STATEFUL:
+        return Opaque(f"{type(mods[0]).__name__} keeps state in its own attributes between calls "
+                      f"({STATEFUL[type(mods[0])]})")
     for i, mod in enumerate(mods):
         reason = hook_reason(mod)
         if reason is not None:

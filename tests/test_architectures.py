@@ -54,6 +54,11 @@ DECODERS = {
         **DECODER, head_dim=8, layer_types=["linear_attention", "full_attention"], linear_num_value_heads=4,
         linear_num_key_heads=2, linear_key_head_dim=8, linear_value_head_dim=8, num_experts=2, num_experts_per_tok=1,
         moe_intermediate_size=16, shared_expert_intermediate_size=16)),
+    # its recurrent block keeps its state in its own attributes: each member's own module, its state its own
+    "recurrent_gemma": lambda: tf.RecurrentGemmaForCausalLM(tf.RecurrentGemmaConfig(
+        vocab_size=V, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        intermediate_size=64, lru_width=32, attention_window_size=4, block_types=["recurrent", "attention"],
+        pad_token_id=0)),
 }
 ENCODERS = {
     "xlm-roberta": lambda: tf.XLMRobertaForSequenceClassification(tf.XLMRobertaConfig(**TEXT, num_labels=3)),
@@ -176,6 +181,21 @@ def test_decoder(name):
     tokens = wide.generate(**inputs, max_new_tokens=4, do_sample=False)
     for i, model in enumerate(models):
         assert torch.equal(tokens[i], model.generate(**inputs, max_new_tokens=4, do_sample=False))
+
+
+def test_a_decoder_keeping_state_in_its_modules_takes_any_batch_size():
+    # RecurrentGemma's recurrent state lives in its blocks' attributes, sized by the last call's batch: run as one
+    # code for every member, member m read the state member m-1 left, and a batch of another size than the last
+    # one's failed
+    models = members(DECODERS["recurrent_gemma"])
+    wide = fuse(models)
+    for batch in (1, 3, 1):
+        torch.manual_seed(batch)
+        ids = torch.randint(5, V, (batch, 6))
+        assert worst(wide, models, {"input_ids": ids}) <= 1e-5
+        tokens = wide.generate(input_ids=ids, max_new_tokens=3, do_sample=False)
+        for i, model in enumerate(models):
+            assert torch.equal(tokens[i], model.generate(input_ids=ids, max_new_tokens=3, do_sample=False))
 
 
 @pytest.mark.parametrize("name", list(ENCODERS))
