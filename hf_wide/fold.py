@@ -173,8 +173,9 @@ def fold_inputs(n: int, args: tuple, kwargs: dict) -> tuple[tuple, dict, int]:
     return tuple(fold(a) for a in args), {k: fold(v) for k, v in kwargs.items()}, batch
 
 
-def unfold_outputs(outputs: Any, n: int, batch: int) -> Any:
-    """Give every output tensor with ``N*B`` rows a leading member dim: ``(N*B, ...) -> (N, B, ...)``.
+def unfold_outputs(outputs: Any, n: int, batch: int, keep: torch.Tensor | None = None) -> Any:
+    """Give every output tensor with ``N*B`` rows a leading member dim: ``(N*B, ...) -> (N, B, ...)``; ``keep``
+    (the members' losses, ``(N,)``, which have N rows when B is 1) stays as it is.
 
     Works through tuples, lists, dicts and transformers ``ModelOutput``s (updated in place, so their
     attributes follow); caches and scalars pass unchanged. A plain walk: pytree is several times slower
@@ -182,11 +183,13 @@ def unfold_outputs(outputs: Any, n: int, batch: int) -> Any:
     """
     rows = n * batch
     if isinstance(outputs, torch.Tensor):
-        return outputs.view(n, batch, *outputs.shape[1:]) if outputs.dim() and outputs.shape[0] == rows else outputs
+        if outputs is keep or not (outputs.dim() and outputs.shape[0] == rows):
+            return outputs
+        return outputs.view(n, batch, *outputs.shape[1:])
     if isinstance(outputs, dict):  # ModelOutput is a dict whose items mirror its attributes
         for key, value in outputs.items():
-            outputs[key] = unfold_outputs(value, n, batch)
+            outputs[key] = unfold_outputs(value, n, batch, keep)
         return outputs
     if isinstance(outputs, (tuple, list)):
-        return type(outputs)(unfold_outputs(v, n, batch) for v in outputs)
+        return type(outputs)(unfold_outputs(v, n, batch, keep) for v in outputs)
     return outputs

@@ -23,6 +23,7 @@ from .adapters import PEFT_FORWARD_ARGS, runs_inner_model
 from .capture import asks_for_capture, install_capture_hooks
 from .compat import member_names
 from .fold import Fold, PerMember, fold_inputs, unfold_outputs
+from .losses import check_losses, install_member_losses, replace_loss
 from .parallel import gather_members, gather_outputs
 from .plan import Kind, WidePlan
 from .swap import member_copy
@@ -69,6 +70,7 @@ class WideModel(nn.Module):
         self._capture_hooks = False  # installed on the first forward that asks for attentions or hidden states
         self._capture_lock = threading.Lock()
         self._inner = runs_inner_model(model)  # a LoRA PeftModel: its transformers model is called directly
+        self._losses = install_member_losses(model.base_model.model if self._inner else model, fold)  # each member's
         # generate() calls the model's forward itself (and an encoder-decoder's encoder first), with rows it may
         # expand (beams, several sequences per input): this pre-hook records the rows of each call, in the thread
         # that is generating only.
@@ -175,12 +177,19 @@ class WideModel(nn.Module):
         n = self.fold.num_members
         args, kwargs, batch = fold_inputs(n, *(given if group is None else _local_inputs(group, args, kwargs)))
         self.fold.anchor = _first_tensor((*args, *kwargs.values())).new_empty(n * batch, 0)
+        if self._losses is not None:
+            self._losses.take()  # none left from a forward that failed
         try:
             outputs = (self.model.base_model.model if self._inner else self.model)(*args, **kwargs)
         finally:
             self.fold.reset()
-        outputs = unfold_outputs(outputs, n, batch)
-        return outputs if group is None else gather_outputs(group, outputs, batch, given)
+        loss = self._losses.take() if self._losses is not None else None  # (N,): each member's, given labels
+        check_losses(outputs, loss, kwargs)
+        outputs = unfold_outputs(outputs, n, batch, keep=loss)
+        if group is None:
+            return outputs
+        outputs = gather_outputs(group, outputs, batch, given)
+        return outputs if loss is None else replace_loss(outputs, loss, gather_members(group, loss))
 
     @torch.compiler.disable
     def _install_capture_hooks(self) -> None:

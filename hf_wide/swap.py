@@ -16,6 +16,7 @@ from torch import nn
 
 from .capture import reset_capture_hooks
 from .fold import Fold
+from .losses import uninstall_member_losses
 from .plan import STACKED_LOOP, Kind, WidePlan
 from .planner import tensor_aliases
 from .blocks import WideBlock
@@ -70,6 +71,7 @@ def member_copy(
     for module in member.modules():
         if isinstance(module, rewrite_classes()):  # one member's module runs the source's method
             module.__class__ = module.source_class
+        uninstall_member_losses(module)  # its own loss function, not the wide model's split by member
         for key, hook in list(module._forward_pre_hooks.items()):
             if isinstance(hook, Fold):  # the wide model's row recorder: nothing to record in one member
                 del module._forward_pre_hooks[key]

@@ -53,6 +53,7 @@ def run(llama_dirs: str, bert_dirs: str, fused_dir: str, out_dir: str) -> dict:
         result["logits"] = wide(**inputs()).logits
         result["generated"] = wide.generate(**inputs(1), max_new_tokens=6, do_sample=False)
         result["per_member"] = wide(input_ids=PerMember(per_member_ids())).logits  # each rank its members' rows
+        result["loss"] = wide(**inputs(), labels=inputs()["input_ids"]).loss  # (N,): every member's, gathered
     decoder = pipeline("text-generation", model=wide, max_new_tokens=5)
     result["decoded"] = decoder(["cat sat on the", "the big dog"])
     result["sampled"] = decoder("cat sat on the", do_sample=True, top_k=5)["generated_text"]  # no seed: rank 0's

@@ -76,6 +76,7 @@ def test_every_rank_returns_what_one_process_computes(members, ranks):
         logits = wide(**inputs()).logits
         generated = wide.generate(**inputs(1), max_new_tokens=6, do_sample=False)
         per_member = wide(input_ids=PerMember(per_member_ids())).logits
+        loss = wide(**inputs(), labels=inputs()["input_ids"]).loss
     decoded = pipeline("text-generation", model=wide, max_new_tokens=5)(["cat sat on the", "the big dog"])
     classified = pipeline("text-classification", model=bert)(["the cat sat on the mat", "a bad movie"])
     for rank in ranks:  # the same tokens, texts and labels; floats to the last bits (kernels block by batch size)
@@ -83,6 +84,7 @@ def test_every_rank_returns_what_one_process_computes(members, ranks):
         assert rank["logits"] == pytest.approx(logits, abs=1e-6, rel=0)
         assert torch.equal(rank["generated"], generated)
         assert rank["per_member"] == pytest.approx(per_member, abs=1e-6, rel=0)
+        assert rank["loss"].shape == (3,) and rank["loss"] == pytest.approx(loss, abs=1e-6, rel=0)
         assert close(rank["decoded"], decoded) and close(rank["classified"], classified)
     assert [r["local"] for r in ranks] == [[0, 1], [2]]
     assert ranks[0]["sampled"] == ranks[1]["sampled"]  # sampling without a seed: the same draws on every rank
