@@ -14,6 +14,7 @@ gradient is its own loss's.
 
 from __future__ import annotations
 
+import copy
 import threading
 
 import torch
@@ -60,8 +61,8 @@ class MemberLosses:
         loss, self._made.loss = getattr(self._made, "loss", None), None
         return loss
 
-    def __deepcopy__(self, memo) -> "MemberLosses":
-        return MemberLosses(self.loss_function, Fold(self.fold.num_members), self.own)
+    def __deepcopy__(self, memo) -> "MemberLosses":  # the copy's fold: the copied model's (memo), or a new one
+        return MemberLosses(self.loss_function, copy.deepcopy(self.fold, memo), self.own)
 
 
 def install_member_losses(model: nn.Module, fold: Fold) -> MemberLosses | None:
