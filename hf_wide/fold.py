@@ -173,9 +173,9 @@ def fold_inputs(n: int, args: tuple, kwargs: dict) -> tuple[tuple, dict, int]:
     return tuple(fold(a) for a in args), {k: fold(v) for k, v in kwargs.items()}, batch
 
 
-def unfold_outputs(outputs: Any, n: int, batch: int, keep: torch.Tensor | None = None) -> Any:
-    """Give every output tensor with ``N*B`` rows a leading member dim: ``(N*B, ...) -> (N, B, ...)``; ``keep``
-    (the members' losses, ``(N,)``, which have N rows when B is 1) stays as it is.
+def unfold_outputs(outputs: Any, n: int, batch: int, keep: tuple[torch.Tensor, ...] = ()) -> Any:
+    """Give every output tensor with ``N*B`` rows a leading member dim: ``(N*B, ...) -> (N, B, ...)``; the tensors
+    in ``keep`` (the members' losses, ``(N,)``, which have N rows when B is 1) stay as they are.
 
     Works through tuples, lists, dicts and transformers ``ModelOutput``s (updated in place, so their
     attributes follow); caches and scalars pass unchanged. A plain walk: pytree is several times slower
@@ -183,7 +183,7 @@ def unfold_outputs(outputs: Any, n: int, batch: int, keep: torch.Tensor | None =
     """
     rows = n * batch
     if isinstance(outputs, torch.Tensor):
-        if outputs is keep or not (outputs.dim() and outputs.shape[0] == rows):
+        if not (outputs.dim() and outputs.shape[0] == rows) or any(outputs is k for k in keep):
             return outputs
         return outputs.view(n, batch, *outputs.shape[1:])
     if isinstance(outputs, dict):  # ModelOutput is a dict whose items mirror its attributes

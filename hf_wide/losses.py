@@ -1,14 +1,20 @@
 """Each member's loss: ``wide(**inputs, labels=y).loss`` is ``(N,)``, member i's equal to checkpoint i's alone.
 
 A head given labels computes its loss on what it sees: the wide forward's N*B rows, member-major. Reduced over
-them, it is one number that is no member's loss (for a mean, the members' mean). transformers' heads compute
-it through the model's ``loss_function`` (causal LM, sequence and token classification, question answering):
-:class:`MemberLosses` stands in for that function on the folded model, and calls it once per member on that
-member's rows. A head that computes its loss in its own code (``CrossEntropyLoss()(...)`` inline, as BERT's
-classifiers do) cannot be split after the fact: :func:`member_losses` refuses the mixed number with an error
-that says how to get each member's.
+them, it is one number that is no member's loss (for a mean, the members' mean). So while a wide forward runs
+with labels, the loss is split by member where it is computed:
 
-For training the members together, ``loss.sum()`` (or ``.mean()``) is the joint objective: each member's
+- transformers' ``loss_function`` (causal LM, CTC, and the classification and question-answering heads that use
+  it): :class:`MemberLosses` stands in for it on the folded model and calls it once per member, on that member's
+  rows;
+- a loss a head computes in its own code (``CrossEntropyLoss()(logits.view(-1, C), labels.view(-1))``, as BERT's
+  classifiers do): :class:`SplitLosses`, a ``TorchFunctionMode`` active for that forward only, runs each of
+  ``torch.nn.functional``'s reducing losses once per member on its block of the rows (``input`` and ``target``
+  split along their first dim, N*B rows or N*B*T flattened tokens: member-major either way). What the head does
+  with the N losses after that (a sum of two, a division) is elementwise.
+
+A loss that still comes out as one number (reduced over the members by code that neither covers) is refused with
+an error, not returned. For training the members together, ``loss.sum()`` is the joint objective: each member's
 gradient is its own loss's.
 """
 
@@ -18,12 +24,38 @@ import copy
 import threading
 
 import torch
+import torch.nn.functional as F
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 from .fold import Fold
 
 LABEL_ARGUMENTS = frozenset({"labels", "start_positions", "end_positions", "next_sentence_label",
                              "sentence_order_label", "mc_labels"})  # what transformers' heads compute losses from
+# torch.nn.functional's losses of (input, target) with the batch first, which reduce it unless reduction="none"
+REDUCING_LOSSES = frozenset(getattr(F, name) for name in (
+    "cross_entropy", "nll_loss", "mse_loss", "l1_loss", "smooth_l1_loss", "huber_loss", "binary_cross_entropy",
+    "binary_cross_entropy_with_logits", "kl_div", "poisson_nll_loss", "soft_margin_loss",
+    "multilabel_soft_margin_loss", "multilabel_margin_loss", "multi_margin_loss", "hinge_embedding_loss"))
+
+_splitting = threading.local()  # ``inside``: this thread runs a member's own part of a loss (split already)
+
+
+def _split_calls(function, n: int, args: tuple, kwargs: dict, leading: int) -> torch.Tensor:
+    """``function`` once per member, on its block of every tensor with ``leading`` rows; the N results stacked."""
+    block = leading // n
+
+    def part(value, m):
+        if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape[0] == leading:
+            return value[m * block : (m + 1) * block]
+        return value
+
+    _splitting.inside = True
+    try:
+        return torch.stack([function(*(part(a, m) for a in args), **{k: part(v, m) for k, v in kwargs.items()})
+                            for m in range(n)])
+    finally:
+        _splitting.inside = False
 
 
 class MemberLosses:
@@ -34,35 +66,38 @@ class MemberLosses:
         self.loss_function = loss_function
         self.fold = fold
         self.own = own  # the model's own ``_loss_function``, if it had one (given back to a member taken out)
-        self._made = threading.local()  # the last loss this thread made, to find it among the outputs
 
     def __call__(self, *args, **kwargs) -> torch.Tensor:
-        rows, n = self.fold.rows, self.fold.num_members
-        if rows is None:
+        n = self.fold.num_members
+        if self.fold.rows is None or getattr(_splitting, "inside", False):
             return self.loss_function(*args, **kwargs)
         tensors = [t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor) and t.dim() > 0]
         leading = tensors[0].shape[0]  # N*B rows, or N*B*T flattened tokens: member-major either way
         if leading % n:
             raise ValueError(f"A loss over {leading} rows cannot be split into {n} members' rows.")
-        block = leading // n
-
-        def part(value, m):
-            if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape[0] == leading:
-                return value[m * block : (m + 1) * block]
-            return value
-
-        losses = torch.stack([self.loss_function(*(part(a, m) for a in args), **{k: part(v, m) for k, v in
-                                                                                kwargs.items()}) for m in range(n)])
-        self._made.loss = losses  # (N,)
-        return losses
-
-    def take(self) -> torch.Tensor | None:
-        """The loss this thread's forward made (once), or None."""
-        loss, self._made.loss = getattr(self._made, "loss", None), None
-        return loss
+        return _split_calls(self.loss_function, n, args, kwargs, leading)
 
     def __deepcopy__(self, memo) -> "MemberLosses":  # the copy's fold: the copied model's (memo), or a new one
         return MemberLosses(self.loss_function, copy.deepcopy(self.fold, memo), self.own)
+
+
+class SplitLosses(TorchFunctionMode):
+    """For one wide forward given labels: every reducing loss of ``torch.nn.functional`` it calls, once per member
+    on that member's rows, ``(N,)``."""
+
+    def __init__(self, num_members: int):
+        super().__init__()
+        self.num_members = num_members
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in REDUCING_LOSSES and kwargs.get("reduction", "mean") != "none" and len(args) >= 2 and \
+                not getattr(_splitting, "inside", False):
+            x, target = args[0], args[1]
+            if isinstance(x, torch.Tensor) and isinstance(target, torch.Tensor) and x.dim() and target.dim() and \
+                    x.shape[0] == target.shape[0] and x.shape[0] % self.num_members == 0:
+                return _split_calls(func, self.num_members, args, kwargs, x.shape[0])
+        return func(*args, **kwargs)
 
 
 def install_member_losses(model: nn.Module, fold: Fold) -> MemberLosses | None:
@@ -84,20 +119,36 @@ def uninstall_member_losses(module: nn.Module) -> None:
             module._loss_function = losses.own
 
 
-def check_losses(outputs, made: torch.Tensor | None, kwargs: dict) -> None:
-    """Refuse a loss the model computed over every member's rows at once (a head's own code): one number
-    mixing the members, which a caller would take for the ensemble's or a member's."""
-    if isinstance(outputs, dict):
-        for key, value in outputs.items():
-            if "loss" in key and isinstance(value, torch.Tensor) and value is not made:
-                raise ValueError(
-                    f"The model computed {key!r} over all members' rows at once (its own code, not transformers' "
-                    "loss_function, which hf-wide splits by member): one number mixing the members. Call the wide "
-                    "model without labels and compute each member's loss from its outputs (out.logits[i]).")
-    elif made is None and not LABEL_ARGUMENTS.isdisjoint(kwargs):  # a tuple: its loss, if any, has no name
-        raise ValueError("This model computes its loss in its own code (not transformers' loss_function, which "
-                         "hf-wide splits by member), over all members' rows at once: one number mixing the members. "
-                         "Call the wide model without labels and compute each member's loss from its outputs.")
+def member_loss_outputs(outputs, num_members: int, kwargs: dict) -> tuple[object, list[torch.Tensor]]:
+    """``outputs`` of a forward given labels, and those of them that hold each member's loss, ``(N,)`` (to keep as
+    they are: at B=1 they have the N*B rows that other outputs are unfolded from). With one member, its loss is
+    made ``(1,)``. Refuses a loss that came out as one number for several members: reduced over every member's
+    rows by code the split does not reach, it mixes the members."""
+    if isinstance(outputs, (tuple, list)) and outputs:
+        keys = [0]  # transformers puts the loss first when labels are given
+    elif isinstance(outputs, dict):
+        keys = [key for key in outputs if "loss" in key]
+    else:
+        return outputs, []
+    kept = []
+    for key in keys:
+        value = outputs[key]
+        if not isinstance(value, torch.Tensor):
+            continue
+        if value.dim() == 0 and num_members == 1:
+            value = value.reshape(1)
+            if isinstance(outputs, dict):
+                outputs[key] = value
+            else:
+                outputs = type(outputs)((value, *outputs[1:]))
+        if value.dim() == 0:
+            raise ValueError(
+                f"The model reduced {'the loss' if key == 0 else repr(key)} over all members' rows at once, by code "
+                "that hf-wide does not split by member: one number mixing the members. Call the wide model without "
+                "labels and compute each member's loss from its outputs (out.logits[i]).")
+        if tuple(value.shape) == (num_members,):
+            kept.append(value)
+    return outputs, kept
 
 
 def replace_loss(outputs, loss: torch.Tensor, new: torch.Tensor):

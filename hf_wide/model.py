@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import threading
 import warnings
@@ -23,7 +24,7 @@ from .adapters import PEFT_FORWARD_ARGS, runs_inner_model
 from .capture import asks_for_capture, install_capture_hooks
 from .compat import member_names
 from .fold import Fold, PerMember, fold_inputs, unfold_outputs
-from .losses import check_losses, install_member_losses, replace_loss
+from .losses import LABEL_ARGUMENTS, SplitLosses, install_member_losses, member_loss_outputs, replace_loss
 from .parallel import gather_members, gather_outputs
 from .plan import Kind, WidePlan
 from .swap import member_copy
@@ -70,7 +71,7 @@ class WideModel(nn.Module):
         self._capture_hooks = False  # installed on the first forward that asks for attentions or hidden states
         self._capture_lock = threading.Lock()
         self._inner = runs_inner_model(model)  # a LoRA PeftModel: its transformers model is called directly
-        self._losses = install_member_losses(model.base_model.model if self._inner else model, fold)  # each member's
+        install_member_losses(model.base_model.model if self._inner else model, fold)  # each member's loss
         # generate() calls the model's forward itself (and an encoder-decoder's encoder first), with rows it may
         # expand (beams, several sequences per input): this pre-hook records the rows of each call, in the thread
         # that is generating only.
@@ -177,19 +178,22 @@ class WideModel(nn.Module):
         n = self.fold.num_members
         args, kwargs, batch = fold_inputs(n, *(given if group is None else _local_inputs(group, args, kwargs)))
         self.fold.anchor = _first_tensor((*args, *kwargs.values())).new_empty(n * batch, 0)
-        if self._losses is not None:
-            self._losses.take()  # none left from a forward that failed
+        labelled = not LABEL_ARGUMENTS.isdisjoint(kwargs)  # each member's loss, on its own rows
         try:
-            outputs = (self.model.base_model.model if self._inner else self.model)(*args, **kwargs)
+            with SplitLosses(n) if labelled and n > 1 else contextlib.nullcontext():
+                outputs = (self.model.base_model.model if self._inner else self.model)(*args, **kwargs)
         finally:
             self.fold.reset()
-        loss = self._losses.take() if self._losses is not None else None  # (N,): each member's, given labels
-        check_losses(outputs, loss, kwargs)
-        outputs = unfold_outputs(outputs, n, batch, keep=loss)
+        losses = ()
+        if labelled:
+            outputs, losses = member_loss_outputs(outputs, n, kwargs)  # each (N,)
+        outputs = unfold_outputs(outputs, n, batch, keep=tuple(losses))
         if group is None:
             return outputs
         outputs = gather_outputs(group, outputs, batch, given)
-        return outputs if loss is None else replace_loss(outputs, loss, gather_members(group, loss))
+        for loss in losses:
+            outputs = replace_loss(outputs, loss, gather_members(group, loss))
+        return outputs
 
     @torch.compiler.disable
     def _install_capture_hooks(self) -> None:

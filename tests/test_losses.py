@@ -1,11 +1,14 @@
-"""Each member's loss: given labels, a head that computes its loss through transformers' ``loss_function`` gives
-``(N,)``, member i's equal to checkpoint i's; a head that computes it in its own code over the N*B rows (one
-number mixing the members) is refused."""
+"""Each member's loss: given labels, a head gives ``(N,)``, member i's equal to checkpoint i's, whether it computes
+its loss through transformers' ``loss_function`` or with torch.nn.functional's losses in its own code; a loss
+reduced over all N*B rows by other code (one number mixing the members) is refused."""
 
 import pytest
 import torch
 from conftest import CASES
 from families import VOCAB
+from torch import nn
+
+from hf_wide import WideModel
 
 
 def test_a_causal_lms_loss_is_each_members(fused):
@@ -47,15 +50,39 @@ def test_a_classifiers_loss_through_loss_function_is_each_members_also_as_a_tupl
     assert logits.shape[:2] == (len(members), 2)
 
 
-def test_a_loss_computed_in_the_heads_own_code_is_refused(fused):
-    # BERT's classifier calls CrossEntropyLoss itself, over the N*B rows: their mean, no member's loss
-    _, wide = fused("bert-seqcls")
-    inputs = CASES["bert-seqcls"].inputs(2, padded=True)
+@pytest.mark.parametrize("case_id, labels", [
+    ("bert-seqcls", lambda ids: torch.tensor([1, 0])),  # CrossEntropyLoss()(logits.view(-1, C), labels.view(-1))
+    ("bert-tokcls", lambda ids: ids % 3),  # the same over (N*B*T) flattened tokens
+    ("gpt2-seqcls", lambda ids: torch.tensor([2, 1])),
+    ("resnet-imgcls", lambda ids: torch.tensor([1, 0])),
+])
+def test_a_loss_a_head_computes_in_its_own_code_is_split_by_member_too(fused, case_id, labels):
+    members, wide = fused(case_id)
+    inputs = CASES[case_id].inputs(2, padded=True)
+    y = labels(inputs.get("input_ids", torch.zeros(2, 4, dtype=torch.long)))
     with torch.no_grad():
-        for return_dict in (True, False):
-            with pytest.raises(ValueError, match="mixing the members"):
-                wide(**inputs, labels=torch.tensor([1, 0]), return_dict=return_dict)
-        assert wide(**inputs).logits.shape[:2] == (3, 2)  # without labels, as ever
+        want = torch.stack([m(**inputs, labels=y).loss for m in members])
+        torch.testing.assert_close(wide(**inputs, labels=y).loss, want, atol=1e-5, rtol=0)
+        torch.testing.assert_close(wide(**inputs, labels=y, return_dict=False)[0], want, atol=1e-5, rtol=0)
+
+
+class Regressor(nn.Module):
+    """Its loss reduced by its own arithmetic, not a torch.nn.functional loss: nothing to split."""
+
+    def __init__(self):
+        super().__init__()
+        self.head = nn.Linear(4, 1)
+
+    def forward(self, x, labels=None):
+        out = self.head(x).squeeze(-1)
+        return {"logits": out, "loss": None if labels is None else (out - labels).pow(2).mean()}
+
+
+def test_a_loss_reduced_over_every_members_rows_is_refused_not_returned():
+    torch.manual_seed(0)
+    wide = WideModel.from_models([Regressor().eval() for _ in range(3)], {"x": torch.randn(2, 4)})
+    with torch.no_grad(), pytest.raises(ValueError, match="mixing the members"):
+        wide(x=torch.randn(2, 4), labels=torch.randn(2))
 
 
 def test_a_member_taken_out_computes_its_own_loss(fused):
