@@ -73,8 +73,9 @@ class MemberLosses:
             return self.loss_function(*args, **kwargs)
         tensors = [t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor) and t.dim() > 0]
         leading = tensors[0].shape[0]  # N*B rows, or N*B*T flattened tokens: member-major either way
-        if leading % n:
-            raise ValueError(f"A loss over {leading} rows cannot be split into {n} members' rows.")
+        if not _member_major(leading, self.fold):
+            raise ValueError(f"A loss over {leading} rows cannot be split into the {self.fold.rows} rows of "
+                             f"{n} members.")
         return _split_calls(self.loss_function, n, args, kwargs, leading)
 
     def __deepcopy__(self, memo) -> "MemberLosses":  # the copy's fold: the copied model's (memo), or a new one
@@ -85,9 +86,9 @@ class SplitLosses(TorchFunctionMode):
     """For one wide forward given labels: every reducing loss of ``torch.nn.functional`` it calls, once per member
     on that member's rows, ``(N,)``."""
 
-    def __init__(self, num_members: int):
+    def __init__(self, fold: Fold):
         super().__init__()
-        self.num_members = num_members
+        self.fold = fold
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -95,9 +96,16 @@ class SplitLosses(TorchFunctionMode):
                 not getattr(_splitting, "inside", False):
             x, target = args[0], args[1]
             if isinstance(x, torch.Tensor) and isinstance(target, torch.Tensor) and x.dim() and target.dim() and \
-                    x.shape[0] == target.shape[0] and x.shape[0] % self.num_members == 0:
-                return _split_calls(func, self.num_members, args, kwargs, x.shape[0])
+                    x.shape[0] == target.shape[0] and _member_major(x.shape[0], self.fold):
+                return _split_calls(func, self.fold.num_members, args, kwargs, x.shape[0])
         return func(*args, **kwargs)
+
+
+def _member_major(leading: int, fold: Fold) -> bool:
+    """Whether a leading dim of ``leading`` is the forward's N*B rows or its tokens flattened (a multiple of them):
+    member-major, and so split into N equal blocks. Anything else (a time-major tensor's time) is not split."""
+    rows = fold.rows
+    return rows is not None and leading > 0 and leading % rows == 0
 
 
 def install_member_losses(model: nn.Module, fold: Fold) -> MemberLosses | None:

@@ -180,7 +180,7 @@ class WideModel(nn.Module):
         self.fold.anchor = _first_tensor((*args, *kwargs.values())).new_empty(n * batch, 0)
         labelled = not LABEL_ARGUMENTS.isdisjoint(kwargs)  # each member's loss, on its own rows
         try:
-            with SplitLosses(n) if labelled and n > 1 else contextlib.nullcontext():
+            with SplitLosses(self.fold) if labelled and n > 1 else contextlib.nullcontext():
                 outputs = (self.model.base_model.model if self._inner else self.model)(*args, **kwargs)
         finally:
             self.fold.reset()
