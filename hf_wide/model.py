@@ -9,7 +9,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import threading
 import warnings
@@ -168,7 +167,8 @@ class WideModel(nn.Module):
 
     def forward(self, *args, **kwargs):
         """Run all members. Plain tensors ``(B, ...)`` are shared by every member; :class:`PerMember`
-        tensors ``(N, B, ...)`` give each its own. Every output tensor gains a leading member dim."""
+        tensors ``(N, B, ...)`` give each its own. Every output tensor gains a leading member dim; given labels, the
+        loss is each member's, ``(N,)`` (:mod:`hf_wide.losses`)."""
         if not self._capture_hooks and asks_for_capture(kwargs, self.config):
             self._install_capture_hooks()
         if self._inner and not PEFT_FORWARD_ARGS.isdisjoint(kwargs):
@@ -177,11 +177,15 @@ class WideModel(nn.Module):
         given = (args, kwargs)  # (what every rank must agree on: before PerMember inputs are cut to the rank's)
         n = self.fold.num_members
         args, kwargs, batch = fold_inputs(n, *(given if group is None else _local_inputs(group, args, kwargs)))
-        self.fold.anchor = _first_tensor((*args, *kwargs.values())).new_empty(n * batch, 0)
+        self.fold.anchor = first_tensor((*args, *kwargs.values())).new_empty(n * batch, 0)
         labelled = not LABEL_ARGUMENTS.isdisjoint(kwargs)  # each member's loss, on its own rows
+        model = self.model.base_model.model if self._inner else self.model
         try:
-            with SplitLosses(self.fold) if labelled and n > 1 else contextlib.nullcontext():
-                outputs = (self.model.base_model.model if self._inner else self.model)(*args, **kwargs)
+            if labelled and n > 1:
+                with SplitLosses(self.fold):
+                    outputs = model(*args, **kwargs)
+            else:
+                outputs = model(*args, **kwargs)
         finally:
             self.fold.reset()
         losses = ()
@@ -284,9 +288,9 @@ class WideModel(nn.Module):
         kwargs = kwargs or {}
         names = member_names(models, self.member_ids)
         with torch.no_grad():
-            wide_out = _first_tensor(self(*args, **kwargs))
+            wide_out = first_tensor(self(*args, **kwargs))
             for i, model in enumerate(models):
-                alone = _first_tensor(model(*args, **kwargs))
+                alone = first_tensor(model(*args, **kwargs))
                 diff = (wide_out[i] - alone).abs().max().item()
                 if not diff <= atol:
                     raise WideValidationError(
@@ -306,7 +310,8 @@ def _local_inputs(group, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     return tuple(cut(a) for a in args), {k: cut(v) for k, v in kwargs.items()}
 
 
-def _first_tensor(output) -> torch.Tensor:
+def first_tensor(output) -> torch.Tensor:
+    """The first tensor of a model's output (a tensor, a ``ModelOutput`` or another dict, a tuple)."""
     if isinstance(output, torch.Tensor):
         return output
     if isinstance(output, dict):  # ModelOutput is a dict

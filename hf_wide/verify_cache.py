@@ -18,7 +18,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from .model import WideValidationError, _first_tensor
+from .model import WideValidationError, first_tensor
 from .verify import tolerance
 
 CACHE_NAMES = ("past_key_values", "cache_params")  # what transformers' models call it (Mamba: cache_params)
@@ -90,4 +90,4 @@ def _two_steps(model: nn.Module, name: str, ids: str, kwargs: dict) -> tuple[tor
         step[mask] = torch.cat([step[mask], step[mask][..., -1:]], -1)
     step.pop("position_ids", None)
     second = model(**step, **{name: cache}, use_cache=True)
-    return _first_tensor(first), _first_tensor(second)
+    return first_tensor(first), first_tensor(second)

@@ -185,8 +185,8 @@ def test_decoder(name):
 
 def test_a_decoder_keeping_state_in_its_modules_takes_any_batch_size():
     # RecurrentGemma's recurrent state lives in its blocks' attributes, sized by the last call's batch: run as one
-    # code for every member, member m read the state member m-1 left, and a batch of another size than the last
-    # one's failed
+    # code for every member, the members kept one state between them (the last member's), a batch of another size
+    # than the last call's failed, and so did generate
     models = members(DECODERS["recurrent_gemma"])
     wide = fuse(models)
     for batch in (1, 3, 1):

@@ -13,10 +13,10 @@ member shares (ids, masks) are handed over once, unbatched, as the source would 
 values of a mask to skip it, which vmap cannot do on a batched tensor. Where vmap cannot run (a cache, whose
 rows and state each member reads and extends, or data-dependent control flow on inputs that differ between
 members) the same stacked tensors run member by member; a cache the module makes itself (asked for one, handed
-none) leaves vmap with its tensors as outputs, folded into the cache's N*B rows. The plan chooses this for a module only after verification saw it agree with its
-members; data-dependent control flow and ``.item()`` make vmap raise there, and the module is then planned as a
-loop (``loop=True``: member 0's code over each member's tensors in turn, still one tensor per source tensor).
-Only where the members' code differs (a hook, another class) does a loop hold each member's own module
+none) leaves vmap with its tensors as outputs, folded into the cache's N*B rows. The plan chooses this for a
+module only after verification saw it agree with its members; data-dependent control flow and ``.item()`` make
+vmap raise there, and the module is then planned as a loop (``loop=True``: member 0's code over each member's
+tensors in turn, still one tensor per source tensor). Only where the members' code differs (a hook, another class) does a loop hold each member's own module
 (:class:`~hf_wide.primitives.fallback.PerMemberFallback`).
 """
 
@@ -192,10 +192,10 @@ class VectorisedFallback(nn.Module):
             structure["static"] = [_TENSOR if isinstance(t, torch.Tensor) else t for t in out_leaves]
             # A cache the module made (asked for one, handed none) holds its member's rows: they leave vmap too. One
             # the members could not share is left as it is, and fails loudly if it is used.
-            structure["caches"] = [(t, len(member_cache.row_tensors(t))) for t in out_leaves
-                                   if isinstance(t, Cache) and not member_cache.unshareable(t)]
-            return [t for t in out_leaves if isinstance(t, torch.Tensor)] + [
-                r for cache, _ in structure["caches"] for r in member_cache.row_tensors(cache)]
+            made = [(t, member_cache.row_tensors(t)) for t in out_leaves
+                    if isinstance(t, Cache) and not member_cache.unshareable(t)]
+            structure["caches"] = [(cache, len(rows)) for cache, rows in made]
+            return [t for t in out_leaves if isinstance(t, torch.Tensor)] + [r for _, rows in made for r in rows]
 
         randomness = "different" if self.training else "error"
         outs = iter(vmap(member, in_dims=tuple(in_dims), randomness=randomness)(state, *mapped))
