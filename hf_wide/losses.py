@@ -127,12 +127,13 @@ def uninstall_member_losses(module: nn.Module) -> None:
             module._loss_function = losses.own
 
 
-def member_loss_outputs(outputs, num_members: int, kwargs: dict) -> tuple[object, list[torch.Tensor]]:
-    """``outputs`` of a forward given labels, and those of them that hold each member's loss, ``(N,)`` (to keep as
-    they are: at B=1 they have the N*B rows that other outputs are unfolded from). With one member, its loss is
-    made ``(1,)``. Refuses a loss that came out as one number for several members: reduced over every member's
-    rows by code the split does not reach, it mixes the members."""
-    if isinstance(outputs, (tuple, list)) and outputs:
+def member_loss_outputs(outputs, num_members: int, labelled: bool) -> tuple[object, list[torch.Tensor]]:
+    """``outputs`` of a wide forward, and those of them that hold each member's loss, ``(N,)`` (to keep as they
+    are: at B=1 they have the N*B rows that other outputs are unfolded from). With one member, its loss is made
+    ``(1,)``. Refuses a loss that came out as one number for several members (with or without labels: an
+    auxiliary or contrastive loss too): reduced over every member's rows by code the split does not reach, it
+    mixes the members."""
+    if isinstance(outputs, (tuple, list)) and outputs and labelled:
         keys = [0]  # transformers puts the loss first when labels are given
     elif isinstance(outputs, dict):
         keys = [key for key in outputs if "loss" in key]
@@ -153,7 +154,8 @@ def member_loss_outputs(outputs, num_members: int, kwargs: dict) -> tuple[object
             raise ValueError(
                 f"The model reduced {'the loss' if key == 0 else repr(key)} over all members' rows at once, by code "
                 "that hf-wide does not split by member: one number mixing the members. Call the wide model without "
-                "labels and compute each member's loss from its outputs (out.logits[i]).")
+                "what makes it compute one (labels, return_loss, ...) and compute each member's from its outputs "
+                "(out.logits[i]).")
         if tuple(value.shape) == (num_members,):
             kept.append(value)
     return outputs, kept

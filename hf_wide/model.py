@@ -189,8 +189,8 @@ class WideModel(nn.Module):
         finally:
             self.fold.reset()
         losses = ()
-        if labelled:
-            outputs, losses = member_loss_outputs(outputs, n, kwargs)  # each (N,)
+        if labelled or isinstance(outputs, dict):  # a ModelOutput's losses are checked, labels or not
+            outputs, losses = member_loss_outputs(outputs, n, labelled)  # each (N,)
         outputs = unfold_outputs(outputs, n, batch, keep=tuple(losses))
         if group is None:
             return outputs

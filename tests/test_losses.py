@@ -93,3 +93,41 @@ def test_a_member_taken_out_computes_its_own_loss(fused):
         alone = wide.member(1)(**inputs, labels=labels).loss
         assert alone.dim() == 0
         torch.testing.assert_close(alone, members[1](**inputs, labels=labels).loss, atol=1e-5, rtol=0)
+
+
+class WithAuxiliaryLoss(nn.Module):
+    """A loss it computes without labels when asked (as an MoE's load-balancing loss), reduced over every row."""
+
+    def __init__(self):
+        super().__init__()
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, x, aux=False):
+        out = self.head(x)
+        return {"logits": out, "aux_loss": out.pow(2).mean() if aux else None}
+
+
+def test_a_loss_mixing_the_members_is_refused_without_labels_too():
+    torch.manual_seed(0)
+    # (a reduction the sample's trace sees makes the module run per member: its loss is each member's)
+    wide = WideModel.from_models([WithAuxiliaryLoss().eval() for _ in range(3)], {"x": torch.randn(2, 4)})
+    with torch.no_grad():
+        assert wide(x=torch.randn(2, 4))["aux_loss"] is None
+        with pytest.raises(ValueError, match="'aux_loss'.*mixing the members"):
+            wide(x=torch.randn(2, 4), aux=True)
+
+
+def test_a_contrastive_loss_of_each_member_stays_one_per_member_at_batch_one():
+    from test_architectures import MIXED, members
+
+    factory, make_inputs, _ = MIXED["clip"]
+    models = members(factory)
+    torch.manual_seed(3)
+    wide = WideModel.from_models(models, make_inputs())
+    torch.manual_seed(4)
+    inputs = {k: v[:1] for k, v in make_inputs().items()}  # one text and one image: N losses are N rows
+    with torch.no_grad():
+        loss = wide(**inputs, return_loss=True).loss
+        want = torch.stack([m(**inputs, return_loss=True).loss for m in models])
+    assert loss.shape == (3,)
+    torch.testing.assert_close(loss, want, atol=1e-5, rtol=0)
