@@ -13,8 +13,8 @@ with labels, the loss is split by member where it is computed:
   split along their first dim, N*B rows or N*B*T flattened tokens: member-major either way). What the head does
   with the N losses after that (a sum of two, a division) is elementwise.
 
-A loss that still comes out as one number (reduced over the members by code that neither covers) is refused with
-an error, not returned. For training the members together, ``loss.sum()`` is the joint objective: each member's
+A loss that still comes out as one number (reduced over the members by code that neither covers), with labels
+or without (an auxiliary loss), is refused with an error, not returned. For training the members together, ``loss.sum()`` is the joint objective: each member's
 gradient is its own loss's.
 """
 

@@ -1,6 +1,6 @@
 """Each member's loss: given labels, a head gives ``(N,)``, member i's equal to checkpoint i's, whether it computes
 its loss through transformers' ``loss_function`` or with torch.nn.functional's losses in its own code; a loss
-reduced over all N*B rows by other code (one number mixing the members) is refused."""
+reduced over all N*B rows by other code (one number mixing the members), with labels or without, is refused."""
 
 import pytest
 import torch
