@@ -173,12 +173,25 @@ def fold_inputs(n: int, args: tuple, kwargs: dict) -> tuple[tuple, dict, int]:
     return tuple(fold(a) for a in args), {k: fold(v) for k, v in kwargs.items()}, batch
 
 
+# ModelOutput keys of per-layer tuples, whose tensors may hold rows flattened from the N*B, batch first
+LAYER_OUTPUTS = ("hidden_states", "attentions")
+
+
+def _unfold_layer(t: Any, n: int, rows: int) -> Any:
+    """One layer's hidden states or attentions: N*B rows, or rows flattened from them with the batch first (a
+    multiple-choice head's N*B*C, a windowed attention's N*B*W), member-major: ``(N, rows / N, ...)``."""
+    if isinstance(t, torch.Tensor) and t.dim() and t.shape[0] and t.shape[0] % rows == 0:
+        return t.view(n, t.shape[0] // n, *t.shape[1:])
+    return t
+
+
 def unfold_outputs(outputs: Any, n: int, batch: int, keep: tuple[torch.Tensor, ...] = ()) -> Any:
     """Give every output tensor with ``N*B`` rows a leading member dim: ``(N*B, ...) -> (N, B, ...)``; the tensors
     in ``keep`` (the members' losses, ``(N,)``, which have N rows when B is 1) stay as they are.
 
     Works through tuples, lists, dicts and transformers ``ModelOutput``s (updated in place, so their
-    attributes follow); caches and scalars pass unchanged. A plain walk: pytree is several times slower
+    attributes follow); caches and scalars pass unchanged. A ModelOutput's per-layer hidden states and attentions
+    also split rows flattened from the N*B (:data:`LAYER_OUTPUTS`). A plain walk: pytree is several times slower
     here, and this runs on every forward.
     """
     rows = n * batch
@@ -188,7 +201,10 @@ def unfold_outputs(outputs: Any, n: int, batch: int, keep: tuple[torch.Tensor, .
         return outputs.view(n, batch, *outputs.shape[1:])
     if isinstance(outputs, dict):  # ModelOutput is a dict whose items mirror its attributes
         for key, value in outputs.items():
-            outputs[key] = unfold_outputs(value, n, batch, keep)
+            if isinstance(value, tuple) and key.endswith(LAYER_OUTPUTS):
+                outputs[key] = tuple(_unfold_layer(t, n, rows) for t in value)
+            else:
+                outputs[key] = unfold_outputs(value, n, batch, keep)
         return outputs
     if isinstance(outputs, (tuple, list)):
         return type(outputs)(unfold_outputs(v, n, batch, keep) for v in outputs)

@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import threading
 import warnings
@@ -20,12 +21,13 @@ from torch import nn
 
 from .adapter_layers import unpad
 from .adapters import PEFT_FORWARD_ARGS, runs_inner_model
-from .capture import asks_for_capture, install_capture_hooks
+from .capture import asks_for_capture, install_capture_hooks, require_recorded
 from .compat import member_names
 from .fold import Fold, PerMember, fold_inputs, unfold_outputs
 from .losses import LABEL_ARGUMENTS, SplitLosses, install_member_losses, member_loss_outputs, replace_loss
 from .parallel import gather_members, gather_outputs
 from .plan import Kind, WidePlan
+from .routers import asks_for_router_logits, member_router_logits, replace_router_logits, splitting_balancing_losses
 from .swap import member_copy
 
 
@@ -68,6 +70,7 @@ class WideModel(nn.Module):
         self.member_generation_configs = member_generation_configs
         self._aliases = aliases
         self._capture_hooks = False  # installed on the first forward that asks for attentions or hidden states
+        self._unrecorded: dict[str, tuple[str, str]] = {}  # what they cannot record (hf_wide.capture): refused
         self._capture_lock = threading.Lock()
         self._inner = runs_inner_model(model)  # a LoRA PeftModel: its transformers model is called directly
         install_member_losses(model.base_model.model if self._inner else model, fold)  # each member's loss
@@ -169,8 +172,9 @@ class WideModel(nn.Module):
         """Run all members. Plain tensors ``(B, ...)`` are shared by every member; :class:`PerMember`
         tensors ``(N, B, ...)`` give each its own. Every output tensor gains a leading member dim; given labels, the
         loss is each member's, ``(N,)`` (:mod:`hf_wide.losses`)."""
-        if not self._capture_hooks and asks_for_capture(kwargs, self.config):
+        if (not self._capture_hooks or self._unrecorded) and asks_for_capture(kwargs, self.config):
             self._install_capture_hooks()
+            require_recorded(self._unrecorded, kwargs, self.config)
         if self._inner and not PEFT_FORWARD_ARGS.isdisjoint(kwargs):
             kwargs = _without_peft_args(kwargs)
         group = self.members_group
@@ -179,31 +183,34 @@ class WideModel(nn.Module):
         args, kwargs, batch = fold_inputs(n, *(given if group is None else _local_inputs(group, args, kwargs)))
         self.fold.anchor = first_tensor((*args, *kwargs.values())).new_empty(n * batch, 0)
         labelled = not LABEL_ARGUMENTS.isdisjoint(kwargs)  # each member's loss, on its own rows
+        routed = asks_for_router_logits(kwargs, self.config)  # each member's router logits and balancing loss
         model = self.model.base_model.model if self._inner else self.model
         try:
-            if labelled and n > 1:
-                with SplitLosses(self.fold):
+            if (labelled and n > 1) or routed:
+                with _member_losses(model, self.fold, labelled and n > 1, routed):
                     outputs = model(*args, **kwargs)
             else:
                 outputs = model(*args, **kwargs)
         finally:
             self.fold.reset()
-        losses = ()
+        losses, routers = (), ()
         if labelled or isinstance(outputs, dict):  # a ModelOutput's losses are checked, labels or not
             outputs, losses = member_loss_outputs(outputs, n, labelled)  # each (N,)
-        outputs = unfold_outputs(outputs, n, batch, keep=tuple(losses))
+        if routed:
+            routers = member_router_logits(outputs, n)  # each (N, B*T, E)
+        outputs = unfold_outputs(outputs, n, batch, keep=(*losses, *routers))
         if group is None:
             return outputs
         outputs = gather_outputs(group, outputs, batch, given)
         for loss in losses:
             outputs = replace_loss(outputs, loss, gather_members(group, loss))
-        return outputs
+        return replace_router_logits(outputs, lambda t: gather_members(group, t)) if routed else outputs
 
     @torch.compiler.disable
     def _install_capture_hooks(self) -> None:
         with self._capture_lock:  # once, whichever thread asks first
-            if not self._capture_hooks:
-                install_capture_hooks(self.model)  # see hf_wide.capture: fused attentions record theirs too
+            if not self._capture_hooks:  # see hf_wide.capture: fused attentions record theirs too
+                self._unrecorded = install_capture_hooks(self.model)
                 self._capture_hooks = True
 
     @torch.no_grad()
@@ -218,6 +225,8 @@ class WideModel(nn.Module):
             args, kwargs = _local_inputs(group, args, kwargs)
         n = self.fold.num_members
         args, kwargs, batch = fold_inputs(n, args, kwargs)
+        if not self._capture_hooks and asks_for_capture(kwargs, self.config):  # by config: what generate drops
+            self._install_capture_hooks()  # (router logits, say, from which each step computes a loss it drops)
         self.fold.recording = True  # the pre-hook records the rows of every forward generate() makes
         try:
             out = self.model.generate(*args, **kwargs)
@@ -300,6 +309,14 @@ class WideModel(nn.Module):
 
     def extra_repr(self) -> str:
         return f"num_members={self.num_members}, plan: {self.plan.summary()}"
+
+
+@contextlib.contextmanager
+def _member_losses(model: nn.Module, fold: Fold, labelled: bool, routed: bool):
+    """What splits a forward's losses by member: reducing losses given labels, balancing losses of routers."""
+    with SplitLosses(fold) if labelled else contextlib.nullcontext(), \
+            splitting_balancing_losses(model, fold) if routed else contextlib.nullcontext():
+        yield
 
 
 def _local_inputs(group, args: tuple, kwargs: dict) -> tuple[tuple, dict]:

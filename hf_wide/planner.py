@@ -46,7 +46,7 @@ from .registry import (
     find_wide,
     stacked_read_consumers,
 )
-from .samples import sample_inputs
+from .samples import sample_inputs, sample_kwargs
 from .tracer import Trace, module_flops, trace
 
 
@@ -291,6 +291,7 @@ def _outside_readers(
 
 def trace_members(template: nn.Module, args: tuple = (), kwargs: dict | None = None) -> tuple[Trace, dict, str]:
     """Trace ``template`` on the sample inputs and count its FLOPs: (trace, FLOPs per module, sample shapes)."""
+    kwargs = sample_kwargs(template, kwargs or {})
     flops = module_flops(template, args, kwargs)
     shapes = [f"{k}{tuple(v.shape)}" for k, v in (kwargs or {}).items() if isinstance(v, torch.Tensor)]
     shapes += [f"arg{i}{tuple(a.shape)}" for i, a in enumerate(args) if isinstance(a, torch.Tensor)]

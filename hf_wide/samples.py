@@ -54,3 +54,16 @@ def _vocab_size(config) -> int:
                          "members with transformers and pass sample inputs for the trace, "
                          "WideModel.from_models(models, {'input_ids': ...}).")
     return vocab
+
+
+def sample_kwargs(model: nn.Module, kwargs: dict) -> dict:
+    """The sample's keyword arguments as the trace and verification run them: without a KV cache (a cache would be
+    extended by every call) and without router logits, which a config may ask for (the load-balancing loss that
+    comes with them is computed over all rows: :mod:`hf_wide.routers` splits it by member in a wide forward)."""
+    kwargs = dict(kwargs)
+    config = getattr(model, "config", None)
+    if getattr(config, "use_cache", None) is not None:
+        kwargs.setdefault("use_cache", False)
+    if getattr(config, "output_router_logits", False):
+        kwargs.setdefault("output_router_logits", False)
+    return kwargs

@@ -25,6 +25,8 @@ import torch
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
+from .samples import sample_kwargs
+
 @dataclasses.dataclass
 class Trace:
     """What the exported graph says about the template."""
@@ -131,9 +133,7 @@ def _release_export_graph() -> None:
 
 def trace(model: nn.Module, args: tuple = (), kwargs: dict | None = None) -> Trace:
     """Export ``model`` (batch dim dynamic if it can be) and read parameter users and row mixing."""
-    kwargs = dict(kwargs or {})
-    if getattr(getattr(model, "config", None), "use_cache", None) is not None:
-        kwargs.setdefault("use_cache", False)  # a DynamicCache in the output is not a pytree: export fails
+    kwargs = sample_kwargs(model, kwargs or {})  # no cache: a DynamicCache in the output is not a pytree
     batch_dim = torch.export.Dim("batch")
 
     def dynamic(value):

@@ -26,6 +26,7 @@ from torch.utils import _pytree as pytree
 
 from .fold import Fold
 from .plan import STACKED_LOOP, Kind, WidePlan
+from .samples import sample_kwargs
 
 CHECKED = (Kind.BLOCK, Kind.PRIMITIVE, Kind.VECTORISED)  # and loops over stacked tensors: member 0's code
 
@@ -86,14 +87,6 @@ class _Recorder:
 
 def _copy(tree):
     return pytree.tree_map(lambda t: t.detach().clone() if isinstance(t, torch.Tensor) else t, tree)
-
-
-def sample_kwargs(model: nn.Module, kwargs: dict) -> dict:
-    """The sample's keyword arguments, without a KV cache (a cache would be extended by every call)."""
-    kwargs = dict(kwargs)
-    if getattr(getattr(model, "config", None), "use_cache", None) is not None:
-        kwargs.setdefault("use_cache", False)
-    return kwargs
 
 
 def record_members(references: Sequence[nn.Module], paths: Sequence[str], args: tuple, kwargs: dict,

@@ -2,8 +2,9 @@
 
     torchrun --nproc-per-node K tests/member_parallel_worker.py SCENARIO OUT_DIR [ARGS...]
 
-``run LLAMA_DIRS BERT_DIRS FUSED_DIR`` (comma-separated member folders, a fused repo of the Llama members):
-forward, per-member generation, ensemble decoding, the text-classification pipeline, parameter bytes, inputs that
+``run LLAMA_DIRS BERT_DIRS FUSED_DIR MOE_DIRS`` (comma-separated member folders, a fused repo of the Llama
+members): forward, per-member generation, ensemble decoding, the text-classification pipeline, a mixture of experts'
+router logits and balancing losses, parameter bytes, inputs that
 differ across ranks, saving one fused repo (``OUT_DIR/saved``) and pushing it to the test Hub, and reading a
 fused repo's slices; ``load IDS``: loading
 only, expected to fail on some rank. Each rank writes ``rank{r}.pt`` (what it computed, or the error it raised)."""
@@ -30,7 +31,7 @@ def per_member_ids() -> torch.Tensor:
     return torch.randint(5, 90, (3, 2, 5), generator=torch.Generator().manual_seed(2))  # (N, B, T)
 
 
-def run(llama_dirs: str, bert_dirs: str, fused_dir: str, out_dir: str) -> dict:
+def run(llama_dirs: str, bert_dirs: str, fused_dir: str, moe_dirs: str, out_dir: str) -> dict:
     result = {}
     wide = WideModel.from_pretrained(llama_dirs.split(","), member_parallel=True)
     wide.save_pretrained(Path(out_dir) / "saved")  # one fused repo, written by rank 0
@@ -65,6 +66,10 @@ def run(llama_dirs: str, bert_dirs: str, fused_dir: str, out_dir: str) -> dict:
         result["mismatch"] = f"{type(exc).__name__}: {exc}"
     bert = WideModel.from_pretrained(bert_dirs.split(","), member_parallel=True)
     result["classified"] = pipeline("text-classification", model=bert)(["the cat sat on the mat", "a bad movie"])
+    moe = WideModel.from_pretrained(moe_dirs.split(","), member_parallel=True)
+    with torch.no_grad():
+        routed = moe(**inputs(), labels=inputs()["input_ids"], output_router_logits=True)
+    result["routed"] = {key: routed[key] for key in ("loss", "aux_loss", "router_logits")}
     return result
 
 

@@ -1,8 +1,10 @@
 """``output_attentions`` and ``output_hidden_states`` of a folded model: member i's equal member i's alone,
-whether the module that records them was fused, kept, or fell back per member."""
+whether the module that records them was fused, kept, or fell back per member; what would be recorded inside a
+module run per member is refused."""
 
 import pytest
 import torch
+import transformers
 from conftest import CASES, NUM_MEMBERS
 from families import fall_back_attention_
 from oracle import TOLERANCE
@@ -86,3 +88,46 @@ def test_what_asks_for_capture():
     config.output_hidden_states = True
     assert asks_for_capture({}, config)
     assert not asks_for_capture({"output_hidden_states": False}, config)  # the argument wins
+
+
+def test_what_runs_inside_a_module_run_per_member_is_refused_not_left_out():
+    members = eager_members("llama-causallm")
+    for member in members:  # a hook: layer 0 runs as each member's own module, its attention inside it
+        member.model.layers[0].register_forward_hook(lambda module, args, output: None)
+    wide = WideModel.from_models(members)
+    assert [e.fqn for e in wide.plan.fallbacks] == ["model.layers.0"]
+    inputs = CASES["llama-causallm"].inputs(2, padded=True)
+    with torch.no_grad():
+        got = wide(**inputs, output_hidden_states=True)  # recorded by the layers themselves: there
+        for i, member in enumerate(members):
+            want = member(**inputs, output_hidden_states=True).hidden_states
+            assert len(got.hidden_states) == len(want)
+            for wide_t, member_t in zip(got.hidden_states, want):
+                assert (wide_t[i] - member_t).abs().max().item() <= TOLERANCE
+        # layer 0's attentions would be missing, and layer 1's would stand at index 0
+        with pytest.raises(ValueError, match=r"attentions .*model\.layers\.0\.self_attn .*inside model\.layers\.0"):
+            wide(**inputs, output_attentions=True)
+        wide.config.output_attentions = True
+        try:
+            with pytest.raises(ValueError, match="output_attentions"):
+                wide(**inputs)
+            assert wide(**inputs, output_attentions=False).logits.shape[0] == NUM_MEMBERS
+        finally:
+            wide.config.output_attentions = False
+
+
+def test_hidden_states_of_rows_flattened_from_the_batch_get_a_member_dim():
+    config = transformers.BertConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                     intermediate_size=64)
+    members = []
+    for seed in range(NUM_MEMBERS):
+        torch.manual_seed(seed)
+        members.append(transformers.BertForMultipleChoice(config).eval())
+    ids = torch.randint(1, 64, (2, 3, 7))  # (B, choices, T): the model's layers see B*3 rows
+    wide = WideModel.from_models(members, {"input_ids": ids})
+    with torch.no_grad():
+        got = wide(input_ids=ids, output_hidden_states=True).hidden_states
+        for i, member in enumerate(members):
+            for wide_t, member_t in zip(got, member(input_ids=ids, output_hidden_states=True).hidden_states):
+                assert wide_t.shape == (NUM_MEMBERS, *member_t.shape)  # (N, B*3, T, D), not (N*B*3, T, D)
+                assert (wide_t[i] - member_t).abs().max().item() <= TOLERANCE

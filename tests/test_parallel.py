@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import transformers
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "pipelines"))  # the text members
 
@@ -41,19 +42,28 @@ def members(tmp_path_factory):
     llama = save_members(root / "llama", build_members("llama-causallm", 3), decoder_tokenizer(root / "dec"))
     bert = save_members(root / "bert", build_members("bert-seqcls", 3, {0: "neg", 1: "pos", 2: "mixed"}),
                         bert_tokenizer(root / "tok"))
-    return root, llama, bert
+    moe = []
+    for seed in range(3):  # a mixture of experts: its router logits and load-balancing losses, gathered
+        torch.manual_seed(seed)
+        config = transformers.Qwen2MoeConfig(vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                             num_key_value_heads=2, intermediate_size=64, num_experts=4,
+                                             num_experts_per_tok=2, moe_intermediate_size=16,
+                                             shared_expert_intermediate_size=16)
+        transformers.Qwen2MoeForCausalLM(config).save_pretrained(root / f"moe-{seed}")
+        moe.append(str(root / f"moe-{seed}"))
+    return root, llama, bert, moe
 
 
 @pytest.fixture(scope="module")
 def ranks(members):
     """Every rank's results; the test Hub the ranks pushed to stays up (and the Hub client pointed at it) until
     this module's tests are done."""
-    root, llama, bert = members
+    root, llama, bert, moe = members
     out = root / "run"
     out.mkdir()
     WideModel.from_pretrained(llama).save_pretrained(root / "fused")
     with running_hub(root / "hub"):  # its environment reaches the ranks
-        yield torchrun(2, "run", ",".join(llama), ",".join(bert), str(root / "fused"), out=out)
+        yield torchrun(2, "run", ",".join(llama), ",".join(bert), str(root / "fused"), ",".join(moe), out=out)
 
 
 def test_member_slices_are_contiguous_and_even():
@@ -70,7 +80,7 @@ def test_member_parallel_without_torch_distributed_says_how():
 
 
 def test_every_rank_returns_what_one_process_computes(members, ranks):
-    _, llama, bert = members
+    _, llama, bert, moe = members
     wide = WideModel.from_pretrained(llama)
     with torch.no_grad():
         logits = wide(**inputs()).logits
@@ -79,6 +89,8 @@ def test_every_rank_returns_what_one_process_computes(members, ranks):
         loss = wide(**inputs(), labels=inputs()["input_ids"]).loss
     decoded = pipeline("text-generation", model=wide, max_new_tokens=5)(["cat sat on the", "the big dog"])
     classified = pipeline("text-classification", model=bert)(["the cat sat on the mat", "a bad movie"])
+    with torch.no_grad():
+        routed = WideModel.from_pretrained(moe)(**inputs(), labels=inputs()["input_ids"], output_router_logits=True)
     for rank in ranks:  # the same tokens, texts and labels; floats to the last bits (kernels block by batch size)
         assert rank["members"] == llama
         assert rank["logits"] == pytest.approx(logits, abs=1e-6, rel=0)
@@ -86,12 +98,17 @@ def test_every_rank_returns_what_one_process_computes(members, ranks):
         assert rank["per_member"] == pytest.approx(per_member, abs=1e-6, rel=0)
         assert rank["loss"].shape == (3,) and rank["loss"] == pytest.approx(loss, abs=1e-6, rel=0)
         assert close(rank["decoded"], decoded) and close(rank["classified"], classified)
+        assert rank["routed"]["loss"].shape == rank["routed"]["aux_loss"].shape == (3,)
+        for key in ("loss", "aux_loss"):
+            assert rank["routed"][key] == pytest.approx(routed[key], abs=1e-6, rel=0)
+        for got, want in zip(rank["routed"]["router_logits"], routed.router_logits, strict=True):  # (N, B*T, E)
+            assert got == pytest.approx(want, abs=1e-6, rel=0)
     assert [r["local"] for r in ranks] == [[0, 1], [2]]
     assert ranks[0]["sampled"] == ranks[1]["sampled"]  # sampling without a seed: the same draws on every rank
 
 
 def test_each_rank_holds_its_share_of_the_parameters(members, ranks):
-    _, llama, _ = members
+    _, llama, _, _ = members
     def size(model):
         return sum(p.numel() * p.element_size() for p in model.parameters())
 
@@ -109,21 +126,21 @@ def test_ranks_given_different_inputs_all_raise(ranks):
 
 
 def test_a_member_that_cannot_be_loaded_fails_every_rank(members, tmp_path):
-    _, llama, _ = members
+    _, llama, _, _ = members
     results = torchrun(2, "load", ",".join([*llama[:2], str(tmp_path / "missing")]), out=tmp_path)
     for result in results:
         assert "MemberParallelError" in result["error"] and "rank 1 (member 2)" in result["error"]
 
 
 def test_more_ranks_than_members_fails_every_rank(members, tmp_path):
-    _, llama, _ = members
+    _, llama, _, _ = members
     results = torchrun(3, "load", ",".join(llama[:2]), out=tmp_path)
     for result in results:
         assert "needs at least 3 members" in result["error"]
 
 
 def test_a_fused_repo_is_read_a_slice_per_rank(members, ranks):
-    _, llama, _ = members
+    _, llama, _, _ = members
     wide = WideModel.from_pretrained(llama)
     with torch.no_grad():
         logits = wide(**inputs()).logits
@@ -138,7 +155,7 @@ def test_saving_from_the_ranks_writes_the_repo_one_process_writes(members, ranks
 
     from hf_wide.saving import read_section
 
-    root, llama, _ = members
+    root, llama, _, _ = members
     saved = root / "run" / "saved"
     one = WideModel.from_pretrained(llama, share_identical=False)  # as the ranks fuse theirs
     one.save_pretrained(tmp_path / "one")
@@ -154,7 +171,7 @@ def test_saving_from_the_ranks_writes_the_repo_one_process_writes(members, ranks
 
 
 def test_push_to_hub_from_the_ranks(members, ranks):
-    _, llama, _ = members
+    _, llama, _, _ = members
     assert ranks[0]["pushed"] == ranks[1]["pushed"]  # rank 0's commit, known to every rank
     one = WideModel.from_pretrained(llama, share_identical=False)
     with torch.no_grad():
