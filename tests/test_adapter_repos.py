@@ -1,0 +1,133 @@
+"""Adapter repos (hf_wide/adapter_repos.py): adapters of one base found and loaded from folders and the test Hub at
+pinned revisions, the base once; what is refused, and how (other bases, a missing base, other PEFT types, pickles,
+unknown options); an ensemble of adapters saved, pushed and loaded back."""
+
+import json
+
+import peft
+import pytest
+import torch
+from hub_server import TOKEN, hub  # noqa: F401  (the fixture)
+from lora_members import LLAMA, alone, lora_keys, save_adapter, save_llama_adapters
+from oracle import TOLERANCE, max_member_error
+
+from hf_wide import IncompatibleMembersError, WideModel
+from hf_wide.hub import MemberLoadError
+
+
+@pytest.fixture(scope="module")
+def llama_adapters(tmp_path_factory):
+    return save_llama_adapters(tmp_path_factory.mktemp("llama"))
+
+
+def test_adapters_of_different_bases_are_refused(llama_adapters, tmp_path):
+    base, adapters = llama_adapters
+    other = tmp_path / "other"
+    other.mkdir()
+    config = json.loads((base.parent / "a1" / "adapter_config.json").read_text())
+    (other / "adapter_config.json").write_text(json.dumps({**config, "base_model_name_or_path": "someone/else"}))
+    (other / "adapter_model.safetensors").write_bytes((base.parent / "a1" / "adapter_model.safetensors").read_bytes())
+    with pytest.raises(IncompatibleMembersError, match=r"member 1 .* 'someone/else'.*member 0 .*base"):
+        WideModel.from_pretrained([adapters[0], str(other)])
+
+
+def test_a_base_that_cannot_be_found(llama_adapters):
+    _, adapters = llama_adapters
+    with pytest.raises(MemberLoadError, match="base model 'nobody/nothing'"):
+        WideModel.from_pretrained(adapters[:2], base_model="nobody/nothing", local_files_only=True)
+
+
+def test_unsupported_adapters_are_refused_and_merge_is_the_way_out(llama_adapters, tmp_path):
+    base, _ = llama_adapters
+    ia3 = peft.get_peft_model(LLAMA.model_class.from_pretrained(base), peft.IA3Config(
+        target_modules=["k_proj", "v_proj", "down_proj"], feedforward_modules=["down_proj"], task_type="CAUSAL_LM"))
+    with torch.no_grad():
+        for name, p in ia3.named_parameters():
+            if "ia3_" in name:
+                p.add_(0.1)
+    ia3.save_pretrained(tmp_path / "ia3")
+    dora = save_adapter(LLAMA, base, tmp_path / "dora", 3, r=4, lora_alpha=8, use_dora=True,
+                        target_modules=["q_proj"], task_type="CAUSAL_LM")
+    with pytest.raises(NotImplementedError, match=r"member 0 .*ia3.* IA3 adapter.*merge=True"):
+        WideModel.from_pretrained([str(tmp_path / "ia3"), dora])
+    with pytest.raises(NotImplementedError, match=r"member 1 .*dora.* use_dora=True.*merge=True"):
+        WideModel.from_pretrained([str(base), dora])
+    wide = WideModel.from_pretrained([str(tmp_path / "ia3"), dora], merge=True)
+    references = [alone(LLAMA, base, str(tmp_path / "ia3")), alone(LLAMA, base, dora)]
+    assert max_member_error(wide, references, LLAMA.inputs(2, padded=True)) <= 1e-4  # merged weights round
+
+
+def test_a_pickle_only_adapter_needs_allow_pickle(llama_adapters, tmp_path):
+    base, adapters = llama_adapters
+    pickled = tmp_path / "pickled"
+    pickled.mkdir()
+    (pickled / "adapter_config.json").write_bytes((base.parent / "a1" / "adapter_config.json").read_bytes())
+    torch.save({}, pickled / "adapter_model.bin")
+    with pytest.raises(ValueError, match=r"member 1 .*pickle.*allow_pickle=True"):
+        WideModel.from_pretrained([adapters[0], str(pickled)])
+
+
+def test_an_unknown_keyword_argument_is_a_type_error(llama_adapters):
+    _, adapters = llama_adapters
+    with pytest.raises(TypeError, match="tensor_parallel"):
+        WideModel.from_pretrained(adapters, tensor_parallel=True)
+
+
+def test_base_and_adapters_as_repos_at_pinned_revisions(hub, tmp_path):
+    LLAMA.build(0).save_pretrained(tmp_path / "base")
+    base_sha = hub.publish("meta/base", tmp_path / "base")
+    LLAMA.build(1).save_pretrained(tmp_path / "base-later")
+    hub.publish("meta/base", tmp_path / "base-later")  # main moves on to other weights; the pinned revision stays
+    ids, shas = [], []
+    for seed in range(2):
+        folder = save_adapter(LLAMA, tmp_path / "base", tmp_path / f"a{seed}", seed, base_name="meta/base", r=4 * (seed + 1),
+                              lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
+        shas.append(hub.publish(f"alice/lora-{seed}", folder))
+        ids.append(f"alice/lora-{seed}")
+    wide = WideModel.from_pretrained(ids, revision=shas, base_revision=base_sha, token=TOKEN,
+                                     cache_dir=tmp_path / "cache")
+    references = [alone(LLAMA, tmp_path / "base", str(tmp_path / f"a{seed}")) for seed in range(2)]
+    assert max_member_error(wide, references, LLAMA.inputs(2, padded=True)) <= TOLERANCE
+    assert wide.member_revisions == shas
+    downloads = [r.path for r in hub.requests if r.method == "GET" and "/resolve/" in r.path and "meta/base" in r.path]
+    assert sum(p.endswith("model.safetensors") for p in downloads) == 1  # the base, once
+
+
+def test_an_ensemble_of_adapters_saved_and_loaded_back(llama_adapters, tmp_path):
+    base, adapters = llama_adapters
+    wide = WideModel.from_pretrained([str(base), *adapters])
+    inputs = LLAMA.inputs(2, padded=True)
+    wide.save_pretrained(tmp_path / "ensemble")
+    saved = {p.relative_to(tmp_path / "ensemble").as_posix() for p in (tmp_path / "ensemble").rglob("*.safetensors")}
+    assert saved == {f"members/member-{i}/adapter_model.safetensors" for i in (1, 2, 3)}  # the base: referenced
+    back = WideModel.from_pretrained(str(tmp_path / "ensemble"))
+    with torch.no_grad():
+        assert torch.equal(back(**inputs).logits, wide(**inputs).logits)
+    assert back.member_ids == wide.member_ids
+    folders = wide.save_members(tmp_path / "members")
+    assert folders[0] is None  # the base itself is no adapter
+    for folder, adapter in zip(folders[1:], adapters):  # ordinary PEFT adapters, without the zero updates
+        again, original = alone(LLAMA, base, str(folder)), alone(LLAMA, base, adapter)
+        assert lora_keys(again) == lora_keys(original)
+        with torch.no_grad():
+            assert torch.equal(again(**inputs).logits, original(**inputs).logits)
+
+
+def test_an_ensemble_of_adapters_pushed_and_loaded_in_a_fresh_cache(hub, tmp_path):
+    LLAMA.build(0).save_pretrained(tmp_path / "base")
+    base_sha = hub.publish("meta/llama", tmp_path / "base")
+    ids = []
+    for seed in range(2):
+        hub.publish(f"alice/lora-x{seed}", save_adapter(LLAMA, tmp_path / "base", tmp_path / f"a{seed}", seed,
+                                                     base_name="meta/llama", r=4, lora_alpha=8,
+                                                     target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM"))
+        ids.append(f"alice/lora-x{seed}")
+    wide = WideModel.from_pretrained(ids, token=TOKEN, cache_dir=tmp_path / "cache")
+    assert wide.adapter_sources.base_revision == base_sha
+    wide.push_to_hub("alice/lora-xensemble", token=TOKEN)
+    files = hub.repos["alice/lora-xensemble"].commits[hub.repos["alice/lora-xensemble"].branches["main"]].files
+    assert "model.safetensors" not in files and "members/member-1/adapter_model.safetensors" in files
+    back = WideModel.from_pretrained("alice/lora-xensemble", token=TOKEN, cache_dir=tmp_path / "fresh")
+    inputs = LLAMA.inputs(2, padded=True)
+    with torch.no_grad():
+        assert torch.equal(back(**inputs).logits, wide(**inputs).logits)
