@@ -77,6 +77,15 @@ def peft_quietly() -> Iterator[None]:
 PEFT_FORWARD_ARGS = frozenset({"adapter_names", "alora_offsets", "task_ids"})
 
 
+def without_peft_args(kwargs: dict) -> dict:
+    """``kwargs`` less PEFT's own forward arguments left at None; a value for one is refused."""
+    given = sorted(k for k in PEFT_FORWARD_ARGS & kwargs.keys() if kwargs[k] is not None)
+    if given:
+        raise TypeError(f"A wide model runs every member on every row: {given[0]}= (PEFT's routing of rows to "
+                        "adapters) does not apply. Run wide.member(i) for one adapter alone.")
+    return {k: v for k, v in kwargs.items() if k not in PEFT_FORWARD_ARGS}
+
+
 def runs_inner_model(model: nn.Module) -> bool:
     """Whether a wide forward may call a ``PeftModel``'s transformers model itself (``model.base_model.model``).
 

@@ -20,6 +20,7 @@ gradient is its own loss's.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import threading
 
@@ -29,6 +30,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from .fold import Fold
+from .routers import splitting_balancing_losses
 
 LABEL_ARGUMENTS = frozenset({"labels", "start_positions", "end_positions", "next_sentence_label",
                              "sentence_order_label", "mc_labels"})  # what transformers' heads compute losses from
@@ -171,3 +173,12 @@ def replace_loss(outputs, loss: torch.Tensor, new: torch.Tensor):
     if isinstance(outputs, (tuple, list)):
         return type(outputs)(new if value is loss else value for value in outputs)
     return outputs
+
+
+@contextlib.contextmanager
+def member_losses(model: nn.Module, fold: Fold, labelled: bool, routed: bool):
+    """For one wide forward, what splits its losses by member: the reducing losses given labels
+    (:class:`SplitLosses`), the load-balancing losses of routers asked for their logits (:mod:`hf_wide.routers`)."""
+    with SplitLosses(fold) if labelled else contextlib.nullcontext(), \
+            splitting_balancing_losses(model, fold) if routed else contextlib.nullcontext():
+        yield

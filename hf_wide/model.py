@@ -9,7 +9,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import threading
 import warnings
@@ -20,14 +19,14 @@ import torch
 from torch import nn
 
 from .adapter_layers import unpad
-from .adapters import PEFT_FORWARD_ARGS, runs_inner_model
+from .adapters import PEFT_FORWARD_ARGS, runs_inner_model, without_peft_args
 from .capture import asks_for_capture, install_capture_hooks, require_recorded
 from .compat import member_names
-from .fold import Fold, PerMember, fold_inputs, unfold_outputs
-from .losses import LABEL_ARGUMENTS, SplitLosses, install_member_losses, member_loss_outputs, replace_loss
-from .parallel import gather_members, gather_outputs
+from .fold import Fold, fold_inputs, unfold_outputs
+from .losses import LABEL_ARGUMENTS, install_member_losses, member_loss_outputs, member_losses, replace_loss
+from .parallel import gather_members, gather_outputs, local_inputs
 from .plan import Kind, WidePlan
-from .routers import asks_for_router_logits, member_router_logits, replace_router_logits, splitting_balancing_losses
+from .routers import asks_for_router_logits, member_router_logits, replace_router_logits
 from .swap import member_copy
 
 
@@ -171,23 +170,24 @@ class WideModel(nn.Module):
     def forward(self, *args, **kwargs):
         """Run all members. Plain tensors ``(B, ...)`` are shared by every member; :class:`PerMember`
         tensors ``(N, B, ...)`` give each its own. Every output tensor gains a leading member dim; given labels, the
-        loss is each member's, ``(N,)`` (:mod:`hf_wide.losses`)."""
+        loss is each member's, ``(N,)`` (:mod:`hf_wide.losses`); asked for router logits, so are the mixture of
+        experts' load-balancing losses (:mod:`hf_wide.routers`)."""
         if (not self._capture_hooks or self._unrecorded) and asks_for_capture(kwargs, self.config):
             self._install_capture_hooks()
             require_recorded(self._unrecorded, kwargs, self.config)
         if self._inner and not PEFT_FORWARD_ARGS.isdisjoint(kwargs):
-            kwargs = _without_peft_args(kwargs)
+            kwargs = without_peft_args(kwargs)
         group = self.members_group
         given = (args, kwargs)  # (what every rank must agree on: before PerMember inputs are cut to the rank's)
         n = self.fold.num_members
-        args, kwargs, batch = fold_inputs(n, *(given if group is None else _local_inputs(group, args, kwargs)))
+        args, kwargs, batch = fold_inputs(n, *(given if group is None else local_inputs(group, args, kwargs)))
         self.fold.anchor = first_tensor((*args, *kwargs.values())).new_empty(n * batch, 0)
         labelled = not LABEL_ARGUMENTS.isdisjoint(kwargs)  # each member's loss, on its own rows
         routed = asks_for_router_logits(kwargs, self.config)  # each member's router logits and balancing loss
         model = self.model.base_model.model if self._inner else self.model
         try:
             if (labelled and n > 1) or routed:
-                with _member_losses(model, self.fold, labelled and n > 1, routed):
+                with member_losses(model, self.fold, labelled and n > 1, routed):
                     outputs = model(*args, **kwargs)
             else:
                 outputs = model(*args, **kwargs)
@@ -222,7 +222,7 @@ class WideModel(nn.Module):
             raise TypeError(f"{type(self.model).__name__} cannot generate.")
         group = self.members_group
         if group is not None:
-            args, kwargs = _local_inputs(group, args, kwargs)
+            args, kwargs = local_inputs(group, args, kwargs)
         n = self.fold.num_members
         args, kwargs, batch = fold_inputs(n, args, kwargs)
         if not self._capture_hooks and asks_for_capture(kwargs, self.config):  # by config: what generate drops
@@ -311,22 +311,6 @@ class WideModel(nn.Module):
         return f"num_members={self.num_members}, plan: {self.plan.summary()}"
 
 
-@contextlib.contextmanager
-def _member_losses(model: nn.Module, fold: Fold, labelled: bool, routed: bool):
-    """What splits a forward's losses by member: reducing losses given labels, balancing losses of routers."""
-    with SplitLosses(fold) if labelled else contextlib.nullcontext(), \
-            splitting_balancing_losses(model, fold) if routed else contextlib.nullcontext():
-        yield
-
-
-def _local_inputs(group, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-    """A member-parallel rank's inputs: ``PerMember`` tensors cut to its own members' rows."""
-    def cut(value):
-        return PerMember(value.tensor[group.local.start:group.local.stop]) if isinstance(value, PerMember) else value
-
-    return tuple(cut(a) for a in args), {k: cut(v) for k, v in kwargs.items()}
-
-
 def first_tensor(output) -> torch.Tensor:
     """The first tensor of a model's output (a tensor, a ``ModelOutput`` or another dict, a tuple)."""
     if isinstance(output, torch.Tensor):
@@ -334,12 +318,3 @@ def first_tensor(output) -> torch.Tensor:
     if isinstance(output, dict):  # ModelOutput is a dict
         return next(v for v in output.values() if isinstance(v, torch.Tensor))
     return next(v for v in output if isinstance(v, torch.Tensor))
-
-
-def _without_peft_args(kwargs: dict) -> dict:
-    """``kwargs`` less PEFT's own forward arguments left at None; a value for one is refused."""
-    given = sorted(k for k in PEFT_FORWARD_ARGS & kwargs.keys() if kwargs[k] is not None)
-    if given:
-        raise TypeError(f"A wide model runs every member on every row: {given[0]}= (PEFT's routing of rows to "
-                        "adapters) does not apply. Run wide.member(i) for one adapter alone.")
-    return {k: v for k, v in kwargs.items() if k not in PEFT_FORWARD_ARGS}

@@ -26,6 +26,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from .fold import PerMember
+
 
 class MemberParallelError(RuntimeError):
     """A rank of a member-parallel model failed, or the ranks disagree."""
@@ -265,3 +267,11 @@ def _fingerprint(inputs: tuple[tuple, dict]) -> tuple:
 
 def _members(members: range) -> str:
     return f"member {members.start}" if len(members) == 1 else f"members {members.start}-{members.stop - 1}"
+
+
+def local_inputs(group, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """A member-parallel rank's inputs: ``PerMember`` tensors cut to its own members' rows."""
+    def cut(value):
+        return PerMember(value.tensor[group.local.start:group.local.stop]) if isinstance(value, PerMember) else value
+
+    return tuple(cut(a) for a in args), {k: cut(v) for k, v in kwargs.items()}
