@@ -209,3 +209,22 @@ def unfold_outputs(outputs: Any, n: int, batch: int, keep: tuple[torch.Tensor, .
     if isinstance(outputs, (tuple, list)):
         return type(outputs)(unfold_outputs(v, n, batch, keep) for v in outputs)
     return outputs
+
+
+def unfold_generated(output: Any, n: int, rows: int | None = None) -> Any:
+    """``generate``'s output (``return_dict_in_generate``) with a member dim on every tensor: their rows are the N*B
+    inputs' (times the beams, or the sequences returned per input), member-major: ``(N, rows / N, ...)``; walks the
+    steps' tuples (scores, each layer's attentions); the cache passes unchanged. ``beam_indices`` index the rows
+    of the forwards (``rows``: N*B times the beams): member i's are made its own, as if it had run alone."""
+    if isinstance(output, torch.Tensor):
+        return output.view(n, -1, *output.shape[1:]) if output.dim() and output.shape[0] % n == 0 else output
+    if isinstance(output, dict):
+        for key, value in output.items():
+            output[key] = unfold_generated(value, n)
+            if key == "beam_indices" and isinstance(value, torch.Tensor) and rows is not None:
+                first = torch.arange(n, device=value.device).mul_(rows // n).view(n, *[1] * (value.dim()))
+                output[key] = torch.where(output[key] >= 0, output[key] - first, output[key])  # -1: no beam
+        return output
+    if isinstance(output, (tuple, list)):
+        return type(output)(unfold_generated(v, n) for v in output)
+    return output

@@ -58,6 +58,11 @@ def run(llama_dirs: str, bert_dirs: str, fused_dir: str, moe_dirs: str, out_dir:
     decoder = pipeline("text-generation", model=wide, max_new_tokens=5)
     result["decoded"] = decoder(["cat sat on the", "the big dog"])
     result["sampled"] = decoder("cat sat on the", do_sample=True, top_k=5)["generated_text"]  # no seed: rank 0's
+    try:  # each rank stops when its members are done: their steps' scores differ in number
+        wide.generate(**inputs(1), max_new_tokens=2, do_sample=False, return_dict_in_generate=True)
+        result["generate_dict"] = None
+    except NotImplementedError as exc:
+        result["generate_dict"] = str(exc)
     try:
         with torch.no_grad():
             wide(**inputs(seed=10 + dist.get_rank()))  # each rank its own inputs: refused on every rank

@@ -63,6 +63,27 @@ def test_generate_gives_each_members_own_greedy_continuation(fused, case_id):
         assert torch.equal(out[i], member.generate(**inputs, **settings))
 
 
+@pytest.mark.parametrize("search", [{}, {"num_beams": 2, "num_return_sequences": 2}])
+def test_generate_returns_each_members_scores_and_beams_as_transformers_does(fused, search):
+    members, wide = fused("llama-causallm")
+    inputs = CASES["llama-causallm"].inputs(2, padded=True)
+    settings = dict(max_new_tokens=4, do_sample=False, eos_token_id=None, pad_token_id=0, return_dict_in_generate=True,
+                    output_scores=True, output_logits=True, **search)
+    out = wide.generate(**inputs, **settings)
+    rows = 2 * search.get("num_return_sequences", 1)
+    assert out.sequences.shape[:2] == (NUM_MEMBERS, rows)
+    for i, member in enumerate(members):
+        alone = member.generate(**inputs, **settings)
+        assert torch.equal(out.sequences[i], alone.sequences)
+        for key in ("scores", "logits"):  # a step's: (N, B, V), member i's (B, V)
+            assert len(out[key]) == len(alone[key]) == 4
+            for step, want in zip(out[key], alone[key]):
+                assert (step[i] - want).abs().max().item() <= TOLERANCE
+        if search:  # the beams' rows are member i's own, as if it had run alone
+            assert torch.equal(out.beam_indices[i], alone.beam_indices)
+            assert (out.sequences_scores[i] - alone.sequences_scores).abs().max().item() <= TOLERANCE
+
+
 @pytest.mark.parametrize("case_id", ["gpt2-causallm", "llama-causallm"])
 def test_tied_embeddings_stay_one_tensor(fused, case_id):
     members, wide = fused(case_id)

@@ -104,6 +104,7 @@ def test_every_rank_returns_what_one_process_computes(members, ranks):
         for got, want in zip(rank["routed"]["router_logits"], routed.router_logits, strict=True):  # (N, B*T, E)
             assert got == pytest.approx(want, abs=1e-6, rel=0)
     assert [r["local"] for r in ranks] == [[0, 1], [2]]
+    assert all("return_dict_in_generate" in r["generate_dict"] for r in ranks)  # refused on every rank
     assert ranks[0]["sampled"] == ranks[1]["sampled"]  # sampling without a seed: the same draws on every rank
 
 
