@@ -151,6 +151,10 @@ def fold_inputs(n: int, args: tuple, kwargs: dict) -> tuple[tuple, dict, int]:
     B is read from the first tensor input. Shared tensors with leading dim B are repeated member-major;
     ``PerMember`` tensors are flattened; other tensors (leading dim 1 broadcasts, 0-dim) pass unchanged.
     """
+    if kwargs.get("mems") is not None:
+        raise ValueError(
+            "A wide model cannot take `mems` (XLNet's memory of earlier segments, time-major (T, B, D) per layer): "
+            "the members' memories would not be told apart. Run each member's segments on wide.member(i).")
     leaves = [v for v in (*args, *kwargs.values()) if isinstance(v, (torch.Tensor, PerMember))]
     batches = [_batch_of(v, n) for v in leaves]
     batches = [b for b in batches if b is not None]
@@ -203,6 +207,9 @@ def unfold_outputs(outputs: Any, n: int, batch: int, keep: tuple[torch.Tensor, .
         for key, value in outputs.items():
             if isinstance(value, tuple) and key.endswith(LAYER_OUTPUTS):
                 outputs[key] = tuple(_unfold_layer(t, n, rows) for t in value)
+            elif key == "mems" and isinstance(value, tuple):  # XLNet's, time-major: (N*T, B, D) -> (N, T, B, D)
+                outputs[key] = tuple(t.view(n, -1, *t.shape[1:]) if isinstance(t, torch.Tensor) and t.dim() > 1
+                                     and t.shape[1] == batch and t.shape[0] % n == 0 else t for t in value)
             else:
                 outputs[key] = unfold_outputs(value, n, batch, keep)
         return outputs

@@ -284,3 +284,19 @@ def test_from_pretrained_draws_the_sample_from_the_config(name, tmp_path):
         torch.manual_seed(4)
         inputs = make_inputs()
     assert worst(wide, models, inputs) <= 1e-5
+
+
+def test_xlnets_memories_are_each_members_and_are_not_taken_back():
+    models = members(lambda: tf.XLNetForSequenceClassification(tf.XLNetConfig(
+        vocab_size=V, d_model=32, n_layer=2, n_head=4, d_inner=64, num_labels=3)))
+    wide = fuse(models)
+    inputs = {"input_ids": text_batch(0)["input_ids"]}
+    with torch.no_grad():
+        got = wide(**inputs, use_mems=True)
+        for i, model in enumerate(models):
+            want = model(**inputs, use_mems=True)
+            assert (got.logits[i] - want.logits).abs().max().item() <= 1e-5
+            for layer, mems in zip(got.mems, want.mems, strict=True):  # (N, T, B, D); member i's (T, B, D)
+                assert (layer[i] - mems).abs().max().item() <= 1e-5
+        with pytest.raises(ValueError, match="mems"):  # a member's memory among all members' would be misread
+            wide(**inputs, mems=got.mems)
