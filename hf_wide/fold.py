@@ -189,9 +189,23 @@ def _unfold_layer(t: Any, n: int, rows: int) -> Any:
     return t
 
 
-def unfold_outputs(outputs: Any, n: int, batch: int, keep: tuple[torch.Tensor, ...] = ()) -> Any:
+# Inputs that each hold a batch of their own in multimodal models (CLIP's texts and images), batch first
+BATCHED_INPUTS = frozenset({"input_ids", "attention_mask", "token_type_ids", "inputs_embeds", "pixel_values",
+                            "pixel_mask", "input_features", "input_values"})
+
+
+def other_batches(kwargs: dict, batch: int) -> tuple[int, ...]:
+    """The batch sizes of :data:`BATCHED_INPUTS` other than ``batch`` (the first input's), above 1: CLIP's images
+    beside its texts. Passed unfolded and seen whole by each member, they come back with N times their rows."""
+    return tuple({v.shape[0] for k, v in kwargs.items() if k in BATCHED_INPUTS and isinstance(v, torch.Tensor)
+                  and v.dim() and v.shape[0] not in (1, batch)})
+
+
+def unfold_outputs(outputs: Any, n: int, batch: int, keep: tuple[torch.Tensor, ...] = (),
+                   others: tuple[int, ...] = ()) -> Any:
     """Give every output tensor with ``N*B`` rows a leading member dim: ``(N*B, ...) -> (N, B, ...)``; the tensors
-    in ``keep`` (the members' losses, ``(N,)``, which have N rows when B is 1) stay as they are.
+    in ``keep`` (the members' losses, ``(N,)``, which have N rows when B is 1) stay as they are. ``others``: the
+    batch sizes of other inputs (:func:`other_batches`), whose outputs' ``N*B'`` rows become ``(N, B', ...)`` too.
 
     Works through tuples, lists, dicts and transformers ``ModelOutput``s (updated in place, so their
     attributes follow); caches and scalars pass unchanged. A ModelOutput's per-layer hidden states and attentions
@@ -200,9 +214,13 @@ def unfold_outputs(outputs: Any, n: int, batch: int, keep: tuple[torch.Tensor, .
     """
     rows = n * batch
     if isinstance(outputs, torch.Tensor):
-        if not (outputs.dim() and outputs.shape[0] == rows) or any(outputs is k for k in keep):
+        if not outputs.dim() or any(outputs is k for k in keep):
             return outputs
-        return outputs.view(n, batch, *outputs.shape[1:])
+        if outputs.shape[0] == rows:
+            return outputs.view(n, batch, *outputs.shape[1:])
+        if others and outputs.shape[0] in [n * b for b in others]:
+            return outputs.view(n, outputs.shape[0] // n, *outputs.shape[1:])
+        return outputs
     if isinstance(outputs, dict):  # ModelOutput is a dict whose items mirror its attributes
         for key, value in outputs.items():
             if isinstance(value, tuple) and key.endswith(LAYER_OUTPUTS):
@@ -211,10 +229,10 @@ def unfold_outputs(outputs: Any, n: int, batch: int, keep: tuple[torch.Tensor, .
                 outputs[key] = tuple(t.view(n, -1, *t.shape[1:]) if isinstance(t, torch.Tensor) and t.dim() > 1
                                      and t.shape[1] == batch and t.shape[0] % n == 0 else t for t in value)
             else:
-                outputs[key] = unfold_outputs(value, n, batch, keep)
+                outputs[key] = unfold_outputs(value, n, batch, keep, others)
         return outputs
     if isinstance(outputs, (tuple, list)):
-        return type(outputs)(unfold_outputs(v, n, batch, keep) for v in outputs)
+        return type(outputs)(unfold_outputs(v, n, batch, keep, others) for v in outputs)
     return outputs
 
 

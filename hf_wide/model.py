@@ -22,7 +22,7 @@ from .adapter_layers import unpad
 from .adapters import PEFT_FORWARD_ARGS, runs_inner_model, without_peft_args
 from .capture import asks_for_capture, install_capture_hooks, require_recorded
 from .compat import member_names
-from .fold import Fold, fold_inputs, unfold_generated, unfold_outputs
+from .fold import Fold, fold_inputs, other_batches, unfold_generated, unfold_outputs
 from .losses import LABEL_ARGUMENTS, install_member_losses, member_loss_outputs, member_losses, replace_loss
 from .parallel import gather_members, gather_outputs, local_inputs
 from .plan import Kind, WidePlan
@@ -198,7 +198,7 @@ class WideModel(nn.Module):
             outputs, losses = member_loss_outputs(outputs, n, labelled)  # each (N,)
         if routed:
             routers = member_router_logits(outputs, n)  # each (N, B*T, E)
-        outputs = unfold_outputs(outputs, n, batch, keep=(*losses, *routers))
+        outputs = unfold_outputs(outputs, n, batch, (*losses, *routers), other_batches(given[1], batch))
         if group is None:
             return outputs
         outputs = gather_outputs(group, outputs, batch, given)

@@ -300,3 +300,18 @@ def test_xlnets_memories_are_each_members_and_are_not_taken_back():
                 assert (layer[i] - mems).abs().max().item() <= 1e-5
         with pytest.raises(ValueError, match="mems"):  # a member's memory among all members' would be misread
             wide(**inputs, mems=got.mems)
+
+
+def test_clip_with_as_many_images_as_it_likes_beside_the_texts():
+    factory, make_inputs, _ = MIXED["clip"]
+    models = members(factory)
+    torch.manual_seed(3)
+    wide = fuse(models, make_inputs())
+    inputs = {"input_ids": torch.randint(5, V, (3, 7)), "pixel_values": torch.randn(2, 3, 32, 32)}  # 3 texts, 2 images
+    with torch.no_grad():
+        got = wide(**inputs)
+        for i, model in enumerate(models):
+            want = model(**inputs)
+            for key in ("logits_per_image", "logits_per_text", "text_embeds", "image_embeds"):
+                assert got[key].shape == (len(models), *want[key].shape), key  # (N, 2, ...) as (N, 3, ...)
+                assert (got[key][i] - want[key]).abs().max().item() <= 1e-5, key
