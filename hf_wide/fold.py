@@ -114,6 +114,27 @@ class Fold:
         return None
 
 
+_member_code = threading.local()  # ``inside``: this thread runs one member's own code (see in_member_code)
+
+
+def in_member_code() -> bool:
+    """Whether this thread runs one member's own code: a fallback's call of a member (its module, or its code over
+    its tensors), or one member's part of a split loss. What splits a loss by member (hf_wide.losses,
+    hf_wide.routers) leaves such code alone: its loss is already the member's."""
+    return getattr(_member_code, "inside", False)
+
+
+def enter_member_code() -> bool:
+    """Mark this thread as running one member's own code; returns what to give :func:`leave_member_code`."""
+    outer = getattr(_member_code, "inside", False)
+    _member_code.inside = True
+    return outer
+
+
+def leave_member_code(outer: bool) -> None:
+    _member_code.inside = outer
+
+
 class PerMember:
     """An input that gives every member its own rows: a tensor of shape ``(N, B, ...)``.
 

@@ -22,14 +22,13 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import threading
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from .fold import Fold
+from .fold import Fold, enter_member_code, in_member_code, leave_member_code
 from .routers import splitting_balancing_losses
 
 LABEL_ARGUMENTS = frozenset({"labels", "start_positions", "end_positions", "next_sentence_label",
@@ -39,8 +38,6 @@ REDUCING_LOSSES = frozenset(getattr(F, name) for name in (
     "cross_entropy", "nll_loss", "mse_loss", "l1_loss", "smooth_l1_loss", "huber_loss", "binary_cross_entropy",
     "binary_cross_entropy_with_logits", "kl_div", "poisson_nll_loss", "soft_margin_loss",
     "multilabel_soft_margin_loss", "multilabel_margin_loss", "multi_margin_loss", "hinge_embedding_loss"))
-
-_splitting = threading.local()  # ``inside``: this thread runs a member's own part of a loss (split already)
 
 
 def _split_calls(function, n: int, args: tuple, kwargs: dict, leading: int) -> torch.Tensor:
@@ -52,12 +49,12 @@ def _split_calls(function, n: int, args: tuple, kwargs: dict, leading: int) -> t
             return value[m * block : (m + 1) * block]
         return value
 
-    _splitting.inside = True
+    outer = enter_member_code()
     try:
         return torch.stack([function(*(part(a, m) for a in args), **{k: part(v, m) for k, v in kwargs.items()})
                             for m in range(n)])
     finally:
-        _splitting.inside = False
+        leave_member_code(outer)
 
 
 class MemberLosses:
@@ -71,7 +68,7 @@ class MemberLosses:
 
     def __call__(self, *args, **kwargs) -> torch.Tensor:
         n = self.fold.num_members
-        if self.fold.rows is None or getattr(_splitting, "inside", False):
+        if self.fold.rows is None or in_member_code():
             return self.loss_function(*args, **kwargs)
         tensors = [t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor) and t.dim() > 0]
         leading = tensors[0].shape[0]  # N*B rows, or N*B*T flattened tokens: member-major either way
@@ -95,7 +92,7 @@ class SplitLosses(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func in REDUCING_LOSSES and kwargs.get("reduction", "mean") != "none" and len(args) >= 2 and \
-                not getattr(_splitting, "inside", False):
+                not in_member_code():
             x, target = args[0], args[1]
             if isinstance(x, torch.Tensor) and isinstance(target, torch.Tensor) and x.dim() and target.dim() and \
                     x.shape[0] == target.shape[0] and _member_major(x.shape[0], self.fold):

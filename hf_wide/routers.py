@@ -27,7 +27,7 @@ import threading
 import torch
 from torch import nn
 
-from .fold import Fold
+from .fold import Fold, in_member_code
 
 ROUTER_OUTPUTS = "router_logits"  # the ModelOutput keys that hold them end so (encoder_router_logits, ...)
 _active = threading.local()  # ``fold``: of the wide forward this thread runs, while it asks for router logits
@@ -51,7 +51,7 @@ class MemberBalancingLoss:
         fold: Fold | None = getattr(_active, "fold", None)
         bound = self.signature.bind(*args, **kwargs)
         layers = bound.arguments.get("gate_logits")
-        if fold is None or fold.rows is None or not isinstance(layers, tuple) or not layers:
+        if fold is None or fold.rows is None or in_member_code() or not isinstance(layers, tuple) or not layers:
             return self.function(*args, **kwargs)
         n, rows = fold.num_members, fold.rows
         if any(t.shape[0] % rows for t in layers):  # N*B*T flattened tokens, member-major, in every layer

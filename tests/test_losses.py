@@ -131,3 +131,16 @@ def test_a_contrastive_loss_of_each_member_stays_one_per_member_at_batch_one():
         want = torch.stack([m(**inputs, return_loss=True).loss for m in models])
     assert loss.shape == (3,)
     torch.testing.assert_close(loss, want, atol=1e-5, rtol=0)
+
+
+def test_a_model_run_whole_per_member_computes_its_own_loss():
+    members = [CASES["llama-causallm"].build(seed) for seed in range(3)]
+    for member in members:  # a hook on the model: each member runs whole, as its own module
+        member.register_forward_hook(lambda module, args, output: None)
+    wide = WideModel.from_models(members)
+    assert [e.fqn for e in wide.plan.fallbacks] == [""]
+    ids = torch.randint(5, VOCAB, (2, 9))  # its 2*9 token rows divide into the forward's 3*2: not to be split again
+    with torch.no_grad():
+        loss = wide(input_ids=ids, labels=ids).loss
+        want = torch.stack([m(input_ids=ids, labels=ids).loss for m in members])
+    torch.testing.assert_close(loss, want, atol=1e-5, rtol=0)

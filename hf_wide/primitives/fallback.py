@@ -26,7 +26,7 @@ from torch import nn
 from torch.utils import _pytree as pytree
 from transformers.cache_utils import Cache
 
-from ..fold import Fold
+from ..fold import Fold, enter_member_code, leave_member_code
 from ..registry import transformers_classes
 from . import member_cache
 
@@ -130,10 +130,14 @@ def run_per_member(fold: Fold, members: Sequence, token_rows: bool, args: tuple,
     caches = {id(t): t for t in leaves if isinstance(t, Cache)}
     views = {key: member_cache.split(cache, n, batch) for key, cache in caches.items()}  # each member's rows
     outputs = []
-    for m, module in enumerate(members):
-        member_leaves = [views[id(t)][m] if id(t) in views else member_slice(t, m) for t in leaves]
-        m_args, m_kwargs = pytree.tree_unflatten(member_leaves, spec)
-        outputs.append(module(*m_args, **m_kwargs))
+    outer = enter_member_code()  # a loss a member computes in it is its own (hf_wide.losses)
+    try:
+        for m, module in enumerate(members):
+            member_leaves = [views[id(t)][m] if id(t) in views else member_slice(t, m) for t in leaves]
+            m_args, m_kwargs = pytree.tree_unflatten(member_leaves, spec)
+            outputs.append(module(*m_args, **m_kwargs))
+    finally:
+        leave_member_code(outer)
     for key, cache in caches.items():
         member_cache.merge(cache, views[key])
     if views:  # an output that hands a member's view back (a decoder's past_key_values) is the cache itself
@@ -161,6 +165,8 @@ def _concat_members(outputs: list, batch: int):
                     "its output has no batch dim, so the members' outputs cannot be folded."
                 )
             merged.append(torch.cat(parts, dim=0))  # (N*B, ...)
+        elif isinstance(first, torch.Tensor) and any(p is not first for p in parts):  # each member's 0-dim: (N,)
+            merged.append(torch.stack(parts))  # (a whole model's loss), as a vectorised module gives it
         elif isinstance(first, Cache) and any(p is not first for p in parts):  # each member made its own
             merged.append(member_cache.gather(list(parts)))
         else:

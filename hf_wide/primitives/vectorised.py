@@ -32,7 +32,7 @@ from torch.func import functional_call, vmap
 from torch.utils import _pytree as pytree
 from transformers.cache_utils import Cache
 
-from ..fold import Fold
+from ..fold import Fold, enter_member_code, leave_member_code
 from . import member_cache
 from .base import meta_copy
 from .fallback import TOKEN_ROWS, is_own_method, per_member_method, run_per_member
@@ -198,7 +198,11 @@ class VectorisedFallback(nn.Module):
             return [t for t in out_leaves if isinstance(t, torch.Tensor)] + [r for _, rows in made for r in rows]
 
         randomness = "different" if self.training else "error"
-        outs = iter(vmap(member, in_dims=tuple(in_dims), randomness=randomness)(state, *mapped))
+        outer = enter_member_code()  # a loss a member computes in it is its own (hf_wide.losses)
+        try:
+            outs = iter(vmap(member, in_dims=tuple(in_dims), randomness=randomness)(state, *mapped))
+        finally:
+            leave_member_code(outer)
         out_leaves = [self._merge(next(outs), rows // n) if t is _TENSOR else t for t in structure["static"]]
         for cache, count in structure["caches"]:  # (N, B, ...) each -> the cache's N*B rows, member-major
             member_cache.set_row_tensors(cache, [self._merge(next(outs), rows // n) for _ in range(count)])
