@@ -216,10 +216,10 @@ BATCHED_INPUTS = frozenset({"input_ids", "attention_mask", "token_type_ids", "in
 
 
 def other_batches(kwargs: dict, batch: int) -> tuple[int, ...]:
-    """The batch sizes of :data:`BATCHED_INPUTS` other than ``batch`` (the first input's), above 1: CLIP's images
-    beside its texts. Passed unfolded and seen whole by each member, they come back with N times their rows."""
+    """The batch sizes of :data:`BATCHED_INPUTS` other than ``batch`` (the first input's): CLIP's images beside its
+    texts. Passed unfolded and seen whole by each member, they come back with N times their rows."""
     return tuple({v.shape[0] for k, v in kwargs.items() if k in BATCHED_INPUTS and isinstance(v, torch.Tensor)
-                  and v.dim() and v.shape[0] not in (1, batch)})
+                  and v.dim() and v.shape[0] != batch})
 
 
 def unfold_outputs(outputs: Any, n: int, batch: int, keep: tuple[torch.Tensor, ...] = (),

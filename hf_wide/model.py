@@ -26,6 +26,7 @@ from .fold import Fold, fold_inputs, other_batches, unfold_generated, unfold_out
 from .losses import LABEL_ARGUMENTS, install_member_losses, member_loss_outputs, member_losses, replace_loss
 from .parallel import gather_members, gather_outputs, local_inputs
 from .plan import Kind, WidePlan
+from .primitives import PerMemberFallback, VectorisedFallback
 from .routers import asks_for_router_logits, member_router_logits, replace_router_logits
 from .swap import member_copy
 
@@ -71,6 +72,8 @@ class WideModel(nn.Module):
         self._capture_hooks = False  # installed on the first forward that asks for attentions or hidden states
         self._unrecorded: dict[str, tuple[str, str]] = {}  # what they cannot record (hf_wide.capture): refused
         self._capture_lock = threading.Lock()
+        if isinstance(model, (VectorisedFallback, PerMemberFallback)):  # the whole model runs per member: its
+            model.expands_broadcasts = False  # outputs are the caller's (CLIP's one image beside texts: (N, 1, ...))
         self._inner = runs_inner_model(model)  # a LoRA PeftModel: its transformers model is called directly
         install_member_losses(model.base_model.model if self._inner else model, fold)  # each member's loss
         # generate() calls the model's forward itself (and an encoder-decoder's encoder first), with rows it may

@@ -307,11 +307,12 @@ def test_clip_with_as_many_images_as_it_likes_beside_the_texts():
     models = members(factory)
     torch.manual_seed(3)
     wide = fuse(models, make_inputs())
-    inputs = {"input_ids": torch.randint(5, V, (3, 7)), "pixel_values": torch.randn(2, 3, 32, 32)}  # 3 texts, 2 images
-    with torch.no_grad():
-        got = wide(**inputs)
-        for i, model in enumerate(models):
-            want = model(**inputs)
-            for key in ("logits_per_image", "logits_per_text", "text_embeds", "image_embeds"):
-                assert got[key].shape == (len(models), *want[key].shape), key  # (N, 2, ...) as (N, 3, ...)
-                assert (got[key][i] - want[key]).abs().max().item() <= 1e-5, key
+    for images in (2, 1):  # 3 texts beside 2 images, or beside 1 (zero-shot: one image, a text per label)
+        inputs = {"input_ids": torch.randint(5, V, (3, 7)), "pixel_values": torch.randn(images, 3, 32, 32)}
+        with torch.no_grad():
+            got = wide(**inputs)
+            for i, model in enumerate(models):
+                want = model(**inputs)
+                for key in ("logits_per_image", "logits_per_text", "text_embeds", "image_embeds"):
+                    assert got[key].shape == (len(models), *want[key].shape), key  # (N, images, ...), (N, 3, ...)
+                    assert (got[key][i] - want[key]).abs().max().item() <= 1e-5, key

@@ -39,6 +39,8 @@ TOKEN_ROWS = tuple(transformers_classes(*(f"{family}.{prefix}{part}" for family,
 class PerMemberFallback(nn.Module):
     """N copies of one module; member m runs on rows ``[m*B, (m+1)*B)`` and the outputs are concatenated."""
 
+    expands_broadcasts = True  # False where it is the whole model: its outputs go to the caller as they are
+
     def __init__(self, mods: Sequence[nn.Module], fold: Fold):
         super().__init__()
         self.fold = fold
@@ -86,7 +88,7 @@ class PerMemberFallback(nn.Module):
             return views[name]
 
     def forward(self, *args, **kwargs):
-        return run_per_member(self.fold, list(self.members), self.token_rows, args, kwargs)
+        return run_per_member(self.fold, list(self.members), self.token_rows, args, kwargs, self.expands_broadcasts)
 
 
 def is_own_method(value, module: nn.Module) -> bool:
@@ -106,10 +108,10 @@ def _call_per_member(fold: Fold, methods: list, token_rows: bool, *args, **kwarg
     return run_per_member(fold, methods, token_rows, args, kwargs)
 
 
-def run_per_member(fold: Fold, members: Sequence, token_rows: bool, args: tuple, kwargs: dict):
+def run_per_member(fold: Fold, members: Sequence, token_rows: bool, args: tuple, kwargs: dict, expand: bool = True):
     """Call ``members[m]`` (a module, or any callable of member m's inputs) on member m's rows of the inputs,
     for every m, and concatenate the outputs member-major. With ``token_rows``, inputs split into N blocks of
-    token rows instead of batch rows (a mixture of experts)."""
+    token rows instead of batch rows (a mixture of experts). ``expand``: see :func:`_concat_members`."""
     n = fold.num_members
     rows = fold.rows
     leaves, spec = pytree.tree_flatten((args, kwargs))
@@ -146,11 +148,12 @@ def run_per_member(fold: Fold, members: Sequence, token_rows: bool, args: tuple,
     if token_rows:
         return pytree.tree_map(lambda *parts: torch.cat(parts) if isinstance(parts[0], torch.Tensor) else parts[0],
                                *outputs)
-    return _concat_members(outputs, batch)
+    return _concat_members(outputs, batch, expand)
 
 
-def _concat_members(outputs: list, batch: int):
-    """Concatenate N members' outputs along the rows, expanding broadcast (1, ...) outputs to B rows."""
+def _concat_members(outputs: list, batch: int, expand: bool = True):
+    """Concatenate N members' outputs along the rows, expanding broadcast (1, ...) outputs to B rows (for the
+    model's code around the module; not where the module is the whole model, whose outputs go to the caller)."""
     flat = [pytree.tree_flatten(out) for out in outputs]
     spec = flat[0][1]
     merged = []
@@ -158,7 +161,7 @@ def _concat_members(outputs: list, batch: int):
         first = parts[0]
         if isinstance(first, torch.Tensor) and first.dim() > 0:
             if first.shape[0] == 1 and batch != 1:  # a broadcast output, e.g. (1, T, D)
-                parts = [p.expand(batch, *p.shape[1:]) for p in parts]
+                parts = [p.expand(batch, *p.shape[1:]) for p in parts] if expand else parts
             elif first.shape[0] != batch:
                 raise RuntimeError(
                     f"A per-member module returned a tensor of shape {tuple(first.shape)} for {batch} rows: "

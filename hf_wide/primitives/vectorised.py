@@ -65,6 +65,8 @@ def _tensors(module: nn.Module, remove_duplicate: bool = True) -> dict[str, torc
 class VectorisedFallback(nn.Module):
     """N members of one module, run as one ``vmap`` of its own forward over their stacked tensors."""
 
+    expands_broadcasts = True  # False where it is the whole model: its outputs go to the caller as they are
+
     def __init__(self, fold: Fold, proto: nn.Module, stacked: nn.Module, loop: bool = False):
         super().__init__()
         self.fold = fold
@@ -164,7 +166,7 @@ class VectorisedFallback(nn.Module):
         state, code = self._state(), self._code()
         calls = [lambda *a, i=i, **k: functional_call(code, {n: t[i] for n, t in state.items()}, a, k)
                  for i in range(self.num_members)]
-        return run_per_member(self.fold, calls, type(self.proto) in TOKEN_ROWS, args, kwargs)
+        return run_per_member(self.fold, calls, type(self.proto) in TOKEN_ROWS, args, kwargs, self.expands_broadcasts)
 
     def _vmap(self, leaves: list, spec):
         state, code = self._state(), self._code()  # name -> (N, ...)
@@ -210,8 +212,10 @@ class VectorisedFallback(nn.Module):
 
     def _merge(self, y: torch.Tensor, batch: int) -> torch.Tensor:
         """(N, b, ...) -> (N*B, ...) with this call's B (the fold has none when ``generate`` runs an encoder
-        itself); a member's 0-dim output stays (N,)."""
-        return self.fold.merge(y, batch) if y.dim() > 1 else y
+        itself), a broadcast b == 1 expanded unless this is the whole model; a member's 0-dim output stays (N,)."""
+        if y.dim() < 2:
+            return y
+        return self.fold.merge(y, batch) if self.expands_broadcasts else y.reshape(-1, *y.shape[2:])
 
     def extra_repr(self) -> str:
         loop = ", loop=True" if self.loop else ""
