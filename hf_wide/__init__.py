@@ -1,5 +1,9 @@
 """hf-wide: run N fine-tuned checkpoints of one architecture as one wide model."""
 
+from .versions import require_supported_transformers
+
+require_supported_transformers()  # before anything builds on transformers: see hf_wide/versions.py
+
 from . import blocks, primitives, rewrites  # noqa: F401  (fill the registries)
 from .compat import IncompatibleMembersError
 from .cpu import tune_cpu_allocator
