@@ -20,8 +20,7 @@ from torch import nn
 
 from .model import WideValidationError, first_tensor
 from .verify import tolerance
-
-CACHE_NAMES = ("past_key_values", "cache_params")  # what transformers' models call it (Mamba: cache_params)
+from .versions import CACHE_NAMES
 
 
 def cache_name(model: nn.Module) -> str | None:

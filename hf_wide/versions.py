@@ -1,17 +1,21 @@
-"""The transformers releases hf-wide follows, checked when it is imported.
+"""The transformers releases hf-wide follows, checked when it is imported, and the names that changed between them.
 
-transformers 5.24 renamed the cache argument of its attention and decoder layers (``past_key_values`` became
-``cache``). hf-wide's fused attention blocks take the layers' place and still read ``past_key_values``: under 5.24 a
-wide model would decode without its cache, every token after the first wrong, with no error. Until the blocks follow
-the rename, a newer transformers is refused at import rather than let a wide model give wrong numbers.
+transformers 5.24 renamed the cache its models and layers take and return (``past_key_values``, and Mamba's
+``cache_params``, became ``cache``; the old names stay as deprecated aliases). hf-wide's fused blocks take the layers'
+place, so they read the cache under either name: a block that missed it would decode without its cache, every token
+after the first wrong, with no error. A release hf-wide has not been run against may rename more, so it is refused at
+import rather than let a wide model give wrong numbers.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 import transformers
 from packaging.version import Version
 
-TRANSFORMERS_BELOW = (5, 24)  # the first release hf-wide does not follow yet
+TRANSFORMERS_BELOW = (5, 25)  # the first release hf-wide does not follow yet
+CACHE_NAMES = ("cache", "past_key_values", "cache_params")  # 5.24 on; before it (Mamba: cache_params)
 
 
 def require_supported_transformers(version: str | None = None) -> None:
@@ -20,7 +24,16 @@ def require_supported_transformers(version: str | None = None) -> None:
     if Version(version).release[:2] >= TRANSFORMERS_BELOW:
         below = ".".join(map(str, TRANSFORMERS_BELOW))
         raise ImportError(
-            f"hf-wide supports transformers 5.x below {below}; {version} is installed. transformers {below} renamed "
-            "the cache argument of its attention layers (past_key_values -> cache), which hf-wide's fused attention "
-            "blocks do not take yet: a wide model would decode without its cache and give wrong tokens. Install a "
-            f"supported release: pip install 'transformers>=5,<{below}'")
+            f"hf-wide supports transformers 5.x below {below}; {version} is installed, a release hf-wide has not been "
+            "run against. Its fused blocks stand in for transformers' layers and must take the same arguments (5.24 "
+            "renamed the cache, past_key_values -> cache): a renamed one they missed would give wrong numbers, with "
+            f"no error. Install a supported release: pip install 'transformers>=5,<{below}'")
+
+
+def pop_cache(kwargs: dict[str, Any]) -> Any:
+    """The cache a layer was called with, under any of :data:`CACHE_NAMES`, removed from ``kwargs``; None if none."""
+    given = [kwargs.pop(name) for name in CACHE_NAMES if name in kwargs]
+    given = [cache for cache in given if cache is not None]
+    if len(given) > 1:
+        raise TypeError(f"a cache was given under two names ({', '.join(CACHE_NAMES)}): pass it as one")
+    return given[0] if given else None

@@ -30,6 +30,7 @@ from huggingface_hub import utils as hf_utils
 from ..cpu import allocator_state
 from ..model import WideModel
 from ..pipelines import pipeline
+from ..verify_cache import cache_name
 
 SPECIALS = ["[PAD]", "[SEP]", "[UNK]", "[CLS]", "[MASK]"]
 SYLLABLES = "ka lo mi ne ru sa ti vo be da fe gi hu jo ly po qua ze xi wu".split()
@@ -122,14 +123,14 @@ def stepped_decode(members, input_ids: torch.Tensor, attention_mask: torch.Tenso
     fed to all of them. (B, new_tokens) tokens."""
     mask = attention_mask
     positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 0)
-    caches = [None] * len(members)
+    caches, name = [None] * len(members), cache_name(members[0]) or "past_key_values"
     step_ids, tokens = input_ids, []
     for _ in range(new_tokens):
         probs = 0
         for i, member in enumerate(members):
             out = member(input_ids=step_ids, attention_mask=mask, position_ids=positions,
-                         past_key_values=caches[i], use_cache=True, logits_to_keep=1)
-            caches[i] = out.past_key_values
+                         use_cache=True, logits_to_keep=1, **{name: caches[i]})
+            caches[i] = getattr(out, name)
             probs = probs + out.logits[:, -1].float().softmax(-1)
         token = (probs / len(members)).argmax(-1)  # (B,)
         tokens.append(token)

@@ -34,6 +34,7 @@ from ..primitives.base import meta_copies
 from ..primitives.linear import WideLinear, wide_linear
 from ..primitives.norm import WideLayerNorm
 from ..registry import register_block
+from ..versions import pop_cache
 from .base import WideBlock, member_slices, stack_cat
 from .lora import WideLoraLinear
 from .lora_projections import (
@@ -58,9 +59,9 @@ class AttentionLayout:
 
 
 BERT = AttentionLayout(("query", "key", "value"), None, "attention_head_size", "dropout.p",
-                       ("hidden_states", "attention_mask", "past_key_values"))
+                       ("hidden_states", "attention_mask", "cache"))
 LLAMA = AttentionLayout(("q_proj", "k_proj", "v_proj"), "o_proj", "head_dim", "attention_dropout",
-                        ("hidden_states", "position_embeddings", "attention_mask", "past_key_values"), rotary=True)
+                        ("hidden_states", "position_embeddings", "attention_mask", "cache"), rotary=True)
 VIT = AttentionLayout(("q_proj", "k_proj", "v_proj"), "o_proj", "head_dim", "attention_dropout",
                       ("hidden_states", "attention_mask"))
 DISTILBERT = AttentionLayout(("q_lin", "k_lin", "v_lin"), "out_lin", "attention_head_size", "dropout.p",
@@ -145,7 +146,7 @@ class WideAttention(WideBlock):
         hidden_states = kwargs.pop("hidden_states")  # (N*B, T, D)
         attention_mask = kwargs.pop("attention_mask", None)
         position_embeddings = kwargs.pop("position_embeddings", None)
-        past_key_values = kwargs.pop("past_key_values", None)
+        cache = pop_cache(kwargs)  # transformers 5.24 calls it cache, earlier releases past_key_values
         input_shape = hidden_states.shape[:-1]
         hidden_shape = (*input_shape, -1, self._head_dim)
 
@@ -159,11 +160,10 @@ class WideAttention(WideBlock):
         if self._rotary is not None:
             cos, sin = position_embeddings
             query, key = self._rotary(query, key, cos, sin)
-        if past_key_values is not None:
-            cache = past_key_values
+        if cache is not None:
             if isinstance(cache, EncoderDecoderCache):
                 cache = cache.self_attention_cache
-            key, value = cache.update(key, value, self.layer_idx)
+            key, value = cache.update(key, value, self.layer_idx, kwargs=kwargs)
 
         interface = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, self._eager)
         if getattr(self, "sliding_window", None) is not None:  # Qwen2: per layer

@@ -3,6 +3,7 @@ and each block's member i is the source module i again."""
 
 import pytest
 import torch
+from transformers.cache_utils import DynamicCache
 from conftest import CASES
 
 from hf_wide import Kind, WideModel
@@ -70,3 +71,21 @@ def test_shared_identical_block_is_not_fused():
     members = [case.build(0) for _ in range(2)]  # identical members: everything is shared
     wide = WideModel.from_models(members)
     assert not wide.plan.by_kind(Kind.BLOCK)
+
+
+@pytest.mark.parametrize("name", ["cache", "past_key_values"])
+def test_attention_takes_the_cache_under_either_releases_name(fused, name):
+    # transformers 5.24 calls a layer's cache `cache`, earlier releases `past_key_values`: a block that missed it
+    # would attend to the new token alone, every generated token after the first wrong
+    members, wide = fused("llama-causallm")
+    attention, inner = wide.model.model.layers[0].self_attn, wide.model.model
+    hidden = torch.randn(len(members) * 2, 4, inner.config.hidden_size)  # (N*B, T, D)
+    rotary = inner.rotary_emb(hidden, torch.arange(4)[None])
+    whole, _ = attention(hidden, rotary, None)  # causal, no cache
+    cache = DynamicCache()
+    attention(hidden[:, :3], tuple(r[:, :3] for r in rotary), None, **{name: cache})
+    step, _ = attention(hidden[:, 3:], tuple(r[:, 3:] for r in rotary), None, **{name: cache})
+    assert cache.get_seq_length() == 4
+    torch.testing.assert_close(step, whole[:, 3:])
+    with pytest.raises(TypeError, match="two names"):
+        attention(hidden, rotary, None, cache=cache, past_key_values=DynamicCache())

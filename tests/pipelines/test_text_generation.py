@@ -13,6 +13,7 @@ from text_members import build_members, decoder_tokenizer, sentences
 from hf_wide import WideModel
 from hf_wide.pipelines import pipeline
 from hf_wide.pipelines.text_generation import _filter
+from hf_wide.verify_cache import cache_name
 
 PROMPTS = [sentences(1, seed=11, min_words=6, max_words=6)[0], sentences(1, seed=12, min_words=2, max_words=2)[0]]
 NEW = 6
@@ -94,9 +95,10 @@ def test_ensemble_decoding_of_a_state_space_model_steps_each_members_own_cache(t
     results = pipe(PROMPTS, max_new_tokens=NEW, return_full_text=False, batch_size=2)
     encoded = tokenizer(PROMPTS, return_tensors="pt", padding=True)
     step, mask, caches, new, entropies = encoded["input_ids"], encoded["attention_mask"], [None] * 3, [], []
+    name = cache_name(members[0])  # cache_params, cache from transformers 5.24 on
     for _ in range(NEW):
-        outs = [m(input_ids=step, attention_mask=mask, cache_params=c, use_cache=True) for m, c in zip(members, caches)]
-        caches = [out.cache_params for out in outs]
+        outs = [m(input_ids=step, attention_mask=mask, use_cache=True, **{name: c}) for m, c in zip(members, caches)]
+        caches = [getattr(out, name) for out in outs]
         probs = torch.stack([out.logits[:, -1].softmax(-1) for out in outs]).mean(0)  # (B, V)
         new.append(probs.argmax(-1))
         entropies.append(entropy(probs))

@@ -15,6 +15,7 @@ from transformers.models.mistral.modeling_mistral import MistralAttention
 from hf_wide import WideModel
 from hf_wide.fold import Fold
 from hf_wide.primitives.fallback import PerMemberFallback
+from hf_wide.verify_cache import cache_name
 
 
 def members_with_a_fallen_back_attention(case_id: str, attention_class, **config):
@@ -49,7 +50,7 @@ def test_a_static_cache_is_refused_clearly():
     inputs = CASES["llama-causallm"].inputs(2, padded=True)
     cache = StaticCache(config=members[0].config, max_cache_len=32)
     with pytest.raises(NotImplementedError, match="DynamicCache"), torch.no_grad():
-        wide(**inputs, past_key_values=cache)
+        wide(**inputs, **{cache_name(members[0]): cache})
 
 
 def test_a_submodule_called_through_the_fallback_runs_per_member():
