@@ -22,7 +22,8 @@ from .adapter_layers import unpad
 from .adapters import PEFT_FORWARD_ARGS, runs_inner_model, without_peft_args
 from .capture import asks_for_capture, install_capture_hooks, require_recorded
 from .compat import member_names
-from .fold import Fold, fold_inputs, other_batches, unfold_generated, unfold_outputs
+from .fold import Fold, fold_inputs, other_batches, unfold_outputs
+from .generation import generate_wide
 from .losses import LABEL_ARGUMENTS, install_member_losses, member_loss_outputs, member_losses, replace_loss
 from .parallel import gather_members, gather_outputs, local_inputs
 from .plan import Kind, WidePlan
@@ -224,37 +225,7 @@ class WideModel(nn.Module):
         ``return_dict_in_generate=True``, transformers' output with every member's: ``sequences`` ``(N, B, T')``,
         and each step's ``scores``, ``logits``, attentions and hidden states ``(N, B, ...)`` (B times the beams or
         returned sequences, where there are some, as for each member alone)."""
-        if not hasattr(self.model, "generate"):
-            raise TypeError(f"{type(self.model).__name__} cannot generate.")
-        group = self.members_group
-        if group is not None:
-            args, kwargs = local_inputs(group, args, kwargs)
-        n = self.fold.num_members
-        args, kwargs, batch = fold_inputs(n, args, kwargs)
-        returns_dict = _returns_dict(kwargs, self.model)
-        if (not self._capture_hooks or self._unrecorded) and asks_for_capture(kwargs, self.config):
-            self._install_capture_hooks()  # asked for, or by config (router logits, whose loss generate drops)
-            if returns_dict:
-                require_recorded(self._unrecorded, kwargs, self.config)
-        self.fold.recording = True  # the pre-hook records the rows of every forward generate() makes
-        try:
-            out = self.model.generate(*args, **kwargs)
-            rows = self.fold.rows  # of its last forward: N*B, times the beams
-        finally:
-            self.fold.reset()
-        if group is None and not isinstance(out, torch.Tensor):
-            return unfold_generated(out, n, rows)
-        sequences = out if isinstance(out, torch.Tensor) else out.sequences
-        sequences = sequences.view(n, -1, sequences.shape[-1])
-        if group is None:
-            return sequences
-        if returns_dict:  # the same on every rank: raised by all of them
-            raise NotImplementedError("A member-parallel wide model's generate returns the sequences alone: each "
-                                      "rank stops when its own members are done, so their steps' scores differ in "
-                                      "number. Call it without return_dict_in_generate.")
-        # Each rank stops when its own members are done; padded as one process pads members done early.
-        pad = kwargs.get("pad_token_id", getattr(getattr(self.model, "generation_config", None), "pad_token_id", None))
-        return gather_members(group, sequences, 0 if pad is None else pad)
+        return generate_wide(self, args, kwargs)
 
     def train(self, mode: bool = True) -> "WideModel":
         shared = [e.name for e in self.plan.by_kind(Kind.SHARED) if e.params]
@@ -335,8 +306,3 @@ def first_tensor(output) -> torch.Tensor:
         return next(v for v in output.values() if isinstance(v, torch.Tensor))
     return next(v for v in output if isinstance(v, torch.Tensor))
 
-
-def _returns_dict(kwargs: dict, model: nn.Module) -> bool:
-    """Whether ``generate`` with ``kwargs`` returns transformers' output rather than the sequences alone."""
-    config = kwargs.get("generation_config") or getattr(model, "generation_config", None)
-    return bool(kwargs.get("return_dict_in_generate", getattr(config, "return_dict_in_generate", False)))

@@ -1,0 +1,56 @@
+"""``WideModel.generate``: each member's own continuation, from one ``generate`` over the folded rows.
+
+The members' rows are folded into one batch of N*B and transformers' ``generate`` runs on the wide model: each step
+is one wide forward over a KV cache of N*B rows. The fold's pre-hook records the rows of every forward it makes
+(beams and several sequences per input multiply them), so the output is cut back into members by the last one.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .capture import asks_for_capture, require_recorded
+from .fold import fold_inputs, unfold_generated
+from .parallel import gather_members, local_inputs
+
+
+def generate_wide(wide, args: tuple, kwargs: dict):
+    """:meth:`hf_wide.WideModel.generate`: ``(N, B, T')`` tokens, or transformers' output with every member's."""
+    if not hasattr(wide.model, "generate"):
+        raise TypeError(f"{type(wide.model).__name__} cannot generate.")
+    group = wide.members_group
+    if group is not None:
+        args, kwargs = local_inputs(group, args, kwargs)
+    n = wide.fold.num_members
+    args, kwargs, batch = fold_inputs(n, args, kwargs)
+    returns_dict = _returns_dict(kwargs, wide.model)
+    if (not wide._capture_hooks or wide._unrecorded) and asks_for_capture(kwargs, wide.config):
+        wide._install_capture_hooks()  # asked for, or by config (router logits, whose loss generate drops)
+        if returns_dict:
+            require_recorded(wide._unrecorded, kwargs, wide.config)
+    wide.fold.recording = True  # the pre-hook records the rows of every forward generate() makes
+    try:
+        out = wide.model.generate(*args, **kwargs)
+        rows = wide.fold.rows  # of its last forward: N*B, times the beams
+    finally:
+        wide.fold.reset()
+    if group is None and not isinstance(out, torch.Tensor):
+        return unfold_generated(out, n, rows)
+    sequences = out if isinstance(out, torch.Tensor) else out.sequences
+    sequences = sequences.view(n, -1, sequences.shape[-1])  # (N, B, T')
+    if group is None:
+        return sequences
+    if returns_dict:  # the same on every rank: raised by all of them
+        raise NotImplementedError("A member-parallel wide model's generate returns the sequences alone: each "
+                                  "rank stops when its own members are done, so their steps' scores differ in "
+                                  "number. Call it without return_dict_in_generate.")
+    # Each rank stops when its own members are done; padded as one process pads members done early.
+    pad = kwargs.get("pad_token_id", getattr(getattr(wide.model, "generation_config", None), "pad_token_id", None))
+    return gather_members(group, sequences, 0 if pad is None else pad)
+
+
+def _returns_dict(kwargs: dict, model: nn.Module) -> bool:
+    """Whether ``generate`` with ``kwargs`` returns transformers' output rather than the sequences alone."""
+    config = kwargs.get("generation_config") or getattr(model, "generation_config", None)
+    return bool(kwargs.get("return_dict_in_generate", getattr(config, "return_dict_in_generate", False)))
