@@ -15,13 +15,14 @@ from collections.abc import Sequence
 from torch import nn
 
 from .capture import reset_capture_hooks
+from .configs import configs_in_place, configs_replaced, copies_of, module_configs, same_places
 from .fold import Fold
 from .losses import uninstall_member_losses
 from .plan import STACKED_LOOP, Kind, WidePlan
 from .planner import tensor_aliases
 from .blocks import WideBlock
 from .primitives import PerMemberFallback, VectorisedFallback, WideModule
-from .primitives.base import keeps_storage
+from .primitives.base import copy_module, keeps_storage
 from .registry import find_block, find_rewrite, get_wide, rewrite_classes
 
 
@@ -32,17 +33,25 @@ def build_wide(members: Sequence[nn.Module], plan: WidePlan, fold: Fold) -> nn.M
     """The folded model: the template with the plan's primitives and fallbacks swapped in."""
     template = members[0]
     per_member = [dict(m.named_modules()) for m in members]
-    memo = {}
-    for fqn, entry in plan.entries.items():
-        mods = [modules[fqn] for modules in per_member]
-        if entry.kind == Kind.BLOCK:
-            memo[id(mods[0])] = find_block(mods[0]).from_modules(mods, fold)
-        elif entry.kind == Kind.PRIMITIVE:
-            memo[id(mods[0])] = get_wide(type(mods[0])).from_modules(mods, fold)
-        elif entry.kind == Kind.VECTORISED or entry.wide_class == STACKED_LOOP:
-            memo[id(mods[0])] = VectorisedFallback.from_modules(mods, fold, loop=entry.kind == Kind.FALLBACK)
-        elif entry.kind == Kind.FALLBACK:
-            memo[id(mods[0])] = PerMemberFallback.from_modules([copy.deepcopy(m) for m in mods], fold)
+    # The wide model's own copies of the template's configs, read by every module of it, each member's modules
+    # run per member too (the members share their architecture: hf_wide.compat; see hf_wide.configs)
+    memo = copies_of(module_configs(template))
+    configs = [memo, *(configs_in_place(m, template, memo) for m in members[1:])]
+    with configs_replaced(memo):
+        for fqn, entry in plan.entries.items():
+            mods = [modules[fqn] for modules in per_member]
+            if entry.kind == Kind.BLOCK:
+                memo[id(mods[0])] = find_block(mods[0]).from_modules(mods, fold)
+            elif entry.kind == Kind.PRIMITIVE:
+                memo[id(mods[0])] = get_wide(type(mods[0])).from_modules(mods, fold)
+            elif entry.kind == Kind.VECTORISED or entry.wide_class == STACKED_LOOP:
+                memo[id(mods[0])] = VectorisedFallback.from_modules(mods, fold, loop=entry.kind == Kind.FALLBACK)
+            elif entry.kind == Kind.FALLBACK:
+                copies = []
+                for m, own in zip(mods, configs):
+                    with configs_replaced(own):
+                        copies.append(copy_module(m))
+                memo[id(mods[0])] = PerMemberFallback.from_modules(copies, fold)
     if keeps_storage():  # what is kept whole holds the members' own tensors (hf_wide.primitives.base)
         memo.update({id(t): t for t in (*template.parameters(), *template.buffers())})
     # If the whole model is one fallback, it is its own replacement.
@@ -63,10 +72,17 @@ def member_copy(
     memo = dict(memo or {})
     if share:  # shared modules' tensors: the same objects
         memo.update({id(t): t for t in (*wide.parameters(), *wide.buffers())})
-    for module in wide.modules():
-        if isinstance(module, WIDE_MODULES) and id(module) not in memo:
-            memo[id(module)] = module.to_module(i, share=share)
-            memo.update({id(sub): sub for sub in module.modules() if sub is not module})  # inside it: skip
+    # The member's configs, read by every module of it: those the caller gave (its own config for the wide
+    # model's), the same sub-configs of them, and a copy of any other (hf_wide.configs)
+    configs, given = module_configs(wide), {}
+    for old in (c for c in configs if id(c) in memo):
+        given.update(same_places(old, memo[id(old)]))
+    memo.update(copies_of([c for c in configs if id(c) not in given], given))
+    with configs_replaced(memo):
+        for module in wide.modules():
+            if isinstance(module, WIDE_MODULES) and id(module) not in memo:
+                memo[id(module)] = module.to_module(i, share=share)
+                memo.update({id(sub): sub for sub in module.modules() if sub is not module})  # inside it: skip
     member = memo[id(wide)] if id(wide) in memo else copy.deepcopy(wide, memo)
     for module in member.modules():
         if isinstance(module, rewrite_classes()):  # one member's module runs the source's method

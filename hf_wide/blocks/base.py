@@ -7,14 +7,13 @@ for gate and up. It reimplements its source's forward, so it registers for exact
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Sequence
 
 import torch
 from torch import nn
 
 from ..fold import Fold
-from ..primitives.base import meta_copy
+from ..primitives.base import copy_module, meta_copy
 
 
 class WideBlock(nn.Module):
@@ -67,7 +66,7 @@ class WideBlock(nn.Module):
         """Member i as an ordinary module of the source class, with storage of its own (or, with
         ``share=True``, tensors that are views into the block's)."""
         protos = self.__dict__.get("protos")  # each member's own, where shapes differ (LoRA ranks)
-        mod = copy.deepcopy(self.proto if protos is None else protos[i])
+        mod = copy_module(self.proto if protos is None else protos[i])
         state = {k: v.detach() if share else v.detach().clone() for k, v in self.member_state_dict(i).items()}
         mod.load_state_dict(state, strict=True, assign=True)  # keeps the source's requires_grad
         return mod

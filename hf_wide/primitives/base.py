@@ -18,6 +18,7 @@ from collections.abc import Iterator, Sequence
 import torch
 from torch import nn
 
+from ..configs import config_memo
 from ..fold import Fold
 
 
@@ -44,6 +45,11 @@ def kept(module: nn.Module) -> nn.Module:
     return module if keeps_storage() else copy.deepcopy(module)
 
 
+def copy_module(module: nn.Module, memo: dict | None = None) -> nn.Module:
+    """``copy.deepcopy(module, memo)`` that reads the config objects ``module`` reads (see :mod:`hf_wide.configs`)."""
+    return copy.deepcopy(module, {**config_memo(module), **(memo or {})})
+
+
 def meta_copy(module: nn.Module) -> nn.Module:
     """A copy of ``module`` and its children on the meta device: hyper-parameters and structure, no data."""
     memo = {}
@@ -52,7 +58,7 @@ def meta_copy(module: nn.Module) -> nn.Module:
             if t is not None and id(t) not in memo:
                 meta = t.to("meta")
                 memo[id(t)] = nn.Parameter(meta, t.requires_grad) if isinstance(t, nn.Parameter) else meta
-    return copy.deepcopy(module, memo)
+    return copy_module(module, memo)
 
 
 def meta_copies(modules: Sequence[nn.Module], first: nn.Module | None = None) -> list[nn.Module]:

@@ -16,7 +16,6 @@ splits into N blocks is split so, member-major, and the outputs are concatenated
 
 from __future__ import annotations
 
-import copy
 import functools
 import types
 from collections.abc import Sequence
@@ -29,6 +28,7 @@ from transformers.cache_utils import Cache
 from ..fold import Fold, enter_member_code, leave_member_code
 from ..registry import transformers_classes
 from . import member_cache
+from .base import copy_module
 
 # MoE routers and experts: called on (N*B*T, D) tokens, member-major, with (N*B*T, k) expert choices.
 TOKEN_ROWS = tuple(transformers_classes(*(f"{family}.{prefix}{part}" for family, prefix in [
@@ -56,9 +56,9 @@ class PerMemberFallback(nn.Module):
         that re-tying the copy's weights leaves the fallback's own module as it is."""
         member = self.members[i]
         if not share:
-            return copy.deepcopy(member)
+            return copy_module(member)
         tensors = {id(t): t for t in (*member.parameters(), *member.buffers())}
-        return copy.deepcopy(member, tensors)
+        return copy_module(member, tensors)
 
     def to_modules(self) -> list[nn.Module]:
         return list(self.members)

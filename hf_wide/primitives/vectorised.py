@@ -22,7 +22,6 @@ tensors in turn, still one tensor per source tensor). Only where the members' co
 
 from __future__ import annotations
 
-import copy
 import threading
 from collections.abc import Callable, Sequence
 
@@ -34,7 +33,7 @@ from transformers.cache_utils import Cache
 
 from ..fold import Fold, enter_member_code, leave_member_code
 from . import member_cache
-from .base import meta_copy
+from .base import copy_module, meta_copy
 from .fallback import TOKEN_ROWS, is_own_method, per_member_method, run_per_member
 
 
@@ -99,7 +98,7 @@ class VectorisedFallback(nn.Module):
             value = value if share else value.clone()
             return nn.Parameter(value, t.requires_grad) if isinstance(t, nn.Parameter) else value
 
-        return _rebuild(copy.deepcopy(self.proto), self.stacked, take)
+        return _rebuild(copy_module(self.proto), self.stacked, take)
 
     def to_modules(self) -> list[nn.Module]:
         return [self.to_module(i) for i in range(self.num_members)]
@@ -140,7 +139,7 @@ class VectorisedFallback(nn.Module):
         for the call's, so two threads must not share one."""
         calls = self.__dict__.setdefault("_calls", threading.local())
         if not hasattr(calls, "proto"):
-            calls.proto = copy.deepcopy(self.proto)
+            calls.proto = copy_module(self.proto)
         return calls.proto
 
     def _state(self) -> dict[str, torch.Tensor]:
