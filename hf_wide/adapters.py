@@ -176,7 +176,8 @@ def head_labels(folders: Sequence[Path], configs: Sequence[dict | None]) -> int 
 
 
 def load_adapter_members(ids, folders, configs, *, base_model=None, base_revision=None, merge=False,
-                         allow_pickle=False, dtype=None, device=None, trust_remote_code=False, hub_kwargs=None):
+                         allow_pickle=False, dtype=None, device=None, trust_remote_code=False, hub_kwargs=None,
+                         model_kwargs=None):
     """The members of a list that holds adapters, where they came from (:class:`AdapterSources`, for saving;
     None after ``merge`` or with full checkpoints other than the base) and the paths of each member's no-ops
     (:func:`~hf_wide.adapter_layers.pad_targets`, :func:`~hf_wide.adapter_layers.pad_saved_modules`; None after
@@ -206,7 +207,8 @@ def load_adapter_members(ids, folders, configs, *, base_model=None, base_revisio
     labels = head_labels([Path(f) for f in folders], configs)
     extra = {"num_labels": labels} if labels is not None and labels != base_config.num_labels else {}
     base = load_member(base_folder, base_name, dtype, device=device, klass=klass, trust_remote_code=trust_remote_code,
-                       use_safetensors=weights_format(Path(base_folder), base_name, allow_pickle), **extra)
+                       use_safetensors=weights_format(Path(base_folder), base_name, allow_pickle), **extra,
+                       **(model_kwargs or {}))
 
     models = []
     for name, model_id, folder, config in zip(names, ids, folders, configs):
@@ -216,7 +218,8 @@ def load_adapter_members(ids, folders, configs, *, base_model=None, base_revisio
             else:
                 models.append(load_member(folder, name, dtype, device=device, klass=klass,
                                           trust_remote_code=trust_remote_code,
-                                          use_safetensors=weights_format(folder, name, allow_pickle)))
+                                          use_safetensors=weights_format(folder, name, allow_pickle),
+                                          **(model_kwargs or {})))
             continue
         target = copy.deepcopy(base) if merge else adapter_view(base, config)
         with base_untouched(base, name):

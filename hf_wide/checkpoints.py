@@ -153,13 +153,14 @@ def state_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
     return found
 
 
-def empty_model(model_class: type, config, dtype: torch.dtype | None) -> nn.Module:
+def empty_model(model_class: type, config, dtype: torch.dtype | None, **model_kwargs) -> nn.Module:
     """A transformers model built from ``config`` with its parameters on the meta device and its buffers real
-    (rotary frequencies and position ids computed as usual), ties made, in eval mode."""
+    (rotary frequencies and position ids computed as usual), ties made, in eval mode. ``model_kwargs``
+    (``attn_implementation``) go to transformers' ``_from_config``."""
     from accelerate import init_empty_weights
 
     with init_empty_weights(include_buffers=False):
-        model = model_class._from_config(copy.deepcopy(config), dtype=dtype)
+        model = model_class._from_config(copy.deepcopy(config), dtype=dtype, **model_kwargs)
     model.tie_weights()  # accelerate's meta parameters break the ties made inside its context
     return model.eval()
 

@@ -180,6 +180,7 @@ def load_wide(
     dtype: str | torch.dtype | None = None,
     device: str | torch.device | None = None,
     device_map: str | dict | None = None,
+    attn_implementation: str | None = None,
     allow_pickle: bool = False,
     trust_remote_code: bool = False,
     allow_label_mismatch: bool = False,
@@ -196,7 +197,8 @@ def load_wide(
     checkpoints fused here, or PEFT adapters over one base (:mod:`hf_wide.adapters`: ``base_model`` and
     ``base_revision`` override the base the adapters name; ``merge`` merges each into its own copy of the base).
     ``member_parallel``: this rank of a ``torch.distributed`` job loads and fuses only its slice of the members
-    (:mod:`hf_wide.parallel`). See :func:`download_members` for ``hub_kwargs``."""
+    (:mod:`hf_wide.parallel`). ``attn_implementation`` ("eager", "sdpa", ...) as in transformers' ``from_pretrained``:
+    the members are traced, fused and verified with it. See :func:`download_members` for ``hub_kwargs``."""
     check_hub_kwargs(hub_kwargs)
     # A rank cannot see whether other ranks' members hold the same tensor: member-parallel ranks keep each member's
     # own (so that every rank fuses its slice the same way), unless asked to share within the rank.
@@ -204,7 +206,8 @@ def load_wide(
     if member_parallel:  # this same loading, of the rank's slice of the members (every option passed on)
         from .parallel import load_member_slice
 
-        options = dict(dtype=dtype, device=device, device_map=device_map, allow_pickle=allow_pickle,
+        options = dict(dtype=dtype, device=device, device_map=device_map, attn_implementation=attn_implementation,
+                       allow_pickle=allow_pickle,
                        trust_remote_code=trust_remote_code, allow_label_mismatch=allow_label_mismatch,
                        share_identical=share_identical, validate=validate, verify=verify, base_model=base_model,
                        base_revision=base_revision, merge=merge, **hub_kwargs)
@@ -213,6 +216,7 @@ def load_wide(
     if not ids:
         raise ValueError("WideModel.from_pretrained needs at least one model id; got an empty list.")
     torch_dtype, device = resolve_dtype(dtype), resolve_device(device, device_map)
+    model_kwargs = {} if attn_implementation is None else {"attn_implementation": attn_implementation}
     folders = download_members(ids, revision, allow_pickle=allow_pickle, **hub_kwargs)
     names = [f"member {i} ({model_id})" for i, model_id in enumerate(ids)]
     fused = [name for name, folder in zip(names, folders) if read_section(folder) is not None]
@@ -229,12 +233,12 @@ def load_wide(
     if fused:
         if len(ids) > 1:
             raise ValueError(f"{fused[0]} is a fused hf-wide repo: load it on its own, not as a member.")
-        wide = load_fused(cls, folders[0], name=ids[0], dtype=torch_dtype, device=device)
+        wide = load_fused(cls, folders[0], name=ids[0], dtype=torch_dtype, device=device, **model_kwargs)
     elif any(adapters):
         models, sources, padded = load_adapter_members(
             ids, member_folders, adapters, base_model=base_model, base_revision=base_revision, merge=merge,
             allow_pickle=allow_pickle, dtype=torch_dtype, device=device, trust_remote_code=trust_remote_code,
-            hub_kwargs=hub_kwargs)
+            hub_kwargs=hub_kwargs, model_kwargs=model_kwargs)
         wide = cls.from_models(models, validate=validate, allow_label_mismatch=allow_label_mismatch,
                                member_ids=ids, share_identical=share_identical, verify=verify,
                                copy_shared=False)  # our own members: the base's tensors become the wide model's
@@ -251,11 +255,11 @@ def load_wide(
         wide = None
         if all(weights_format(folder, name, allow_pickle) for folder, name in zip(folders, names)):
             wide = load_streaming(cls, ids, folders, names, torch_dtype, device, trust_remote_code,
-                                   allow_label_mismatch, share_identical)
+                                   allow_label_mismatch, share_identical, model_kwargs)
             if wide is not None and verify:
                 wide = verified(wide, share_identical)
         if wide is None:  # pickle weights, or tensor names that transformers converts on load
-            models = load_models(ids, folders, torch_dtype, device, allow_pickle, trust_remote_code)
+            models = load_models(ids, folders, torch_dtype, device, allow_pickle, trust_remote_code, **model_kwargs)
             wide = cls.from_models(models, validate=validate, allow_label_mismatch=allow_label_mismatch,
                                    member_ids=ids, share_identical=share_identical, verify=verify)
             wide._source_dirs = folders
@@ -285,8 +289,10 @@ def _slice_loader(cls, model_ids, revision, options: dict):
         raise ValueError(f"member_parallel=True splits members over the ranks, and {ids[0]} is {what}: pass the "
                          "members' own ids, or a fused repo of full members.")
     dtype, device = resolve_dtype(options["dtype"]), resolve_device(options["device"], options["device_map"])
+    implementation = {} if options["attn_implementation"] is None else {
+        "attn_implementation": options["attn_implementation"]}
     return section["num_members"], lambda members: load_fused(cls, folder, name=ids[0], dtype=dtype, device=device,
-                                                              members=members)
+                                                              members=members, **implementation)
 
 
 def load_members(

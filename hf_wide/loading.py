@@ -48,7 +48,7 @@ def weights_format(folder: Path, name: str, allow_pickle: bool) -> bool:
 
 
 def load_streaming(cls, ids, folders, names, dtype, device, trust_remote_code, allow_label_mismatch,
-                    share_identical):
+                    share_identical, model_kwargs: dict | None = None):
     """The low-memory path: member 0 alone for the trace, then the wide model filled from the files.
     Returns None when a checkpoint's tensor names differ from its model's (transformers must convert them)."""
     raw = [transformers.AutoConfig.from_pretrained(f, trust_remote_code=trust_remote_code) for f in folders]
@@ -63,7 +63,7 @@ def load_streaming(cls, ids, folders, names, dtype, device, trust_remote_code, a
     checkpoints = [Checkpoint(folder) for folder in folders]
     try:
         template = load_member(folders[0], names[0], dtype, device=None, use_safetensors=True,
-                                trust_remote_code=trust_remote_code)
+                                trust_remote_code=trust_remote_code, **(model_kwargs or {}))
         keys = _checkpoint_keys(template, checkpoints, names)
         if keys is None:
             return None
@@ -155,7 +155,8 @@ def _stand_in(template: nn.Module, identical: set[str]) -> nn.Module:
     return copy.deepcopy(template, memo)
 
 
-def load_models(model_ids, folders, torch_dtype, device, allow_pickle, trust_remote_code) -> list[nn.Module]:
+def load_models(model_ids, folders, torch_dtype, device, allow_pickle, trust_remote_code,
+                **model_kwargs) -> list[nn.Module]:
     show_bar = len(model_ids) > 1 and transformers.utils.logging.is_progress_bar_enabled()
     models = []
     for i, (model_id, folder) in enumerate(hf_tqdm(list(zip(model_ids, folders)), desc="Loading members",
@@ -163,7 +164,7 @@ def load_models(model_ids, folders, torch_dtype, device, allow_pickle, trust_rem
         name = f"member {i} ({model_id})"
         use_safetensors = weights_format(folder, name, allow_pickle)
         models.append(load_member(folder, name, torch_dtype, device=device, use_safetensors=use_safetensors,
-                                   trust_remote_code=trust_remote_code))
+                                   trust_remote_code=trust_remote_code, **model_kwargs))
     return models
 
 

@@ -246,7 +246,7 @@ def copy_tokenizer_files(source_dirs: Sequence[str | Path], directory: Path) -> 
 
 # ---------------------------------------------------------------- loading a fused repo
 def load_fused(cls, folder: str | Path, *, name: str, dtype: torch.dtype | str | None = None, device=None,
-               members: range | None = None):
+               members: range | None = None, **model_kwargs):
     """A fused repo folder back as a ``cls`` (WideModel), without tracing: the stored plan is reapplied. With
     ``members`` (a member-parallel rank's slice), only those members, and only their bytes are read."""
     import transformers
@@ -259,7 +259,7 @@ def load_fused(cls, folder: str | Path, *, name: str, dtype: torch.dtype | str |
     n = section["num_members"]
     members = range(n) if members is None else members
     torch_dtype = config.dtype if dtype in (None, "auto") else dtype
-    template = empty_model(model_class_for(config, name), config, torch_dtype)
+    template = empty_model(model_class_for(config, name), config, torch_dtype, **model_kwargs)
     generation_config = getattr(template, "generation_config", None)
     if generation_config is not None and (folder / "generation_config.json").exists():
         generation_config = GenerationConfig.from_pretrained(folder)

@@ -4,6 +4,7 @@ import json
 
 import pytest
 import torch
+import transformers
 from conftest import CASES
 from oracle import TOLERANCE, max_member_error
 from safetensors.torch import load_file, save_file
@@ -40,6 +41,34 @@ def test_dtype_request(saved_members):
     with pytest.raises(ValueError, match="Unsupported dtype 'float8'"):
         WideModel.from_pretrained(paths[:2], dtype="float8")
     assert resolve_dtype(torch.float16) is torch.float16
+
+
+@pytest.mark.parametrize("path", ["streaming", "whole", "fused"])
+def test_attn_implementation_as_in_transformers(saved_members, tmp_path, path):
+    # traced, fused and verified with it: eager attention returns each member's attentions, sdpa none
+    _, paths = saved_members
+    sources = paths[:2]
+    if path == "whole":  # a pickle checkpoint is loaded as a whole model
+        pickled = tmp_path / "pickled"
+        pickled.mkdir()
+        (pickled / "config.json").write_text(open(f"{paths[1]}/config.json").read())
+        torch.save(load_file(f"{paths[1]}/model.safetensors"), pickled / "pytorch_model.bin")
+        sources = [paths[0], str(pickled)]
+    elif path == "fused":
+        WideModel.from_pretrained(sources).save_pretrained(tmp_path / "fused")
+        sources = [str(tmp_path / "fused")]
+    wide = WideModel.from_pretrained(sources, attn_implementation="eager", allow_pickle=True)
+    assert wide.config._attn_implementation == "eager"
+    inputs = CASES["bert-seqcls"].inputs(2, padded=True)
+    with torch.no_grad():
+        got = wide(**inputs, output_attentions=True).attentions
+        for i, source in enumerate(paths[:2]):
+            alone = transformers.AutoModelForSequenceClassification.from_pretrained(source, attn_implementation="eager")
+            want = alone.eval()(**inputs, output_attentions=True).attentions
+            assert len(got) == len(want) > 0
+            assert all((g[i] - w).abs().max().item() <= TOLERANCE for g, w in zip(got, want))
+    with pytest.raises(ValueError, match="not-an-attention"):
+        WideModel.from_pretrained(sources, attn_implementation="not-an-attention", allow_pickle=True)
 
 
 def test_one_revision_per_member(saved_members):

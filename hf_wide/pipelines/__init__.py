@@ -40,6 +40,7 @@ def pipeline(
     revision=None,
     token=None,
     dtype=None,
+    model_kwargs: dict | None = None,
     **kwargs,
 ) -> WidePipeline:
     """A pipeline for ``task`` on a WideModel, N member ids/folders, or a fused repo id.
@@ -48,13 +49,14 @@ def pipeline(
     ``device``, ``batch_size``, ``compile`` (True, or a dict of ``torch.compile`` options such as
     ``{"mode": "max-autotune"}``), ``buckets`` (what batches are padded to: "auto" is each batch's longest
     input, as the compiled wide model has dynamic shapes, and powers of two for static-shape compiles;
-    "pow2"; a list of lengths; None), and the task's own (``top_k``, ...).
+    "pow2"; a list of lengths; None), and the task's own (``top_k``, ...). ``model_kwargs`` go to
+    :meth:`WideModel.from_pretrained` (``attn_implementation``, ``trust_remote_code``, ...), as in transformers.
     """
     if task not in TASKS:
         raise ValueError(f"Unknown task {task!r}: hf-wide has {', '.join(sorted(TASKS))}.")
     sources = [model] if isinstance(model, str) else None if isinstance(model, WideModel) else list(model)
     wide = model if isinstance(model, WideModel) else WideModel.from_pretrained(
-        sources, revision=revision, token=token, dtype=dtype
+        sources, revision=revision, token=token, dtype=dtype, **(model_kwargs or {})
     )
     if sources is None:
         sources = list(wide.member_ids)

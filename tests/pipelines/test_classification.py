@@ -27,6 +27,12 @@ def pipe(text_members):
     return pipeline("text-classification", model=text_members[2])
 
 
+def test_model_kwargs_go_to_from_pretrained_as_in_transformers(text_members, pipe):
+    eager = pipeline("text-classification", model=text_members[2], model_kwargs={"attn_implementation": "eager"})
+    assert eager.model.config._attn_implementation == "eager" != pipe.model.config._attn_implementation
+    assert [r["label"] for r in eager(TEXTS)] == [r["label"] for r in pipe(TEXTS)]
+
+
 def member_probs(models, tokenizer, texts):
     with torch.no_grad():
         return torch.stack([m(**tokenizer(texts, return_tensors="pt", padding=True)).logits.softmax(-1) for m in models])
