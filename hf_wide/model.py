@@ -20,7 +20,7 @@ from torch import nn
 
 from .adapter_layers import unpad
 from .adapters import PEFT_FORWARD_ARGS, runs_inner_model, without_peft_args
-from .capture import asks_for_capture, install_capture_hooks, require_recorded
+from .capture import asks_for_capture, install_capture_hooks, require_recorded, reset_capture_hooks
 from .compat import member_names
 from .fold import Fold, fold_inputs, other_batches, unfold_outputs
 from .generation import generate_wide
@@ -209,6 +209,18 @@ class WideModel(nn.Module):
         for loss in losses:
             outputs = replace_loss(outputs, loss, gather_members(group, loss))
         return replace_router_logits(outputs, lambda t: gather_members(group, t)) if routed else outputs
+
+    def __getstate__(self) -> dict:
+        """For ``copy.deepcopy`` and pickling: a lock cannot be copied (the copy makes its own, and installs
+        transformers' capture hooks anew when asked, rather than keep the copies of this model's)."""
+        return {k: v for k, v in self.__dict__.items() if k != "_capture_lock"}
+
+    def __setstate__(self, state: dict) -> None:
+        super().__setstate__(state)
+        self._capture_lock = threading.Lock()
+        if self._capture_hooks:
+            reset_capture_hooks(self.model)
+            self._capture_hooks, self._unrecorded = False, {}
 
     @torch.compiler.disable
     def _install_capture_hooks(self) -> None:

@@ -1,6 +1,8 @@
 """WideModel end to end: exactness for every family, member round trip, ties, errors (generation:
 tests/test_generation.py)."""
 
+import copy
+
 import pytest
 import torch
 from conftest import CASES, NUM_MEMBERS
@@ -125,3 +127,27 @@ def test_validate_accepts_an_exact_fusion():
     case = CASES["llama-seqcls"]
     members = [case.build(s) for s in range(2)]
     WideModel.from_models(members, validate=True)
+
+
+@pytest.mark.parametrize("case_id", ["llama-causallm", "t5-encoder", "mixtral-causallm"])  # blocks, vectorised, loop
+def test_a_wide_model_deep_copies_and_pickles(case_id, tmp_path):
+    # after forwards, which make per-thread state (a thread-local, which cannot be copied: copy.deepcopy and
+    # torch.save raised); a copy made after transformers' capture hooks were installed installs its own
+    case = CASES[case_id]
+    members = [case.build(seed) for seed in range(NUM_MEMBERS)]
+    wide = WideModel.from_models(members)
+    inputs = case.inputs(2, padded=True)
+    with torch.no_grad():
+        wide(**inputs)
+    torch.save(wide, tmp_path / "wide.pt")  # (after capture hooks, transformers' own models cannot be pickled)
+    loaded = torch.load(tmp_path / "wide.pt", weights_only=False)
+    with torch.no_grad():
+        wide(**inputs, output_hidden_states=True)
+    copied = copy.deepcopy(wide)
+    assert not any(p is q for p, q in zip(copied.parameters(), wide.parameters()))
+    with torch.no_grad():
+        want = members[1](**inputs, output_hidden_states=True).hidden_states
+        for model in (loaded, copied):
+            assert max_member_error(model, members, inputs) <= TOLERANCE
+            got = model(**inputs, output_hidden_states=True).hidden_states
+            assert len(got) == len(want) and all((g[1] - w).abs().max() <= TOLERANCE for g, w in zip(got, want))

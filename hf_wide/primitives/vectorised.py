@@ -129,6 +129,11 @@ class VectorisedFallback(nn.Module):
             view = self.__dict__["_view"] = self.to_module(0, share=True)
         return view
 
+    def __getstate__(self) -> dict:
+        """For ``copy.deepcopy`` and pickling: without this thread's code copies and the member views, which a
+        copy makes anew (a ``threading.local`` cannot be copied)."""
+        return {k: v for k, v in self.__dict__.items() if k not in ("_calls", "_view", "_submodule_views")}
+
     def _apply(self, fn, recurse=True):
         self.__dict__.pop("_view", None)  # its views would keep the old tensors
         self.__dict__.pop("_submodule_views", None)
