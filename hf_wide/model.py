@@ -9,7 +9,6 @@
 
 from __future__ import annotations
 
-import copy
 import threading
 import warnings
 from collections.abc import Sequence
@@ -18,7 +17,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from .adapter_layers import unpad
 from .adapters import PEFT_FORWARD_ARGS, runs_inner_model, without_peft_args
 from .capture import asks_for_capture, install_capture_hooks, require_recorded, reset_capture_hooks
 from .compat import member_names
@@ -29,7 +27,7 @@ from .parallel import gather_members, gather_outputs, local_inputs
 from .plan import Kind, WidePlan
 from .primitives import PerMemberFallback, VectorisedFallback
 from .routers import asks_for_router_logits, member_router_logits, replace_router_logits
-from .swap import member_copy
+from .swap import member_model
 
 
 class WideValidationError(RuntimeError):
@@ -171,6 +169,21 @@ class WideModel(nn.Module):
     def config(self):
         return getattr(self.model, "config", None)
 
+    @property
+    def generation_config(self):
+        """Member 0's, which ``generate`` uses (as transformers' ``model.generation_config``)."""
+        return getattr(self.model, "generation_config", None)
+
+    @property
+    def device(self) -> torch.device:
+        """Where the wide model's parameters are, as transformers' ``model.device``: ``inputs.to(wide.device)``."""
+        return next(p.device for p in self.parameters())
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype of its floating-point parameters, as transformers' ``model.dtype``."""
+        return next(p.dtype for p in self.parameters() if p.is_floating_point())
+
     def forward(self, *args, **kwargs):
         """Run all members. Plain tensors ``(B, ...)`` are shared by every member; :class:`PerMember`
         tensors ``(N, B, ...)`` give each its own. Every output tensor gains a leading member dim; given labels, the
@@ -266,30 +279,7 @@ class WideModel(nn.Module):
         """Member i as an ordinary model (its own class, config and weights): the inverse of fusion. A member
         loaded as a PEFT adapter is a ``PeftModel``; one loaded as a full checkpoint beside adapters, the plain
         model. With ``share=True`` its tensors are views into the wide model's: no memory, but one storage."""
-        if not -self.num_members <= i < self.num_members:
-            raise IndexError(f"member {i} out of range for {self.num_members} members")
-        i %= self.num_members
-        local = i  # its index among the members this process holds
-        if self.members_group is not None:
-            group = self.members_group
-            if i not in group.local:
-                raise IndexError(f"member {i} is held by rank {group.rank_of(i)}, not by this rank "
-                                 f"({group.rank}: members {group.local.start}-{group.local.stop - 1}).")
-            local = i - group.local.start
-        memo = {}
-        if self.member_configs is not None and hasattr(self.model, "config"):
-            memo[id(self.model.config)] = copy.deepcopy(self.member_configs[i])
-        gen = getattr(self.model, "generation_config", None)
-        if gen is not None and self.member_generation_configs and self.member_generation_configs[i] is not None:
-            memo[id(gen)] = copy.deepcopy(self.member_generation_configs[i])
-        if self.member_peft_configs is not None:  # its own rank, alpha, targets: what save_pretrained writes
-            memo[id(self.model.peft_config)] = copy.deepcopy(self.member_peft_configs[i])
-        model = member_copy(self.model, local, self._aliases, memo, share=share)
-        if i in self.full_members:  # a full checkpoint among adapters: PEFT's zero-update layers taken out
-            model = model.unload()  # (nothing is merged: its own weights, exactly)
-        elif self.padded_targets:  # an adapter: the no-ops given for targets and saved modules it lacks taken out
-            unpad(model, self.padded_targets[local])
-        return model
+        return member_model(self, i, share)
 
     def validate(self, models: Sequence[nn.Module], args: tuple = (), kwargs: dict | None = None, *, atol=1e-4):
         """Check member i of the fused model against ``models[i]`` run alone on the given inputs."""

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 
 from torch import nn
 
+from .adapter_layers import unpad
 from .capture import reset_capture_hooks
 from .configs import configs_in_place, configs_replaced, copies_of, module_configs, same_places
 from .fold import Fold
@@ -94,6 +95,34 @@ def member_copy(
                 module._forward_pre_hooks_with_kwargs.pop(key, None)
     retie(member, aliases)
     return reset_capture_hooks(member)  # hooks copied from the wide model sit on wide modules
+
+
+def member_model(wide, i: int, share: bool = False) -> nn.Module:
+    """:meth:`hf_wide.WideModel.member`: member i of ``wide`` (a WideModel) as an ordinary model."""
+    if not -wide.num_members <= i < wide.num_members:
+        raise IndexError(f"member {i} out of range for {wide.num_members} members")
+    i %= wide.num_members
+    local = i  # its index among the members this process holds
+    if wide.members_group is not None:
+        group = wide.members_group
+        if i not in group.local:
+            raise IndexError(f"member {i} is held by rank {group.rank_of(i)}, not by this rank "
+                             f"({group.rank}: members {group.local.start}-{group.local.stop - 1}).")
+        local = i - group.local.start
+    memo = {}
+    if wide.member_configs is not None and hasattr(wide.model, "config"):
+        memo[id(wide.model.config)] = copy.deepcopy(wide.member_configs[i])
+    gen = getattr(wide.model, "generation_config", None)
+    if gen is not None and wide.member_generation_configs and wide.member_generation_configs[i] is not None:
+        memo[id(gen)] = copy.deepcopy(wide.member_generation_configs[i])
+    if wide.member_peft_configs is not None:  # its own rank, alpha, targets: what save_pretrained writes
+        memo[id(wide.model.peft_config)] = copy.deepcopy(wide.member_peft_configs[i])
+    model = member_copy(wide.model, local, wide._aliases, memo, share=share)
+    if i in wide.full_members:  # a full checkpoint among adapters: PEFT's zero-update layers taken out
+        model = model.unload()  # (nothing is merged: its own weights, exactly)
+    elif wide.padded_targets:  # an adapter: the no-ops given for targets and saved modules it lacks taken out
+        unpad(model, wide.padded_targets[local])
+    return model
 
 
 def retie(model: nn.Module, aliases: dict[str, list[str]]) -> None:

@@ -116,6 +116,15 @@ def test_wide_model_is_an_nn_module(fused):
         assert double(**inputs).logits.dtype == torch.float64
 
 
+def test_device_dtype_and_generation_config_as_transformers_models_have_them(fused):
+    members, wide = fused("llama-causallm")
+    assert wide.device == members[0].device and wide.dtype == members[0].dtype == torch.float32
+    assert wide.generation_config is wide.model.generation_config
+    assert wide.generation_config.to_dict() == members[0].generation_config.to_dict()
+    half = copy.deepcopy(wide).to(torch.bfloat16)
+    assert half.dtype == torch.bfloat16 and half.device == torch.device("cpu")
+
+
 def test_n_equals_one_is_allowed():
     case = CASES["bert-seqcls"]
     member = case.build(0)
