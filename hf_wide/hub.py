@@ -180,6 +180,7 @@ def load_wide(
     dtype: str | torch.dtype | None = None,
     device: str | torch.device | None = None,
     device_map: str | dict | None = None,
+    torch_dtype: str | torch.dtype | None = None,
     attn_implementation: str | None = None,
     allow_pickle: bool = False,
     trust_remote_code: bool = False,
@@ -198,8 +199,10 @@ def load_wide(
     ``base_revision`` override the base the adapters name; ``merge`` merges each into its own copy of the base).
     ``member_parallel``: this rank of a ``torch.distributed`` job loads and fuses only its slice of the members
     (:mod:`hf_wide.parallel`). ``attn_implementation`` ("eager", "sdpa", ...) as in transformers' ``from_pretrained``:
-    the members are traced, fused and verified with it. See :func:`download_members` for ``hub_kwargs``."""
+    the members are traced, fused and verified with it. ``torch_dtype``: ``dtype``'s older name, which transformers
+    still takes (``dtype`` wins where both are given). See :func:`download_members` for ``hub_kwargs``."""
     check_hub_kwargs(hub_kwargs)
+    dtype = dtype if dtype is not None else torch_dtype
     # A rank cannot see whether other ranks' members hold the same tensor: member-parallel ranks keep each member's
     # own (so that every rank fuses its slice the same way), unless asked to share within the rank.
     share_identical = not member_parallel if share_identical is None else share_identical

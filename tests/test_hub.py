@@ -40,6 +40,10 @@ def test_dtype_request(saved_members):
     assert {p.dtype for p in wide.parameters()} == {torch.bfloat16}
     with pytest.raises(ValueError, match="Unsupported dtype 'float8'"):
         WideModel.from_pretrained(paths[:2], dtype="float8")
+    older = WideModel.from_pretrained(paths[:2], torch_dtype=torch.float16)  # its older name, as in transformers
+    assert {p.dtype for p in older.parameters()} == {torch.float16}
+    both = WideModel.from_pretrained(paths[:2], dtype="bfloat16", torch_dtype=torch.float16)
+    assert {p.dtype for p in both.parameters()} == {torch.bfloat16}
     assert resolve_dtype(torch.float16) is torch.float16
 
 

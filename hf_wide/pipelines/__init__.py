@@ -40,6 +40,7 @@ def pipeline(
     revision=None,
     token=None,
     dtype=None,
+    torch_dtype=None,
     model_kwargs: dict | None = None,
     **kwargs,
 ) -> WidePipeline:
@@ -56,7 +57,8 @@ def pipeline(
         raise ValueError(f"Unknown task {task!r}: hf-wide has {', '.join(sorted(TASKS))}.")
     sources = [model] if isinstance(model, str) else None if isinstance(model, WideModel) else list(model)
     wide = model if isinstance(model, WideModel) else WideModel.from_pretrained(
-        sources, revision=revision, token=token, dtype=dtype, **(model_kwargs or {})
+        sources, revision=revision, token=token, dtype=dtype if dtype is not None else torch_dtype,
+        **(model_kwargs or {})
     )
     if sources is None:
         sources = list(wide.member_ids)
