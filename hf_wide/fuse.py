@@ -50,7 +50,7 @@ def fuse_models(cls: type[WideModel], models: Sequence[nn.Module], sample_inputs
         m.eval()
     try:
         opaque = opaque_modules(models)  # before the trace runs member 0
-        traced = trace_members(template, args, kwargs)
+        traced = trace_members(template, args, kwargs, built=sample_inputs is None)
         release_freed_memory()  # after each phase, its temporaries: see hf_wide.cpu
         wide, demotions, recorded = None, Demotions(), None
         for _ in range(MAX_VERIFY_ROUNDS):

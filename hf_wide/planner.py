@@ -289,12 +289,21 @@ def _outside_readers(
     return found
 
 
-def trace_members(template: nn.Module, args: tuple = (), kwargs: dict | None = None) -> tuple[Trace, dict, str]:
-    """Trace ``template`` on the sample inputs and count its FLOPs: (trace, FLOPs per module, sample shapes)."""
+def trace_members(template: nn.Module, args: tuple = (), kwargs: dict | None = None,
+                  built: bool = False) -> tuple[Trace, dict, str]:
+    """Trace ``template`` on the sample inputs and count its FLOPs: (trace, FLOPs per module, sample shapes).
+    ``built``: the sample is the one hf-wide built from the config, and a model it does not run is told so."""
     kwargs = sample_kwargs(template, kwargs or {})
-    flops = module_flops(template, args, kwargs)
     shapes = [f"{k}{tuple(v.shape)}" for k, v in (kwargs or {}).items() if isinstance(v, torch.Tensor)]
     shapes += [f"arg{i}{tuple(a.shape)}" for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
+    try:
+        flops = module_flops(template, args, kwargs)
+    except Exception as exc:
+        if not built:
+            raise
+        raise ValueError(f"{type(template).__name__} does not run on the sample inputs hf-wide built from its config "
+                         f"({', '.join(shapes)}): {type(exc).__name__}: {exc}. Load the members with transformers "
+                         "and pass sample inputs they run on: WideModel.from_models(models, {...}).") from exc
     return trace(template, args, kwargs), flops, ", ".join(shapes)
 
 
@@ -303,8 +312,9 @@ def plan_members(
 ) -> WidePlan:
     """Trace member 0 on the sample inputs (built from its config when none are given), count its FLOPs,
     and plan the fusion of ``members``."""
-    if not args and not kwargs:
+    built = not args and not kwargs
+    if built:
         kwargs = sample_inputs(members[0])
     opaque = opaque_modules(members)  # before the trace runs member 0
-    traced, flops, shapes = trace_members(members[0], args, kwargs)
+    traced, flops, shapes = trace_members(members[0], args, kwargs, built=built)
     return make_plan(members, traced, flops, shapes, share_identical, opaque=opaque)

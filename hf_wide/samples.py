@@ -10,6 +10,8 @@ its config is refused with a message that asks for sample inputs.
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 from torch import nn
 
@@ -41,6 +43,13 @@ def sample_inputs(model: nn.Module, batch: int = SAMPLE_BATCH, seq_len: int = SA
         sample = {"input_features": torch.randn(batch, config.num_mel_bins, frames, device=device, dtype=dtype)}
     else:
         raise ValueError(f"Cannot build sample inputs for main input {main!r}: pass sample inputs for the trace.")
+    vision = getattr(config, "vision_config", None)
+    if main != "pixel_values" and vision is not None and {"pixel_values", "return_loss"} <= set(
+            inspect.signature(model.forward).parameters):  # a contrastive pair of encoders (CLIP, SigLIP): images too
+        size = getattr(vision, "image_size", 32)
+        size = size if isinstance(size, int) else size[0]
+        channels = getattr(vision, "num_channels", 3)
+        sample["pixel_values"] = torch.randn(batch, channels, size, size, device=device, dtype=dtype)
     if getattr(config, "is_encoder_decoder", False):
         vocab = _vocab_size(config)
         sample["decoder_input_ids"] = torch.randint(0, vocab, (batch, max(2, seq_len // 2)), device=device)

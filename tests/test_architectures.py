@@ -262,11 +262,11 @@ def test_mixed_inputs(name):
     assert all(entry.reason for entry in wide.plan.loops)  # a loop always says why
 
 
-@pytest.mark.parametrize("name", ["t5", "marian", "whisper", "wav2vec2"])
+@pytest.mark.parametrize("name", ["t5", "marian", "whisper", "wav2vec2", "clip"])
 def test_from_pretrained_draws_the_sample_from_the_config(name, tmp_path):
     # Folders fused with no sample given: encoder-decoder models get decoder_input_ids, audio models waveforms or
-    # log-mel frames of the length their config says
-    factory, make_inputs = (SEQ2SEQ[name], None) if name in SEQ2SEQ else MIXED[name][:2]
+    # log-mel frames of the length their config says, a contrastive pair of encoders (CLIP) texts and images
+    factory, make_inputs, key = (SEQ2SEQ[name], None, "logits") if name in SEQ2SEQ else MIXED[name]
     models = members(factory)
     for i, model in enumerate(models):
         model.save_pretrained(tmp_path / str(i))
@@ -283,7 +283,20 @@ def test_from_pretrained_draws_the_sample_from_the_config(name, tmp_path):
     else:
         torch.manual_seed(4)
         inputs = make_inputs()
-    assert worst(wide, models, inputs) <= 1e-5
+    assert worst(wide, models, inputs, key) <= 1e-5
+
+
+def test_a_model_the_built_sample_does_not_run_is_told_to_pass_one():
+    class NeedsMore(tf.BertModel):  # a forward with an input of its own that the config says nothing of
+        def forward(self, input_ids, attention_mask=None, scale=None, **kwargs):
+            return super().forward(input_ids=input_ids, attention_mask=attention_mask * scale, **kwargs)
+
+    models = members(lambda: NeedsMore(tf.BertConfig(**TEXT)))
+    with pytest.raises(ValueError, match=r"NeedsMore does not run on the sample inputs hf-wide built from its "
+                                         r"config \(input_ids\(2, 8\).*pass sample inputs they run on"):
+        fuse(models)
+    inputs = {**text_batch(0), "scale": torch.tensor(2)}
+    assert worst(fuse(models, inputs), models, inputs, "last_hidden_state") <= 1e-5
 
 
 def test_xlnets_memories_are_each_members_and_are_not_taken_back():
