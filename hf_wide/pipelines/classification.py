@@ -9,22 +9,22 @@ import torch
 from .. import metrics
 from .base import WidePipeline
 from .combine import Combine, combine, member_probabilities, ranking, realign
-from .inputs import load_image, tokenize, tokenize_many
+from .inputs import load_image, text_and_pair, tokenize_many
 
 
 class ClassificationPipeline(WidePipeline):
     """Shared by text and image classification: ``_forward`` combines the members on the device and
     computes the uncertainty measures for the whole batch; ``postprocess`` formats one input.
 
-    Options: ``top_k`` (the ensemble's k best labels, in ``"top_k"``), ``multi_label`` (independent
+    Options: ``top_k`` (the ensemble's k best labels, in ``"top_k"``; None: all of them), ``multi_label`` (independent
     sigmoids; default from the config's ``problem_type``)."""
 
-    def _sanitize_parameters(self, top_k: int | None = None, multi_label: bool | None = None, **kwargs):
+    def _sanitize_parameters(self, top_k: int | None | str = "", multi_label: bool | None = None, **kwargs):
         pre, fwd, post = self._sanitize_inputs(**kwargs)
         if multi_label is not None:
             fwd["multi_label"] = post["multi_label"] = multi_label
-        if top_k is not None:
-            if top_k < 1:
+        if top_k != "":  # None, as in transformers: every label, ranked
+            if top_k is not None and top_k < 1:
                 raise ValueError(f"top_k must be at least 1, got {top_k}.")
             post["top_k"] = top_k
         return pre, fwd, post
@@ -60,7 +60,7 @@ class ClassificationPipeline(WidePipeline):
             out["member_std"] = member_probs.gather(-1, index).squeeze(-1).std(0, unbiased=False)  # (B,)
         return out
 
-    def postprocess(self, outputs: dict[str, Any], top_k: int | None = None, multi_label: bool | None = None):
+    def postprocess(self, outputs: dict[str, Any], top_k: int | None | str = "", multi_label: bool | None = None):
         labels, _ = self.label_order()
         member_probs = outputs["per_member_probs"]  # (N, C)
         if self._multi_label(multi_label):
@@ -77,7 +77,7 @@ class ClassificationPipeline(WidePipeline):
         else:
             best = int(order[0])
             result.update(label=labels[best], score=float(scores[best]))
-        if top_k is not None:
+        if top_k != "":
             result["top_k"] = [{"label": labels[int(i)], "score": float(scores[i])} for i in order[:top_k]]
         result["members"] = members
         keys = ("predictive_entropy", "expected_entropy", "mutual_information", "member_std", "agreement")
@@ -90,7 +90,8 @@ def _labels_above(probs: torch.Tensor, labels: list[str], threshold: float = 0.5
 
 
 class TextClassificationPipeline(ClassificationPipeline):
-    """``pipe("great movie")`` -> ``{"label", "score", "members", "uncertainty"}``.
+    """``pipe("great movie")`` -> ``{"label", "score", "members", "uncertainty"}``; a pair of texts (natural
+    language inference) as transformers takes one, ``pipe({"text": premise, "text_pair": hypothesis})``.
     Texts longer than the model's maximum length are truncated (``truncation=False`` refuses them)."""
 
     task = "text-classification"
@@ -102,10 +103,19 @@ class TextClassificationPipeline(ClassificationPipeline):
         return pre, fwd, post
 
     def preprocess(self, text, truncation: bool = True):
-        return tokenize(self.tokenizer, self.model, text, truncation)
+        return self.preprocess_many([text], truncation)[0]
 
     def preprocess_many(self, texts, truncation: bool = True):
-        return tokenize_many(self.tokenizer, self.model, texts, truncation)
+        items = [text_and_pair(text) for text in texts]
+        singles = [i for i, (_, pair) in enumerate(items) if pair is None]
+        pairs = [i for i, (_, pair) in enumerate(items) if pair is not None]
+        features = [None] * len(items)
+        for rows, text_pairs in ((singles, None), (pairs, [items[i][1] for i in pairs])):
+            if rows:  # one tokenizer call for the single texts, one for the pairs
+                encoded = tokenize_many(self.tokenizer, self.model, [items[i][0] for i in rows], truncation, text_pairs)
+                for i, feature in zip(rows, encoded):
+                    features[i] = feature
+        return features
 
 
 class ImageClassificationPipeline(ClassificationPipeline):

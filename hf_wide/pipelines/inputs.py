@@ -20,17 +20,20 @@ def tokenize(tokenizer, model, text, truncation: bool = True, **kwargs) -> dict[
     return tokenize_many(tokenizer, model, [text], truncation, **kwargs)[0]
 
 
-def tokenize_many(tokenizer, model, texts, truncation: bool = True, **kwargs) -> list[dict[str, torch.Tensor]]:
-    """Many texts in one tokenizer call (a fast tokenizer batches them in Rust), each -> (1, T) tensors."""
+def tokenize_many(tokenizer, model, texts, truncation: bool = True, text_pairs=None,
+                  **kwargs) -> list[dict[str, torch.Tensor]]:
+    """Many texts in one tokenizer call (a fast tokenizer batches them in Rust), each -> (1, T) tensors; with
+    ``text_pairs``, each text with its pair (a premise and its hypothesis, say), as the tokenizer joins them."""
     if tokenizer is None:
         raise ValueError("This pipeline needs a tokenizer: pass tokenizer=, or load members that ship one.")
-    for text in texts:
+    for text in (*texts, *(text_pairs or ())):
         if not isinstance(text, str):
             raise TypeError(f"Expected a text (str), got {type(text).__name__}.")
         if not text.strip():
             raise ValueError("Got an empty text: there is nothing to classify.")
     limit = _max_length(tokenizer, model)
-    encoded = tokenizer(list(texts), truncation=truncation, max_length=limit if truncation else None, **kwargs)
+    pairs = () if text_pairs is None else (list(text_pairs),)
+    encoded = tokenizer(list(texts), *pairs, truncation=truncation, max_length=limit if truncation else None, **kwargs)
     keys = [k for k in encoded if k in TOKENIZER_KEYS]
     features = []
     for row in range(len(texts)):
@@ -41,6 +44,16 @@ def tokenize_many(tokenizer, model, texts, truncation: bool = True, **kwargs) ->
             )
         features.append({k: torch.tensor([encoded[k][row]]) for k in keys})
     return features
+
+
+def text_and_pair(item) -> tuple[str, str | None]:
+    """A text-classification input: a text, or ``{"text": ..., "text_pair": ...}`` as transformers takes a pair."""
+    if not isinstance(item, dict):
+        return item, None
+    unknown = sorted(set(item) - {"text", "text_pair"})
+    if unknown or "text" not in item:
+        raise TypeError(f"A text pair is a dict with 'text' and 'text_pair'; got the keys {sorted(item)}.")
+    return item["text"], item.get("text_pair")
 
 
 def load_image(image, channels: int):

@@ -68,6 +68,31 @@ def test_each_member_equals_its_own_transformers_pipeline(pipe, text_members):
             assert mine["members"][i]["score"] == pytest.approx(reference["score"], abs=1e-5)
 
 
+def test_text_pairs_as_transformers_takes_them(pipe, text_members):
+    # natural language inference: a premise and its hypothesis, joined by the tokenizer (token_type_ids apart),
+    # beside single texts in one call
+    models, tokenizer, _ = text_members
+    pairs = [{"text": TEXTS[0], "text_pair": TEXTS[1]}, {"text": TEXTS[2], "text_pair": "cat"}]
+    ours = pipe([pairs[0], TEXTS[3], pairs[1]], batch_size=2)
+    assert ours[1]["label"] == pipe(TEXTS[3])["label"]
+    for i, model in enumerate(models):
+        theirs = transformers.pipeline("text-classification", model=model, tokenizer=tokenizer)
+        for mine, pair in zip((ours[0], ours[2]), pairs):
+            reference = theirs(pair)
+            assert mine["members"][i]["label"] == reference["label"]
+            assert mine["members"][i]["score"] == pytest.approx(reference["score"], abs=1e-5)
+    with pytest.raises(TypeError, match="'text' and 'text_pair'"):
+        pipe({"text": TEXTS[0], "pair": TEXTS[1]})
+
+
+def test_top_k_none_ranks_every_label_as_transformers_does(pipe, text_members):
+    models, tokenizer, _ = text_members
+    every = pipe(TEXTS[0], top_k=None)["top_k"]
+    assert every == pipe(TEXTS[0], top_k=models[0].config.num_labels)["top_k"]
+    assert [e["score"] for e in every] == sorted((e["score"] for e in every), reverse=True)
+    assert "top_k" not in pipe(TEXTS[0])
+
+
 def test_batches_sorted_by_length_keep_the_input_order(pipe):
     one_by_one = [pipe(t) for t in TEXTS]
     batched = pipe(TEXTS, batch_size=2)
