@@ -52,9 +52,7 @@ def configs_in_place(model: nn.Module, template: nn.Module, replacements: dict[i
     same place of its config's tree, and a copy of any other."""
     given, own, theirs = {}, getattr(model, "config", None), getattr(template, "config", None)
     if isinstance(own, PretrainedConfig) and isinstance(theirs, PretrainedConfig):
-        mine = config_tree(own)
-        given = {id(mine[path]): replacements[id(c)] for path, c in config_tree(theirs).items()
-                 if path in mine and id(c) in replacements}
+        given = {k: replacements[id(c)] for k, c in same_places(own, theirs).items() if id(c) in replacements}
     return copies_of([c for c in module_configs(model) if id(c) not in given], given)
 
 
