@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 from huggingface_hub.utils import tqdm
+from torch.nn.utils.rnn import pad_sequence
 
 from ..model import WideModel
 from .combine import Combine, check_weights, label_permutations
@@ -136,13 +137,14 @@ class WidePipeline:
         keys = features[0].keys()
         if "input_ids" not in keys:
             return {k: torch.cat([f[k] for f in features]) for k in keys}
-        length = self.bucket(max(f["input_ids"].shape[-1] for f in features))
+        longest = max(f["input_ids"].shape[-1] for f in features)
+        length = self.bucket(longest)
         pad_id = getattr(self.tokenizer, "pad_token_id", None) or 0
         batch = {}
         for key in keys:
             fill = pad_id if key == "input_ids" else 0
-            rows = [torch.nn.functional.pad(f[key], (0, length - f[key].shape[-1]), value=fill) for f in features]
-            batch[key] = torch.cat(rows)
+            rows = pad_sequence([f[key][0] for f in features], batch_first=True, padding_value=fill)  # (B, longest)
+            batch[key] = rows if length == longest else torch.nn.functional.pad(rows, (0, length - longest), value=fill)
         return batch
 
     def bucket(self, length: int) -> int:

@@ -62,31 +62,31 @@ class ClassificationPipeline(WidePipeline):
 
     def postprocess(self, outputs: dict[str, Any], top_k: int | None | str = "", multi_label: bool | None = None):
         labels, _ = self.label_order()
-        member_probs = outputs["per_member_probs"]  # (N, C)
-        if self._multi_label(multi_label):
-            members = [_labels_above(p, labels) for p in member_probs]
+        multi_label = self._multi_label(multi_label)
+        # Plain Python from here: a few conversions per input rather than a tensor op per label and member.
+        if multi_label:
+            members = [_labels_above(p, labels) for p in outputs["per_member_probs"].tolist()]  # (N, C)
         else:
             members = [{"label": labels[i], "score": p} for i, p in
                        zip(outputs["per_member_label"].tolist(), outputs["per_member_score"].tolist())]
         if self.combine == Combine.NONE:
             return {"members": members}
-        scores, order = outputs["scores"], outputs["ranking"].argsort(descending=True)
+        scores, order = outputs["scores"].tolist(), outputs["ranking"].argsort(descending=True).tolist()  # (C,) each
         result: dict[str, Any] = {}
-        if self._multi_label(multi_label):
-            result["labels"] = [{"label": labels[i], "score": float(scores[i])} for i in order if scores[i] > 0.5]
+        if multi_label:
+            result["labels"] = [{"label": labels[i], "score": scores[i]} for i in order if scores[i] > 0.5]
         else:
-            best = int(order[0])
-            result.update(label=labels[best], score=float(scores[best]))
+            result.update(label=labels[order[0]], score=scores[order[0]])
         if top_k != "":
-            result["top_k"] = [{"label": labels[int(i)], "score": float(scores[i])} for i in order[:top_k]]
+            result["top_k"] = [{"label": labels[i], "score": scores[i]} for i in order[:top_k]]
         result["members"] = members
         keys = ("predictive_entropy", "expected_entropy", "mutual_information", "member_std", "agreement")
-        result["uncertainty"] = {k: float(outputs[k]) for k in keys if k in outputs}
+        result["uncertainty"] = {k: outputs[k].item() for k in keys if k in outputs}
         return result
 
 
-def _labels_above(probs: torch.Tensor, labels: list[str], threshold: float = 0.5) -> list[dict]:
-    return [{"label": labels[i], "score": float(p)} for i, p in enumerate(probs) if p > threshold]
+def _labels_above(probs: list[float], labels: list[str], threshold: float = 0.5) -> list[dict]:
+    return [{"label": labels[i], "score": p} for i, p in enumerate(probs) if p > threshold]
 
 
 class TextClassificationPipeline(ClassificationPipeline):
