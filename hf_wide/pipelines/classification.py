@@ -17,10 +17,15 @@ class ClassificationPipeline(WidePipeline):
     computes the uncertainty measures for the whole batch; ``postprocess`` formats one input.
 
     Options: ``top_k`` (the ensemble's k best labels, in ``"top_k"``; None: all of them), ``multi_label`` (independent
-    sigmoids; default from the config's ``problem_type``)."""
+    sigmoids; default from the config's ``problem_type``), or, in transformers' words, ``function_to_apply``
+    (``"softmax"``, or ``"sigmoid"``: each label on its own). Raw logits (``"none"``) are refused: the ensemble's
+    answer combines the members' probabilities."""
 
-    def _sanitize_parameters(self, top_k: int | None | str = "", multi_label: bool | None = None, **kwargs):
+    def _sanitize_parameters(self, top_k: int | None | str = "", multi_label: bool | None = None,
+                             function_to_apply: str | None = None, **kwargs):
         pre, fwd, post = self._sanitize_inputs(**kwargs)
+        if function_to_apply is not None:
+            multi_label = _multi_label_of(function_to_apply, multi_label)
         if multi_label is not None:
             fwd["multi_label"] = post["multi_label"] = multi_label
         if top_k != "":  # None, as in transformers: every label, ranked
@@ -83,6 +88,20 @@ class ClassificationPipeline(WidePipeline):
         keys = ("predictive_entropy", "expected_entropy", "mutual_information", "member_std", "agreement")
         result["uncertainty"] = {k: outputs[k].item() for k in keys if k in outputs}
         return result
+
+
+def _multi_label_of(function_to_apply, multi_label: bool | None) -> bool:
+    """transformers' ``function_to_apply`` (a string, or its ``ClassificationFunction``) as ``multi_label``."""
+    name = str(getattr(function_to_apply, "value", function_to_apply)).lower()
+    if name == "none":
+        raise ValueError("function_to_apply='none' (raw logits) has no meaning for an ensemble, whose answer combines "
+                         "the members' probabilities: use 'softmax' or 'sigmoid' (each member's logits are "
+                         "WideModel(...).logits).")
+    if name not in ("softmax", "sigmoid"):
+        raise ValueError(f"function_to_apply must be 'softmax' or 'sigmoid', got {function_to_apply!r}.")
+    if multi_label is not None and multi_label != (name == "sigmoid"):
+        raise ValueError(f"function_to_apply={name!r} and multi_label={multi_label} disagree: pass one of them.")
+    return name == "sigmoid"
 
 
 def _labels_above(probs: list[float], labels: list[str], threshold: float = 0.5) -> list[dict]:

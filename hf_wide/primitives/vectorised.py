@@ -131,8 +131,9 @@ class VectorisedFallback(nn.Module):
 
     def __getstate__(self) -> dict:
         """For ``copy.deepcopy`` and pickling: without this thread's code copies and the member views, which a
-        copy makes anew (a ``threading.local`` cannot be copied)."""
-        return {k: v for k, v in self.__dict__.items() if k not in ("_calls", "_view", "_submodule_views")}
+        copy makes anew (a ``threading.local`` cannot be copied), and without the inputs' roles, which a copy
+        learns again at its first call (pytree's specs are no longer meant to be pickled)."""
+        return {k: v for k, v in self.__dict__.items() if k not in ("_calls", "_view", "_submodule_views", "_roles")}
 
     def _apply(self, fn, recurse=True):
         self.__dict__.pop("_view", None)  # its views would keep the old tensors
@@ -175,12 +176,10 @@ class VectorisedFallback(nn.Module):
     def _vmap(self, leaves: list, spec):
         state, code = self._state(), self._code()  # name -> (N, ...)
         n = self.num_members
-        rows = self.fold.rows
-        if rows is None:  # called outside a wide forward: the first batched input has the rows
-            rows = next((t.shape[0] for t in leaves if isinstance(t, torch.Tensor) and t.dim() > 0), n)
+        rows, batched = self._rows(leaves, spec)
         mapped, in_dims = [], [0]
-        for t in leaves:
-            if isinstance(t, torch.Tensor) and t.dim() > 0 and t.shape[0] == rows:
+        for t, folded in zip(leaves, batched):
+            if folded:
                 t = t.view(n, rows // n, *t.shape[1:])  # (N, B, ...)
                 if not t.is_floating_point() and torch.equal(t, t[:1].expand_as(t)):
                     t, dim = t[0], None  # ids or a mask every member shares: one (B, ...), as the source sees it
@@ -213,6 +212,31 @@ class VectorisedFallback(nn.Module):
         for cache, count in structure["caches"]:  # (N, B, ...) each -> the cache's N*B rows, member-major
             member_cache.set_row_tensors(cache, [self._merge(next(outs), rows // n) for _ in range(count)])
         return pytree.tree_unflatten(out_leaves, structure["spec"])
+
+    def _rows(self, leaves: list, spec) -> tuple[int, list[bool]]:
+        """This call's folded rows, and which inputs carry them (member-major: member m's rows are the m-th of N
+        blocks). An input with the forward's N*B rows does, and a broadcast, a table or anything else does not,
+        unless an earlier call of this module said otherwise at that place of its inputs (the first call, at
+        fusion, is the one verification checked against the members): there, the inputs that carried the rows
+        set this call's (N*B*W, windows of each image, in Swin at other image sizes than the sample's), and an
+        input that had another length than the rows or 1 (a table) does not carry them now, whatever its length
+        (Swin's mask of W windows, where W happens to be N*B)."""
+        rows = self.fold.rows
+        if rows is None:  # called outside a wide forward: the first batched input has the rows
+            rows = next((t.shape[0] for t in leaves if isinstance(t, torch.Tensor) and t.dim() > 0), self.num_members)
+        seen = self.__dict__.setdefault("_roles", {}).get(spec)  # per input: True (rows), False (not), None
+        if seen is not None:
+            lengths = {t.shape[0] for t, role in zip(leaves, seen) if role and isinstance(t, torch.Tensor) and
+                       t.dim() > 0 and t.shape[0] > 1}
+            if len(lengths) == 1 and next(iter(lengths)) % rows == 0:
+                rows = lengths.pop()
+        batched = [isinstance(t, torch.Tensor) and t.dim() > 0 and t.shape[0] == rows and
+                   (seen is None or seen[i] is not False) for i, t in enumerate(leaves)]
+        # A broadcast (1, ...) says nothing: a mask may be (1, 1, T, T) without padding and carry the rows with it.
+        roles = [b if isinstance(t, torch.Tensor) and t.dim() > 0 and (b or t.shape[0] != 1) else None
+                 for t, b in zip(leaves, batched)]
+        self._roles[spec] = roles if seen is None else [r if s is None else s for r, s in zip(roles, seen)]
+        return rows, batched
 
     def _merge(self, y: torch.Tensor, batch: int) -> torch.Tensor:
         """(N, b, ...) -> (N*B, ...) with this call's B (the fold has none when ``generate`` runs an encoder

@@ -211,3 +211,21 @@ def test_images_of_other_modes_are_converted(image_pipe):
         pipe(42)
     with pytest.raises(FileNotFoundError):
         pipe("/no/such/image.png")
+
+
+def test_function_to_apply_as_transformers_takes_it(pipe, text_members):
+    models, tokenizer, _ = text_members
+    ours = pipe(TEXTS[0], function_to_apply="sigmoid", top_k=None)["top_k"]
+    theirs = [transformers.pipeline("text-classification", model=m, tokenizer=tokenizer)(
+        TEXTS[0], function_to_apply="sigmoid", top_k=None) for m in models]
+    for entry in ours:  # each label on its own: the members' sigmoids, averaged
+        mean = sum(next(t["score"] for t in member if t["label"] == entry["label"]) for member in theirs) / len(models)
+        assert entry["score"] == pytest.approx(mean, abs=1e-6)
+    assert pipe(TEXTS[0], function_to_apply="softmax") == pipe(TEXTS[0])
+    assert pipe(TEXTS[0], function_to_apply="SIGMOID") == pipe(TEXTS[0], multi_label=True)
+    with pytest.raises(ValueError, match="no meaning for an ensemble"):
+        pipe(TEXTS[0], function_to_apply="none")
+    with pytest.raises(ValueError, match="must be 'softmax' or 'sigmoid'"):
+        pipe(TEXTS[0], function_to_apply="relu")
+    with pytest.raises(ValueError, match="disagree"):
+        pipe(TEXTS[0], function_to_apply="softmax", multi_label=True)

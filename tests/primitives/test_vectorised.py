@@ -88,3 +88,42 @@ class Boolean(nn.Module):
         out = x.clone()
         out[x > 0] = x[x > 0] * self.gain
         return out
+
+
+class WindowScale(nn.Module):
+    """Swin's pattern: each image's W windows are rows of their own, (B*W, L, D), beside a mask of the W windows
+    that every image shares, (W, L); a raw parameter, so that no builder takes it."""
+
+    def __init__(self, dim: int = 4):
+        super().__init__()
+        self.scale = nn.Parameter(torch.randn(dim))
+
+    def forward(self, windows, mask):
+        h = windows * self.scale
+        return (h.view(-1, mask.shape[0], *h.shape[1:]) * mask[None, :, :, None]).view_as(h)
+
+
+class Windowed(nn.Module):
+    def __init__(self, dim: int = 4, length: int = 2):
+        super().__init__()
+        self.embed, self.windows, self.length = nn.Linear(dim, dim), WindowScale(dim), length
+
+    def forward(self, x):  # (B, W*L, D)
+        b, t, d = x.shape
+        w = t // self.length
+        mask = (torch.arange(t, device=x.device).view(w, self.length) % 3 + 1).to(x.dtype)  # (W, L), no batch dim
+        return self.windows(self.embed(x).view(b * w, self.length, d), mask).view(b, t, d)
+
+
+def test_windows_of_each_image_split_by_member_at_any_count_and_a_shared_mask_of_n_b_windows_stays_shared():
+    # Fused on one window per image; then W windows: the rows are N*B*W (Swinv2 at other image sizes than the
+    # sample's raised), and at W == N*B the mask has the forward's rows without carrying them.
+    torch.manual_seed(0)
+    nets = [Windowed().eval() for _ in range(2)]
+    wide = WideModel.from_models(nets, torch.randn(2, 2, 4))
+    assert [e.fqn for e in wide.plan.by_kind(Kind.VECTORISED)] == ["windows"]
+    for batch, windows in [(2, 3), (2, 4), (1, 2), (3, 1), (1, 6)]:
+        x = torch.randn(batch, windows * 2, 4)
+        with torch.no_grad():
+            out = wide(x)
+            assert max((out[i] - net(x)).abs().max().item() for i, net in enumerate(nets)) <= TOLERANCE
