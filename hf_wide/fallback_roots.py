@@ -52,6 +52,22 @@ def unbatched_root(path: str, uses: set[str], escapes: dict[str, set[str]]) -> s
     return outermost
 
 
+def rows_root(path: str, escapes: dict[str, set[str]], takes: dict[str, set[str]]) -> str:
+    """Where to run a module no builder takes: itself, unless it takes no input at all and hands on a broadcast
+    (Swin's position bias of shape (1, H, L, L), made from its table alone and added to the attention of each
+    image's windows: run alone, it would be expanded to the forward's N*B rows, not the N*B*W its attention has at
+    other image sizes than the sample's): then the innermost module around it that takes the rows, which runs it
+    per member on them. (A module that takes a broadcast, as rotary embeddings take positions (1, T), stays.)"""
+    if not escapes or path in takes or "one" not in escapes.get(path, set()):
+        return path
+    parts = path.split(".")
+    for depth in range(len(parts) - 1, 0, -1):
+        candidate = ".".join(parts[:depth])
+        if "batch" in takes.get(candidate, set()):
+            return candidate
+    return path
+
+
 def loop_reason(root: str, modules: dict[str, nn.Module], opaque: dict[str, Opaque], demotions: Demotions,
                  member_modules: list[dict[str, nn.Module]]):
     """(why, own code): why the fallback at ``root`` must run member by member rather than vmap member 0's code

@@ -35,7 +35,8 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from .fallback_roots import common_ancestor, is_under, loop_reason, rewriting_ancestor, settle, unbatched_root
+from .fallback_roots import (common_ancestor, is_under, loop_reason, rewriting_ancestor, rows_root, settle,
+                             unbatched_root)
 from .plan import OWN_CODE_LOOP, STACKED_LOOP, Demotions, Kind, ModulePlan, WidePlan
 from .primitives.base import same_value
 from .structure import Opaque, block_structure_known, opaque_modules
@@ -152,7 +153,9 @@ def make_plan(
             fallback_roots.setdefault(root, f"{fqn}.{name} is read in {reader or '(model)'}")
         elif wide_cls is None:
             raw = ", ".join(differing)
-            fallback_roots.setdefault(fqn, f"no wide builder for {type(module).__name__} (tensors: {raw})")
+            root = rows_root(fqn, trace.escapes, trace.takes)
+            fallback_roots.setdefault(root, f"no wide builder for {type(module).__name__} (tensors: {raw})"
+                                      + ("" if root == fqn else f", and {root} gives it its rows"))
         else:
             entries[fqn] = ModulePlan(kind=Kind.PRIMITIVE, wide_class=wide_cls.__name__, **kind_args)
 

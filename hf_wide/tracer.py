@@ -44,6 +44,9 @@ class Trace:
     # module path -> the leading dims of the tensors its calls hand to code outside it: "batch", "one" (a
     # broadcast, or a result without the batch dim such as T5's position bias of shape (1, H, T, T)), "other"
     escapes: dict[str, set[str]] = dataclasses.field(default_factory=dict)
+    # module path -> the leading dims of the tensors its calls take from code outside it (not its own tensors), as
+    # in ``escapes``; a module that takes none (Swin's position bias, made from its table alone) is not in it
+    takes: dict[str, set[str]] = dataclasses.field(default_factory=dict)
 
 
 def _module_stack(node: torch.fx.Node) -> list[str]:
@@ -167,6 +170,7 @@ def trace(model: nn.Module, args: tuple = (), kwargs: dict | None = None) -> Tra
     callers: dict[str, set[str]] = defaultdict(set)
     param_names = _weight_nodes(program.graph, set(placeholders))
     escapes = _escapes(program.graph, batch_symbol) if batch_symbol is not None else {}
+    takes = _takes(program.graph, batch_symbol, param_names) if batch_symbol is not None else {}
     for node in program.graph.nodes:
         stack = _module_stack(node)
         for caller, callee in itertools.pairwise(stack):
@@ -186,7 +190,7 @@ def trace(model: nn.Module, args: tuple = (), kwargs: dict | None = None) -> Tra
     if batch_symbol is None:
         method = "export (static batch)"
         notes.append("the batch dim was specialised by export, so ops that mix batch rows were not checked")
-    return Trace(method, dict(users), mixing, notes, unbatched, dict(callers), escapes)
+    return Trace(method, dict(users), mixing, notes, unbatched, dict(callers), escapes, takes)
 
 
 def _escapes(graph: torch.fx.Graph, batch_symbol) -> dict[str, set[str]]:
@@ -204,6 +208,28 @@ def _escapes(graph: torch.fx.Graph, batch_symbol) -> dict[str, set[str]]:
             reached = set(_module_stack(user)) if user.op != "output" else set()
             for path in inside:
                 if path not in reached:
+                    found[path].add(kind)
+    return dict(found)
+
+
+def _takes(graph: torch.fx.Graph, batch_symbol, weights: set[str]) -> dict[str, set[str]]:
+    """For every module, the leading dims of the tensors its calls read from outside it (see :attr:`Trace.takes`);
+    ``weights``: the nodes computed from parameters and buffers alone, which are no inputs."""
+    found: dict[str, set[str]] = defaultdict(set)
+    for node in graph.nodes:
+        if node.op != "call_function":
+            continue
+        inside = _module_stack(node)
+        for arg in node.all_input_nodes:
+            val = arg.meta.get("val")
+            if arg.name in weights or not isinstance(val, torch.Tensor) or val.dim() == 0:
+                continue
+            first = val.shape[0]
+            kind = ("batch" if batch_symbol in _batch_symbols(val.shape[:1])
+                    else "one" if isinstance(first, int) and first == 1 else "other")
+            made = set(_module_stack(arg)) if arg.op != "placeholder" else set()
+            for path in inside:
+                if path not in made:
                     found[path].add(kind)
     return dict(found)
 

@@ -331,14 +331,17 @@ def test_clip_with_as_many_images_as_it_likes_beside_the_texts():
                     assert (got[key][i] - want[key]).abs().max().item() <= 1e-5, key
 
 
-def test_swinv2_at_other_image_sizes_than_the_samples():
-    # Fused on 32x32 images, whose last stage is one window; other sizes have more windows there, rows of their own
-    # that its vectorised attention took for a broadcast (it raised), and at 64x64 with a batch of 2 its shifted
-    # windows' mask has the N*B rows of the forward without carrying them. (Swin v1 still raises at these sizes:
-    # its position bias, computed without the batch, is expanded to the forward's N*B rows, not the N*B*W windows.)
-    config = tf.Swinv2Config(image_size=32, patch_size=4, embed_dim=16, depths=[2, 2], num_heads=[2, 2], window_size=4,
-                             num_labels=3)
-    models = members(lambda: tf.Swinv2ForImageClassification(config))[:2]
+@pytest.mark.parametrize("version", ["swin", "swinv2"])
+def test_swin_at_other_image_sizes_than_the_samples(version):
+    # Fused on 32x32 images, whose last stage is one window; other sizes have more windows there, rows of their own.
+    # Swinv2's vectorised attention took them for a broadcast, and at 64x64 with a batch of 2 its shifted windows'
+    # mask has the N*B rows of the forward without carrying them; Swin's position bias, planned alone (it takes no
+    # input), was expanded to the forward's N*B rows, not the windows'. Both raised.
+    model_class, config_class = {"swin": (tf.SwinForImageClassification, tf.SwinConfig),
+                                 "swinv2": (tf.Swinv2ForImageClassification, tf.Swinv2Config)}[version]
+    config = config_class(image_size=32, patch_size=4, embed_dim=16, depths=[2, 2], num_heads=[2, 2], window_size=4,
+                          num_labels=3)
+    models = members(lambda: model_class(config))[:2]
     wide = fuse(models)
     for batch, size in [(2, 48), (2, 64), (1, 40), (3, 32)]:
         torch.manual_seed(size)

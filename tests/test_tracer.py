@@ -121,6 +121,39 @@ def test_a_layer_run_on_an_unbatched_input_falls_back_with_its_users():
     assert exact(wide, members, torch.randn(2, 6, 4)) <= 1e-5  # 6 positions, 3 members: no shape error to warn
 
 
+class TableBias(nn.Module):
+    """A bias made from its own table alone, no input: (1, L, D), as Swin's relative position bias."""
+
+    def __init__(self, length: int, dim: int):
+        super().__init__()
+        self.table = nn.Parameter(torch.randn(length, dim))
+
+    def forward(self):
+        return self.table[None]
+
+
+class WindowBias(nn.Module):
+    """Each image's W windows as rows of their own, (B*W, L, D), plus the bias: it meets B*W rows, not B."""
+
+    def __init__(self, dim: int, length: int = 2):
+        super().__init__()
+        self.proj, self.bias, self.length = nn.Linear(dim, dim), TableBias(length, dim), length
+
+    def forward(self, x):  # (B, W*L, D)
+        b, t, d = x.shape
+        return (self.proj(x).view(b * (t // self.length), self.length, d) + self.bias()).view(b, t, d)
+
+
+def test_a_module_taking_no_rows_runs_in_the_one_that_gives_them():
+    # Planned alone, the bias would be expanded to the forward's N*B rows, which its sum meets only where each image
+    # is one window (the sample here); at three windows, it raised
+    members = members_of(lambda: nn.Sequential(nn.Linear(4, 4), WindowBias(4)))
+    wide = WideModel.from_models(members, torch.randn(2, 2, 4))
+    (entry,) = wide.plan.fallbacks
+    assert entry.fqn == "1" and "TableBias" in entry.reason and "gives it its rows" in entry.reason
+    assert exact(wide, members, torch.randn(2, 6, 4)) <= 1e-6
+
+
 class CentredWithNorm(nn.Module):
     """Mixes batch rows (so it falls back), and owns a norm that its parent calls directly (XMOD does this)."""
 
