@@ -200,9 +200,7 @@ def _escapes(graph: torch.fx.Graph, batch_symbol) -> dict[str, set[str]]:
         val = node.meta.get("val")
         if node.op != "call_function" or not isinstance(val, torch.Tensor) or val.dim() == 0:
             continue
-        first = val.shape[0]
-        kind = ("batch" if batch_symbol in _batch_symbols(val.shape[:1])
-                else "one" if isinstance(first, int) and first == 1 else "other")
+        kind = _leading(val, batch_symbol)
         inside = _module_stack(node)
         for user in node.users:
             reached = set(_module_stack(user)) if user.op != "output" else set()
@@ -210,6 +208,13 @@ def _escapes(graph: torch.fx.Graph, batch_symbol) -> dict[str, set[str]]:
                 if path not in reached:
                     found[path].add(kind)
     return dict(found)
+
+
+def _leading(val: torch.Tensor, batch_symbol) -> str:
+    """What a tensor's leading dim is: "batch", "one" (a broadcast, or a result without the batch dim) or "other"."""
+    first = val.shape[0]
+    return ("batch" if batch_symbol in _batch_symbols(val.shape[:1])
+            else "one" if isinstance(first, int) and first == 1 else "other")
 
 
 def _takes(graph: torch.fx.Graph, batch_symbol, weights: set[str]) -> dict[str, set[str]]:
@@ -224,9 +229,7 @@ def _takes(graph: torch.fx.Graph, batch_symbol, weights: set[str]) -> dict[str, 
             val = arg.meta.get("val")
             if arg.name in weights or not isinstance(val, torch.Tensor) or val.dim() == 0:
                 continue
-            first = val.shape[0]
-            kind = ("batch" if batch_symbol in _batch_symbols(val.shape[:1])
-                    else "one" if isinstance(first, int) and first == 1 else "other")
+            kind = _leading(val, batch_symbol)
             made = set(_module_stack(arg)) if arg.op != "placeholder" else set()
             for path in inside:
                 if path not in made:
