@@ -53,6 +53,23 @@ def test_fused_repo_round_trip_is_exact(fused, case_id, tmp_path):
     assert not back.training
 
 
+def test_vectorised_modules_keep_their_inputs_roles_in_the_repo(tmp_path):
+    # Swinv2's vectorised attention learns at fusion which inputs carry the rows (the windows) and which do not (the
+    # shifted windows' mask); loaded back without tracing and called first at other image sizes than the sample's,
+    # it could not tell them by their lengths, and raised.
+    config = transformers.Swinv2Config(image_size=32, patch_size=4, embed_dim=16, depths=[2, 2], num_heads=[2, 2],
+                                       window_size=4, num_labels=3)
+    members = []
+    for seed in range(2):
+        torch.manual_seed(seed)
+        members.append(transformers.Swinv2ForImageClassification(config).eval())
+    WideModel.from_models(members).save_pretrained(tmp_path)
+    assert json.loads((tmp_path / "config.json").read_text())[CONFIG_KEY]["vectorised_roles"]
+    back = WideModel.from_pretrained(str(tmp_path))
+    for batch, size in [(2, 64), (1, 40)]:
+        assert max_member_error(back, members, {"pixel_values": torch.randn(batch, 3, size, size)}) <= TOLERANCE
+
+
 def test_stacked_layout_ties_and_fallbacks(fused, tmp_path):
     members, wide = fused("llama-causallm")
     wide.save_pretrained(tmp_path)

@@ -131,9 +131,15 @@ class VectorisedFallback(nn.Module):
 
     def __getstate__(self) -> dict:
         """For ``copy.deepcopy`` and pickling: without this thread's code copies and the member views, which a
-        copy makes anew (a ``threading.local`` cannot be copied), and without the inputs' roles, which a copy
-        learns again at its first call (pytree's specs are no longer meant to be pickled)."""
-        return {k: v for k, v in self.__dict__.items() if k not in ("_calls", "_view", "_submodule_views", "_roles")}
+        copy makes anew (a ``threading.local`` cannot be copied). The inputs' roles go with it: a copy called
+        first at other sizes than the sample's could not tell them from the lengths."""
+        return {k: v for k, v in self.__dict__.items() if k not in ("_calls", "_view", "_submodule_views")}
+
+    @property
+    def input_roles(self) -> dict[str, list[bool | None]]:
+        """What each call of this module has taught it, per structure of its inputs (pytree's spec, as text):
+        which of the inputs carry the folded rows (True), which do not (False), unknown (None). See ``_rows``."""
+        return self.__dict__.setdefault("_roles", {})
 
     def _apply(self, fn, recurse=True):
         self.__dict__.pop("_view", None)  # its views would keep the old tensors
@@ -217,14 +223,15 @@ class VectorisedFallback(nn.Module):
         """This call's folded rows, and which inputs carry them (member-major: member m's rows are the m-th of N
         blocks). An input with the forward's N*B rows does, and a broadcast, a table or anything else does not,
         unless an earlier call of this module said otherwise at that place of its inputs (the first call, at
-        fusion, is the one verification checked against the members): there, the inputs that carried the rows
+        fusion, is the one verification checked against the members; a copy and a fused repo keep it): there, the inputs that carried the rows
         set this call's (N*B*W, windows of each image, in Swin at other image sizes than the sample's), and an
         input that had another length than the rows or 1 (a table) does not carry them now, whatever its length
         (Swin's mask of W windows, where W happens to be N*B)."""
         rows = self.fold.rows
         if rows is None:  # called outside a wide forward: the first batched input has the rows
             rows = next((t.shape[0] for t in leaves if isinstance(t, torch.Tensor) and t.dim() > 0), self.num_members)
-        seen = self.__dict__.setdefault("_roles", {}).get(spec)  # per input: True (rows), False (not), None
+        key = " ".join(str(spec).split())  # text, not the spec itself: saved with a fused repo (7 us a call)
+        seen = self.input_roles.get(key)  # per input: True (rows), False (not), None
         if seen is not None:
             lengths = {t.shape[0] for t, role in zip(leaves, seen) if role and isinstance(t, torch.Tensor) and
                        t.dim() > 0 and t.shape[0] > 1}
@@ -235,7 +242,7 @@ class VectorisedFallback(nn.Module):
         # A broadcast (1, ...) says nothing: a mask may be (1, 1, T, T) without padding and carry the rows with it.
         roles = [b if isinstance(t, torch.Tensor) and t.dim() > 0 and (b or t.shape[0] != 1) else None
                  for t, b in zip(leaves, batched)]
-        self._roles[spec] = roles if seen is None else [r if s is None else s for r, s in zip(roles, seen)]
+        self._roles[key] = roles if seen is None else [r if s is None else s for r, s in zip(roles, seen)]
         return rows, batched
 
     def _merge(self, y: torch.Tensor, batch: int) -> torch.Tensor:

@@ -1,5 +1,9 @@
 """The vectorised fallback: a module no builder knows, every member in one vmapped call over stacked tensors."""
 
+import copy
+import pickle
+
+import pytest
 import torch
 from conftest import CASES
 from oracle import TOLERANCE, max_member_error
@@ -127,3 +131,18 @@ def test_windows_of_each_image_split_by_member_at_any_count_and_a_shared_mask_of
         with torch.no_grad():
             out = wide(x)
             assert max((out[i] - net(x)).abs().max().item() for i, net in enumerate(nets)) <= TOLERANCE
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "pickle"])
+def test_a_copy_keeps_what_the_first_call_taught_about_the_inputs(how):
+    # A copy called first at W == N*B windows cannot tell the mask from the rows by their lengths: it keeps the
+    # roles the fused model's verification taught it (copies once learned them again, from the lengths, and raised).
+    torch.manual_seed(0)
+    nets = [Windowed().eval() for _ in range(2)]
+    wide = WideModel.from_models(nets, torch.randn(2, 2, 4))
+    twin = copy.deepcopy(wide) if how == "deepcopy" else pickle.loads(pickle.dumps(wide))
+    assert twin.model.windows.input_roles == wide.model.windows.input_roles != {}
+    x = torch.randn(1, 4, 4)  # one image of two windows: N*B windows
+    with torch.no_grad():
+        out = twin(x)
+        assert max((out[i] - net(x)).abs().max().item() for i, net in enumerate(nets)) <= TOLERANCE
