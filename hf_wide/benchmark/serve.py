@@ -15,7 +15,9 @@ what Ray Serve's request path alone allows on this machine, the ceiling of every
 Every answer of the four is checked against ``hf_wide.pipeline`` run here on that text: the same best label,
 scores within 1e-4. Every way is deployed at once, and the requests go in rounds, each way in turn, so that a slow
 spell on the machine falls on all of them. Reports, per way: errors, wrong answers, throughput (requests/s), p50
-and p99 latency (ms), as a table and, with ``--json``, a file.
+and p99 latency (ms), and the CPU time a request cost in Ray Serve's HTTP proxy, the way's replicas, the clients
+(this process) and Ray's other processes (:mod:`hf_wide.benchmark.cpu_share`: the cores are shared, so a way's
+throughput is what they allow at that cost), as a table and, with ``--json``, a file.
 
 It also times the two models' forwards alone, in this process, with the replica's one thread, on padded batches
 of 1, 4, 8 and ``clients`` texts: the wide model against the members one after another. Ray Serve forms its
@@ -26,6 +28,7 @@ and how much of a request's time is the forward at all.
 import argparse
 import http.client
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -39,6 +42,7 @@ from ray import serve
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 
+from . import cpu_share
 from .pipeline import make_texts, make_tokenizer
 
 WAYS = ("wide", "wide_unbatched", "members", "members_batched", "no_model")
@@ -233,13 +237,19 @@ def run(num_requests: int = 2000, clients: int = 16, num_members: int = 8, hidde
                 serve.run(app, name=way, route_prefix=f"/{way}")
                 load(port, f"/{way}", texts[:clients * 2], None, clients)  # warm-up
             share = -(-num_requests // rounds)
+            cpu: dict[str, dict[str, float]] = {way: dict.fromkeys(cpu_share.GROUPS, 0.0) for way in ways}
             for start in range(0, num_requests, share):
                 part = slice(start, start + share)
                 for way in ways:
+                    replica = f"ServeReplica:{way}:"  # Ray's name for the way's replica processes
+                    before = cpu_share.cpu_seconds(replica)
                     done[way].append(load(port, f"/{way}", texts[part], None if way == "no_model" else expected[part],
                                           clients))
+                    for group, seconds in cpu_share.spent(before, cpu_share.cpu_seconds(replica)).items():
+                        cpu[way][group] += seconds
             for way in ways:
                 report["ways"][way] = _summary(done[way])
+                report["ways"][way]["cpu_ms_per_request"] = {g: 1e3 * t / num_requests for g, t in cpu[way].items()}
                 print(f"{way}: {_row(report['ways'][way])}", file=sys.stderr)
         finally:
             serve.shutdown()
@@ -280,6 +290,10 @@ def main(argv=None) -> dict:
     for key in ("wide_over_members", "wide_over_members_batched"):
         if key in report:
             print(f"{key}: {report[key]:.2f}x")
+    print(f"CPU ms per request ({' / '.join(cpu_share.GROUPS)}; this machine's {os.cpu_count()} cores are shared):")
+    for way, r in report["ways"].items():
+        ms = r["cpu_ms_per_request"]
+        print(f"  {way:<16} " + " / ".join(f"{ms[g]:.2f}" for g in cpu_share.GROUPS) + f" = {sum(ms.values()):.2f}")
     print("in this process, one thread, the forward alone (ms): wide / the members one after another")
     for f in report["forward_alone"]:
         print(f"  batch {f['batch']}: {f['wide_ms']:.1f} / {f['members_ms']:.1f} = {f['members_over_wide']:.2f}x")

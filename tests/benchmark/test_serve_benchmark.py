@@ -18,6 +18,8 @@ def test_every_way_answers_every_request_right():
     for way, r in report["ways"].items():
         assert (r["errors"], r["wrong"]) == (0, 0), (way, r["first_error"])
         assert r["requests_per_s"] > 0 and r["p99_ms"] >= r["p50_ms"] > 0
+        cpu = r["cpu_ms_per_request"]  # each request passed through the proxy to the way's replica, from here
+        assert cpu["proxy"] > 0 and cpu["replica"] > 0 and cpu["clients"] > 0, (way, cpu)
     assert report["wide_over_members"] > 0 and report["wide_over_members_batched"] > 0
     assert [f["batch"][0] for f in report["forward_alone"]] == [1, 4]  # 1, 4, 8 and the clients, up to the clients
     assert all(f["wide_ms"] > 0 and f["members_over_wide"] > 0 for f in report["forward_alone"])
