@@ -2,8 +2,8 @@
 
 On one machine the server, Ray's processes and the clients share the cores, so a way's throughput is the cores
 over the CPU time each request costs in all of them together. Reading that time per group (Ray Serve's HTTP
-proxy, the way's replicas, the clients in this process, Ray's other processes) shows which part a faster model
-can shrink and which it cannot.
+proxy, Python or HAProxy; the way's replicas; the clients in this process; Ray's other processes) shows which
+part a faster model can shrink and which it cannot.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ GROUPS = ("proxy", "replica", "clients", "ray_other")
 def _group(pid: int, cmdline: str, replica_key: str) -> str | None:
     if pid == os.getpid():
         return "clients"
-    if "ProxyActor" in cmdline:
+    if "ProxyActor" in cmdline or "haproxy" in cmdline:  # Ray's Python proxy, or HAProxy (high-throughput mode)
         return "proxy"
     if replica_key in cmdline:
         return "replica"

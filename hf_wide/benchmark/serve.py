@@ -199,12 +199,13 @@ def forward_alone(paths: list[str], texts: list[str], sizes: tuple[int, ...], se
 
 def run(num_requests: int = 2000, clients: int = 16, num_members: int = 8, hidden: int = 128,
         max_batch_size: int = 32, batch_wait_ms: float = 5.0, port: int = 8765, ways=WAYS,
-        replicas: int = 1, rounds: int = 10) -> dict:
+        replicas: int = 1, rounds: int = 10, high_throughput: bool = False) -> dict:
     """Every way deployed at once (each under its own route prefix), then ``rounds`` rounds in which each way in
     turn gets its share of the requests: a slow spell on the machine falls on every way, not on one."""
     import ray
 
     from ..pipelines import pipeline
+    from ..serving import ray_environment
     from ..serving.app import build_app
 
     if rounds < 1 or num_requests < 1:
@@ -218,11 +219,12 @@ def run(num_requests: int = 2000, clients: int = 16, num_members: int = 8, hidde
         forwards = forward_alone(paths, texts, tuple(sorted({n for n in (1, 4, 8, clients) if n <= clients})))
         # A logical CPU for every replica of every way, all deployed at once (Ray gives each replica one torch thread
         # either way); they share the machine's cores, and only one way is under load at a time.
-        ray.init(num_cpus=len(ways) * replicas, include_dashboard=False, logging_level="ERROR")
+        with ray_environment(high_throughput):  # every way behind HAProxy, or every way behind Ray's proxy
+            ray.init(num_cpus=len(ways) * replicas, include_dashboard=False, logging_level="ERROR")
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         report = {"requests": num_requests, "clients": clients, "members": num_members, "hidden": hidden,
                   "max_batch_size": max_batch_size, "batch_wait_ms": batch_wait_ms, "replicas": replicas,
-                  "rounds": rounds, "forward_alone": forwards, "ways": {}}
+                  "rounds": rounds, "high_throughput": high_throughput, "forward_alone": forwards, "ways": {}}
         done: dict[str, list[dict]] = {way: [] for way in ways}
         try:
             for way in ways:
@@ -278,13 +280,16 @@ def main(argv=None) -> dict:
     parser.add_argument("--replicas", type=int, default=1, help="replicas of every way's deployment")
     parser.add_argument("--ways", nargs="+", choices=WAYS, default=list(WAYS))
     parser.add_argument("--rounds", type=int, default=10, help="rounds in which every way gets its share in turn")
+    parser.add_argument("--high-throughput", action="store_true",
+                        help="Ray Serve's high-throughput mode (HAProxy ingress) for every way, as hf-wide serve's")
     parser.add_argument("--json", help="also write the report to this file")
     args = parser.parse_args(argv)
     report = run(args.requests, args.clients, args.members, max_batch_size=args.max_batch_size,
                  batch_wait_ms=args.batch_wait_ms, port=args.port, ways=args.ways, replicas=args.replicas,
-                 rounds=args.rounds)
+                 rounds=args.rounds, high_throughput=args.high_throughput)
     print(f"{report['members']} BERTs (hidden {report['hidden']}), {report['requests']} requests from "
-          f"{report['clients']} clients, {report['replicas']} replica(s) per way")
+          f"{report['clients']} clients, {report['replicas']} replica(s) per way"
+          + (", Ray Serve's high-throughput mode" if report["high_throughput"] else ""))
     for way, r in report["ways"].items():
         print(f"{way:<16} {_row(r)}")
     for key in ("wide_over_members", "wide_over_members_batched"):

@@ -28,12 +28,15 @@ def register_cli(sub) -> None:
                        help="how long a batch waits for more requests once one arrives")
     serve.add_argument("--address", default=None,
                        help="join the Ray cluster at this address ('auto': the local one); default: start Ray here")
+    serve.add_argument("--high-throughput", action="store_true",
+                       help="Ray Serve's high-throughput mode for the Ray this starts: HAProxy on the port, sending "
+                            "each request straight to a replica (one such server per machine)")
     serve.add_argument("--revision", default=None)
     serve.set_defaults(func=_serve)
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from . import INSTALL, serve
+    from . import HIGH_THROUGHPUT_HINT, INSTALL, serve
 
     try:
         import ray  # noqa: F401
@@ -44,6 +47,11 @@ def _serve(args: argparse.Namespace) -> int:
     if args.revision is not None:
         options["revision"] = args.revision
     print(f"hf-wide serve: {args.task} on http://{args.host}:{args.port}/ (Ctrl-C stops)", file=sys.stderr)
+    if args.high_throughput and args.address is not None:
+        print(f"hf-wide serve: error: --high-throughput applies to the Ray this command starts, not to one at "
+              f"--address: {HIGH_THROUGHPUT_HINT}", file=sys.stderr)
+        return 2
     serve(args.models, args.task, host=args.host, port=args.port, address=args.address, replicas=args.replicas,
-          num_cpus=args.num_cpus, max_batch_size=args.max_batch_size, batch_wait_ms=args.batch_wait_ms, **options)
+          num_cpus=args.num_cpus, max_batch_size=args.max_batch_size, batch_wait_ms=args.batch_wait_ms,
+          high_throughput=args.high_throughput, **options)
     return 0

@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -25,8 +26,11 @@ from huggingface_hub import InferenceClient  # noqa: E402
 from hf_wide.pipelines import pipeline  # noqa: E402
 
 
-@pytest.mark.parametrize("stop", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
-def test_serve_answers_until_stopped_and_then_stops_cleanly(tmp_path, stop):
+@pytest.mark.parametrize("stop, options", [(signal.SIGINT, []), (signal.SIGTERM, []),
+                                           (signal.SIGINT, ["--high-throughput"])],
+                         ids=["ctrl-c", "sigterm", "high-throughput"])
+def test_serve_answers_until_stopped_and_then_stops_cleanly(tmp_path, stop, options):
+    # --high-throughput: HAProxy on the port, each request straight to the replica's own HTTP server.
     paths = save_members(tmp_path, build_members("bert-seqcls", 2), bert_tokenizer(tmp_path / "tok"))
     port = free_port()
     log = (tmp_path / "serve.log").open("wb")  # a file, not a pipe: Ray's logs must never block the server
@@ -34,7 +38,7 @@ def test_serve_answers_until_stopped_and_then_stops_cleanly(tmp_path, stop):
     # ignored, and a child inherits that: Python would then never raise KeyboardInterrupt.)
     # In a session of its own, so that what it leaves running can be found afterwards.
     proc = subprocess.Popen([sys.executable, "-m", "hf_wide.cli", "serve", *paths, "--port", str(port),
-                             "--max-batch-size", "4"], stdout=log, stderr=subprocess.STDOUT,
+                             "--max-batch-size", "4", *options], stdout=log, stderr=subprocess.STDOUT,
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL), start_new_session=True)
     try:
         deadline = time.time() + 180
@@ -50,6 +54,12 @@ def test_serve_answers_until_stopped_and_then_stops_cleanly(tmp_path, stop):
         got = InferenceClient(base_url=f"http://127.0.0.1:{port}").text_classification("a good day")
         want = pipeline("text-classification", model=paths)("a good day", top_k=3)["top_k"]
         assert [(e.label, e.score) for e in got] == [(e["label"], pytest.approx(e["score"], abs=1e-6)) for e in want]
+        bad = urllib.request.Request(f"http://127.0.0.1:{port}/", data=b"{not json", method="POST",
+                                     headers={"content-type": "application/json"})
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(bad, timeout=30)
+        assert refused.value.code == 400 and "JSON" in json.loads(refused.value.read())["error"]
+        assert _runs_haproxy(proc.pid) == bool(options)
     finally:
         proc.send_signal(stop)
         try:
@@ -62,6 +72,26 @@ def test_serve_answers_until_stopped_and_then_stops_cleanly(tmp_path, stop):
             log.close()
     assert code == 0, (tmp_path / "serve.log").read_text(errors="replace")[-3000:]
     assert not _left_running(proc.pid), "Ray processes of hf-wide serve are still running after it exited"
+
+
+def test_high_throughput_is_refused_for_a_cluster_it_cannot_configure(capsys):
+    from hf_wide.cli import main
+
+    assert main(["serve", "org/a", "--high-throughput", "--address", "auto"]) == 2
+    assert "RAY_SERVE_ENABLE_HA_PROXY=1" in capsys.readouterr().err
+
+
+def _runs_haproxy(session: int) -> bool:
+    """Whether a process of the session ``session`` is HAProxy (Ray Serve's high-throughput ingress)."""
+    import psutil
+
+    for process in psutil.process_iter(["name"]):
+        try:
+            if os.getsid(process.pid) == session and "haproxy" in (process.info["name"] or ""):
+                return True
+        except (ProcessLookupError, PermissionError):
+            continue
+    return False
 
 
 def _left_running(session: int, wait_s: float = 30) -> bool:
