@@ -20,8 +20,11 @@ INSTALL = 'hf-wide serve needs Ray Serve: pip install "hf-wide[serve]" (or: pip 
 # Ray Serve's high-throughput mode (Ray >= 2.55): HAProxy, a load balancer in C, takes the HTTP port and sends each
 # request straight to a replica's own HTTP server, in place of Ray's Python proxy; and Serve's throughput settings
 # (gRPC between Ray's processes, buffered request logs). Read by Ray's processes when they start: the raylet passes
-# its environment on, so it must be set when ray.init starts a local Ray.
-HIGH_THROUGHPUT_ENV = {"RAY_SERVE_ENABLE_HA_PROXY": "1", "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1"}
+# its environment on, so it must be set when ray.init starts a local Ray. The replicas' code keeps its own thread
+# (the mode's default would run it on the replica's event loop): a batch's forward, minutes of generation say, must
+# not hold up the controller's health checks, which would take the replica for dead.
+HIGH_THROUGHPUT_ENV = {"RAY_SERVE_ENABLE_HA_PROXY": "1", "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1",
+                       "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "1"}
 HIGH_THROUGHPUT_HINT = ("a cluster reads it from its own environment: start it with "
                         + " ".join(f"{k}={v}" for k, v in HIGH_THROUGHPUT_ENV.items()) + " before `ray start`.")
 
