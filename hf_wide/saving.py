@@ -32,8 +32,8 @@ from torch import nn
 
 from .checkpoints import WEIGHTS_INDEX_NAME, Checkpoint, assemble, empty_model, skeleton_like, state_tensors
 from .plan import Kind, ModulePlan, WidePlan
-from .primitives import VectorisedFallback
 from .planner import tensor_aliases
+from .primitives import VectorisedFallback
 
 FORMAT_VERSION = 1
 CONFIG_KEY = "hf_wide"

@@ -223,10 +223,10 @@ class VectorisedFallback(nn.Module):
         """This call's folded rows, and which inputs carry them (member-major: member m's rows are the m-th of N
         blocks). An input with the forward's N*B rows does, and a broadcast, a table or anything else does not,
         unless an earlier call of this module said otherwise at that place of its inputs (the first call, at
-        fusion, is the one verification checked against the members; a copy and a fused repo keep it): there, the inputs that carried the rows
-        set this call's (N*B*W, windows of each image, in Swin at other image sizes than the sample's), and an
-        input that had another length than the rows or 1 (a table) does not carry them now, whatever its length
-        (Swin's mask of W windows, where W happens to be N*B)."""
+        fusion, is the one verification checked against the members; copies and fused repos keep what it said):
+        there, the inputs that carried the rows set this call's (N*B*W, windows of each image, in Swin at other
+        image sizes than the sample's), and an input that had another length than the rows or 1 (a table) does not
+        carry them now, whatever its length (Swin's mask of W windows, where W happens to be N*B)."""
         rows = self.fold.rows
         if rows is None:  # called outside a wide forward: the first batched input has the rows
             rows = next((t.shape[0] for t in leaves if isinstance(t, torch.Tensor) and t.dim() > 0), self.num_members)

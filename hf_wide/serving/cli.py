@@ -46,11 +46,11 @@ def _serve(args: argparse.Namespace) -> int:
     options = {"combine": args.combine, "compile": args.compile}
     if args.revision is not None:
         options["revision"] = args.revision
-    print(f"hf-wide serve: {args.task} on http://{args.host}:{args.port}/ (Ctrl-C stops)", file=sys.stderr)
     if args.high_throughput and args.address is not None:
         print(f"hf-wide serve: error: --high-throughput applies to the Ray this command starts, not to one at "
               f"--address: {HIGH_THROUGHPUT_HINT}", file=sys.stderr)
         return 2
+    print(f"hf-wide serve: {args.task} on http://{args.host}:{args.port}/ (Ctrl-C stops)", file=sys.stderr)
     serve(args.models, args.task, host=args.host, port=args.port, address=args.address, replicas=args.replicas,
           num_cpus=args.num_cpus, max_batch_size=args.max_batch_size, batch_wait_ms=args.batch_wait_ms,
           high_throughput=args.high_throughput, **options)
