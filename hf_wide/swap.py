@@ -19,6 +19,7 @@ from .capture import reset_capture_hooks
 from .configs import configs_in_place, configs_replaced, copies_of, module_configs, same_places
 from .fold import Fold
 from .losses import uninstall_member_losses
+from .packing import remove_packing_hooks
 from .plan import STACKED_LOOP, Kind, WidePlan
 from .planner import tensor_aliases
 from .blocks import WideBlock
@@ -93,6 +94,7 @@ def member_copy(
             if isinstance(hook, Fold):  # the wide model's row recorder: nothing to record in one member
                 del module._forward_pre_hooks[key]
                 module._forward_pre_hooks_with_kwargs.pop(key, None)
+    remove_packing_hooks(member)  # a pipeline's padding-free encoder (hf_wide.packing): one member packs nothing
     retie(member, aliases)
     return reset_capture_hooks(member)  # hooks copied from the wide model sit on wide modules
 

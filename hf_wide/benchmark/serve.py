@@ -20,7 +20,8 @@ and p99 latency (ms), and the CPU time a request cost in Ray Serve's HTTP proxy,
 throughput is what they allow at that cost), as a table and, with ``--json``, a file.
 
 It also times the two models' forwards alone, in this process, with the replica's one thread, on padded batches
-of 1, 4, 8 and ``clients`` texts: the wide model against the members one after another. Ray Serve forms its
+of 1, 4, 8 and ``clients`` texts: the wide model (padded, and padding-free as the pipeline runs a batch with a
+quarter or more padding: :mod:`hf_wide.packing`) against the members one after another. Ray Serve forms its
 batches from what has arrived (on this machine, a few requests each), so these show where the wide forward gains
 and how much of a request's time is the forward at all.
 """
@@ -42,6 +43,7 @@ from ray import serve
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 
+from ..packing import packed
 from . import cpu_share
 from .pipeline import make_texts, make_tokenizer
 
@@ -171,14 +173,17 @@ def _summary(rounds: list[dict]) -> dict:
 
 
 def forward_alone(paths: list[str], texts: list[str], sizes: tuple[int, ...], seconds: float = 2.0) -> list[dict]:
-    """For each batch size, milliseconds of one forward of the wide model and of the members one after another on
-    the first ``size`` texts as one padded batch, with one thread (a replica's, with Ray's default of one CPU)."""
+    """For each batch size, milliseconds of one forward of the wide model (padded, and padding-free) and of the
+    members one after another on the first ``size`` texts as one padded batch, with one thread (a replica's, with
+    Ray's default of one CPU)."""
     from .. import WideModel
+    from ..pipelines.packing import enable_packing
     from .methods import time_interleaved
 
     tokenizer = transformers.AutoTokenizer.from_pretrained(paths[0])
     wide = WideModel.from_pretrained(paths)
     members = [transformers.AutoModelForSequenceClassification.from_pretrained(p).eval() for p in paths]
+    padding_free = enable_packing(wide) is None
     threads, rows = torch.get_num_threads(), []
     torch.set_num_threads(1)
     try:
@@ -186,15 +191,24 @@ def forward_alone(paths: list[str], texts: list[str], sizes: tuple[int, ...], se
             for size in sizes:
                 batch = tokenizer(texts[:size], padding=True, truncation=True, return_tensors="pt")
                 runs = {"wide": lambda: wide(**batch), "members": lambda: [m(**batch) for m in members]}
+                if padding_free:
+                    runs["wide_padding_free"] = lambda: _padding_free(wide, batch)
                 for run_once in runs.values():
                     run_once()
                 times, _ = time_interleaved(runs, seconds)
                 wide_ms, members_ms = times["wide"][0], times["members"][0]
-                rows.append({"batch": list(batch["input_ids"].shape), "wide_ms": wide_ms, "members_ms": members_ms,
+                free_ms = times["wide_padding_free"][0] if padding_free else None
+                rows.append({"batch": list(batch["input_ids"].shape), "tokens": int(batch["attention_mask"].sum()),
+                             "wide_ms": wide_ms, "wide_padding_free_ms": free_ms, "members_ms": members_ms,
                              "members_over_wide": members_ms / wide_ms})
     finally:
         torch.set_num_threads(threads)
     return rows
+
+
+def _padding_free(wide, batch: dict):
+    with packed(batch["attention_mask"]):
+        return wide(**batch)
 
 
 def run(num_requests: int = 2000, clients: int = 16, num_members: int = 8, hidden: int = 128,
@@ -299,9 +313,12 @@ def main(argv=None) -> dict:
     for way, r in report["ways"].items():
         ms = r["cpu_ms_per_request"]
         print(f"  {way:<16} " + " / ".join(f"{ms[g]:.2f}" for g in cpu_share.GROUPS) + f" = {sum(ms.values()):.2f}")
-    print("in this process, one thread, the forward alone (ms): wide / the members one after another")
+    print("in this process, one thread, the forward alone (ms): wide / the members one after another "
+          "(wide padding-free)")
     for f in report["forward_alone"]:
-        print(f"  batch {f['batch']}: {f['wide_ms']:.1f} / {f['members_ms']:.1f} = {f['members_over_wide']:.2f}x")
+        free = "" if f["wide_padding_free_ms"] is None else f" ({f['wide_padding_free_ms']:.1f})"
+        print(f"  batch {f['batch']}, {f['tokens']} tokens: {f['wide_ms']:.1f} / {f['members_ms']:.1f} = "
+              f"{f['members_over_wide']:.2f}x{free}")
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
     return report

@@ -35,6 +35,7 @@ from ..primitives.linear import WideLinear, wide_linear
 from ..primitives.norm import WideLayerNorm
 from ..registry import register_block
 from ..versions import pop_cache
+from ..packing import active as packing_of_this_call
 from .base import WideBlock, member_slices, stack_cat
 from .lora import WideLoraLinear
 from .lora_projections import (
@@ -143,17 +144,22 @@ class WideAttention(WideBlock):
 
     def forward(self, *args, **kwargs):
         kwargs.update(zip(self.layout.arg_names, args))
-        hidden_states = kwargs.pop("hidden_states")  # (N*B, T, D)
+        hidden_states = kwargs.pop("hidden_states")  # (N*B, T, D), or (N, K, D) in a packed encoder
         attention_mask = kwargs.pop("attention_mask", None)
         position_embeddings = kwargs.pop("position_embeddings", None)
         cache = pop_cache(kwargs)  # transformers 5.24 calls it cache, earlier releases past_key_values
-        input_shape = hidden_states.shape[:-1]
-        hidden_shape = (*input_shape, -1, self._head_dim)
 
         if "lora_qkv" in self._modules:
             qkv = self.lora_qkv(hidden_states)  # (N*B, T, D_q + 2*D_kv)
         else:
             qkv = wide_linear(self.fold, hidden_states, self.qkv_weight.transpose(1, 2), self.qkv_bias)
+        packing = packing_of_this_call()  # hf_wide.packing: the states are the batch's real tokens only
+        if packing is not None:
+            if cache is not None or self._rotary is not None:
+                raise RuntimeError("A packed encoder reached an attention with a cache or rotary positions.")
+            qkv = packing.unpack(qkv)  # (N*B, T, D_q + 2*D_kv), zeros at padded positions
+        input_shape = qkv.shape[:-1]
+        hidden_shape = (*input_shape, -1, self._head_dim)
         query, key, value = (t.view(hidden_shape).transpose(1, 2) for t in qkv.split(self.sizes, dim=-1))
         # query: (N*B, H, T, hd); key, value: (N*B, H_kv, T, hd)
 
@@ -175,6 +181,8 @@ class WideAttention(WideBlock):
             dropout=0.0 if not self.training else self._dropout_p, scaling=self.scaling, **kwargs,
         )
         attn_output = attn_output.reshape(*input_shape, -1).contiguous()  # (N*B, T, H*hd)
+        if packing is not None:
+            attn_output = packing.pack(attn_output)  # (N, K, H*hd)
         if self.layout.out is not None:
             attn_output = self.o_proj(attn_output)
         if self.layout.residual_norm is not None:  # ALBERT: norm(x + dropout(out)) inside the attention

@@ -9,6 +9,7 @@ Python. The base class owns batching (inputs sorted by length, padded to length 
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -18,7 +19,9 @@ from huggingface_hub.utils import tqdm
 from torch.nn.utils.rnn import pad_sequence
 
 from ..model import WideModel
+from ..packing import packed, worth_packing
 from .combine import Combine, check_weights, label_permutations
+from .packing import enable_packing
 
 PROGRESS_MIN_ITEMS = 256  # show a progress bar from this many inputs on
 
@@ -41,6 +44,7 @@ class WidePipeline:
         temperature: float = 1.0,
         compile: bool | dict = False,
         buckets: Sequence[int] | str | None = "auto",
+        padding_free: bool = True,
         **kwargs,
     ):
         if not isinstance(model, WideModel):
@@ -70,6 +74,9 @@ class WidePipeline:
         self.buckets = ("pow2" if compile and static else None) if buckets == "auto" else buckets
         if compile:
             self.model.compile(**options)
+        # Batches with much padding run the encoder on their real tokens only, where the model allows it (checked
+        # on a probe batch: hf_wide.pipelines.packing); not in a compiled model, whose graphs would be one per K.
+        self.padding_free = bool(padding_free and not compile and self.packs_tokens() and enable_packing(model) is None)
         self._label_order = None
         self._defaults = self._sanitize_parameters(**kwargs)
 
@@ -123,9 +130,16 @@ class WidePipeline:
     def forward_batch(self, features: list[dict[str, torch.Tensor]], fwd: dict) -> dict[str, torch.Tensor]:
         """One forward of these items' features, collated, on the model's device; its outputs back on the CPU."""
         batch = self.collate(features)
-        with torch.inference_mode():
+        mask = batch.get("attention_mask")
+        packing = self.padding_free and mask is not None and worth_packing(mask)
+        with torch.inference_mode(), packed(mask, self.device) if packing else contextlib.nullcontext():
             outputs = self._forward({k: v.to(self.device) for k, v in batch.items()}, **fwd)
         return {k: v.cpu() for k, v in outputs.items()}  # one transfer per batch, then plain Python
+
+    def packs_tokens(self) -> bool:
+        """Whether this task's answers read the real tokens' outputs only, so that its batches may run padding-free
+        (:mod:`hf_wide.packing`): no, unless a task says so."""
+        return False
 
     def batch_invariant(self, fwd: dict) -> bool:
         """Whether an input's answer with these ``_forward`` options is the same in a batch with others as alone

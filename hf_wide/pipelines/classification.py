@@ -115,6 +115,9 @@ class TextClassificationPipeline(ClassificationPipeline):
 
     task = "text-classification"
 
+    def packs_tokens(self) -> bool:
+        return True  # each answer reads its text's first token (or a pooling of its own tokens)
+
     def _sanitize_inputs(self, truncation: bool | None = None, **kwargs):
         pre, fwd, post = super()._sanitize_inputs(**kwargs)
         if truncation is not None:

@@ -31,6 +31,13 @@ class FeatureExtractionPipeline(WidePipeline):
 
     task = "feature-extraction"
 
+    def packs_tokens(self) -> bool:  # a bare encoder's states: each answer pools or cuts its own tokens'
+        return self._bare()  # (a model with a head is asked for every layer's states, which are not unpacked)
+
+    def _bare(self) -> bool:
+        folded = self.model.model
+        return getattr(folded, "base_model", folded) is folded  # a model with a head hides its hidden states
+
     def _sanitize_parameters(self, pooling: str | None = None, normalize: bool | None = None,
                              truncation: bool | None = None, **kwargs):
         pre, fwd, post = super()._sanitize_parameters(**kwargs)
@@ -51,8 +58,7 @@ class FeatureExtractionPipeline(WidePipeline):
         return tokenize(self.tokenizer, self.model, text, truncation)
 
     def _forward(self, batch, pooling: str = "mean", normalize: bool = False):
-        folded = self.model.model
-        bare = getattr(folded, "base_model", folded) is folded  # a model with a head hides its hidden states
+        bare = self._bare()
         out = self.model(**batch, **({} if bare else {"output_hidden_states": True}))
         states = (out["last_hidden_state"] if bare else out["hidden_states"][-1]).float()  # (N, B, T, D)
         if pooling == "mean":

@@ -54,6 +54,9 @@ class TokenClassificationPipeline(WidePipeline):
 
     task = "token-classification"
 
+    def packs_tokens(self) -> bool:
+        return True  # each answer reads its own tokens' outputs (postprocess cuts the padding off)
+
     def _sanitize_parameters(self, aggregation_strategy=None, ignore_labels=None, truncation=None, **kwargs):
         pre, fwd, post = super()._sanitize_parameters(**kwargs)
         if truncation is not None:

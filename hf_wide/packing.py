@@ -1,0 +1,131 @@
+"""Padding-free encoder forwards: the layers of a padded batch run on its real tokens only.
+
+A batch of texts is padded to its longest, and every padded position costs a real token's matmuls. Inside an
+encoder whose layers act on each token alone apart from their attention (BERT, RoBERTa, ELECTRA, DistilBERT), only
+attention looks across positions, and it masks the padded ones. So the encoder may carry its hidden states
+*packed*: the real tokens of the batch, member-major, ``(N, K, D)``. That is the folded layout of one sequence of
+K tokens per member, which every wide primitive takes as it is. A fused attention block (:mod:`hf_wide.blocks.
+attention`) scatters its Q, K and V to the padded ``(N*B, T, .)`` layout for the attention call and gathers the
+call's output; the encoder's output is scattered back, with zeros at the padded positions.
+
+What changes is the outputs at padded positions (zeros where the model computed values nothing should read). So
+only pipelines pack, whose answers never read them (a sequence's first token, each input's own tokens), never
+``wide(**inputs)``; and a model packs only where :func:`hf_wide.pipelines.packing.enable_packing` finds every
+module inside its encoder known and a probe batch gives, packed, what it gives padded. This module holds the
+layout, the per-call state (per thread, as the fold's rows) and the encoder's hooks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import threading
+
+import torch
+from torch import nn
+
+MIN_PADDED = 0.25  # pack a batch from this share of padded positions on (18% saved nothing here, 34% 22%)
+
+
+@dataclasses.dataclass(frozen=True)
+class Packing:
+    """Where a batch's real tokens are: ``keep`` (K,), their indices among the B*T positions, row by row."""
+
+    keep: torch.Tensor
+    batch: int
+    length: int
+
+    @classmethod
+    def of(cls, attention_mask: torch.Tensor) -> "Packing":  # attention_mask: (B, T), 1 at real tokens
+        batch, length = attention_mask.shape
+        return cls(attention_mask.reshape(-1).nonzero().squeeze(1), batch, length)
+
+    def pack(self, x: torch.Tensor) -> torch.Tensor:  # (N*B, T, ...) -> (N, K, ...)
+        n = x.shape[0] // self.batch
+        return x.reshape(n, self.batch * self.length, *x.shape[2:]).index_select(1, self.keep)
+
+    def unpack(self, x: torch.Tensor) -> torch.Tensor:  # (N, K, ...) -> (N*B, T, ...), zeros at padded positions
+        n, rest = x.shape[0], x.shape[2:]
+        padded = x.new_zeros(n, self.batch * self.length, *rest).index_copy_(1, self.keep, x)
+        return padded.view(n * self.batch, self.length, *rest)
+
+
+class _State(threading.local):
+    """This thread's packed call: its :class:`Packing`, and whether the encoder's states are packed right now."""
+
+    def __init__(self):
+        self.packing: Packing | None = None
+        self.inside = False
+        self.entered = False
+
+
+_STATE = _State()
+
+
+def active() -> Packing | None:
+    """The packing of this thread's forward while its encoder's hidden states are packed, else None."""
+    return _STATE.packing if _STATE.inside else None
+
+
+@contextlib.contextmanager
+def packed(attention_mask: torch.Tensor, device: torch.device | None = None):
+    """Run the wide forwards inside on ``attention_mask``'s real tokens only (models :func:`enable_packing` took).
+    ``attention_mask``: (B, T) on the CPU, where finding its tokens costs a GPU no synchronisation."""
+    packing = Packing.of(attention_mask)
+    if device is not None:
+        packing = dataclasses.replace(packing, keep=packing.keep.to(device))
+    _STATE.packing, _STATE.inside, _STATE.entered = packing, False, False
+    try:
+        yield _STATE
+    finally:
+        _STATE.packing, _STATE.inside = None, False
+
+
+def worth_packing(attention_mask: torch.Tensor) -> bool:
+    """Whether enough of a batch is padding for packing to pay for its gathers and scatters."""
+    return attention_mask.dim() == 2 and 1 - attention_mask.float().mean().item() >= MIN_PADDED
+
+
+# ---------------------------------------------------------------- the encoder's hooks
+def _enter(module: nn.Module, args: tuple, kwargs: dict):
+    packing = _STATE.packing
+    if packing is None or _STATE.inside:
+        return None
+    hidden = args[0] if args else kwargs.get("hidden_states")
+    if not (isinstance(hidden, torch.Tensor) and hidden.dim() == 3 and hidden.shape[1] == packing.length
+            and hidden.shape[0] % packing.batch == 0):
+        return None  # not the batch this packing was made for: the encoder runs padded
+    _STATE.inside = _STATE.entered = True
+    states = packing.pack(hidden)  # (N, K, D)
+    return ((states, *args[1:]), kwargs) if args else (args, {**kwargs, "hidden_states": states})
+
+
+def _leave(module: nn.Module, args: tuple, kwargs: dict, output):
+    if not _STATE.inside:
+        return None
+    _STATE.inside = False
+    if any(output.get(k) is not None for k in ("hidden_states", "attentions")):
+        raise RuntimeError("A packed encoder returned per-layer states; hf-wide packs only calls that ask for none.")
+    output["last_hidden_state"] = _STATE.packing.unpack(output["last_hidden_state"])  # (N*B, T, D)
+    return output
+
+
+def install_hooks(encoder: nn.Module) -> list:
+    """Hooks that pack ``encoder``'s input states and unpack its output in calls inside :func:`packed` (and do
+    nothing in others); returns their handles."""
+    return [encoder.register_forward_pre_hook(_enter, with_kwargs=True),
+            encoder.register_forward_hook(_leave, with_kwargs=True)]
+
+
+def is_packing_hook(hook) -> bool:
+    return hook is _enter or hook is _leave
+
+
+def remove_packing_hooks(model: nn.Module) -> None:
+    """Take this module's packing hooks out of ``model`` (a member's copy, which packs nothing)."""
+    for module in model.modules():
+        for hooks in (module._forward_pre_hooks, module._forward_hooks):
+            for key in [k for k, h in hooks.items() if is_packing_hook(h)]:
+                del hooks[key]
+                for extra in ("_forward_pre_hooks_with_kwargs", "_forward_hooks_with_kwargs"):
+                    getattr(module, extra).pop(key, None)

@@ -1,0 +1,122 @@
+"""Which wide models pipelines may run padding-free (:mod:`hf_wide.packing`).
+
+An encoder carries packed states only where every module inside it is known to act on each token alone or is a
+fused attention that unpacks for its attention call: the encoders of the families below, whose container modules'
+code was read (transformers 5.23-5.24), wide primitives that act per token, fused attention without rotary
+positions. Then a probe batch must give, packed, the outputs it gives padded; only then are the encoder's hooks
+installed, once per model.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+import torch
+from torch import nn
+from transformers import activations
+
+from ..blocks.attention import WideAttention
+from ..blocks.lora import WideLoraLinear
+from ..packing import install_hooks, packed
+from ..primitives.linear import WideLinear
+from ..primitives.norm import WideLayerNorm
+from ..registry import transformers_classes
+from ..verify import tolerance
+
+logger = logging.getLogger(__name__)
+_LOCK = threading.Lock()  # one probe and one set of hooks per model, whichever pipeline asks first
+
+FAMILIES = ("bert", "roberta", "electra")
+REGIONS = (*transformers_classes(*(f"{f}.{f.capitalize()}Encoder" for f in FAMILIES)),
+           *transformers_classes("distilbert.Transformer"))
+CONTAINERS = (*transformers_classes(*(f"{f}.{f.capitalize()}{part}" for f in FAMILIES
+                                      for part in ("Layer", "Attention", "SelfOutput", "Intermediate", "Output"))),
+              *transformers_classes("distilbert.TransformerBlock", "distilbert.FFN"), nn.ModuleList)
+TOKENWISE = (WideLinear, WideLayerNorm, WideLoraLinear, nn.Linear, nn.LayerNorm, nn.Dropout, nn.Identity,
+             nn.GELU, nn.ReLU, nn.Tanh, nn.SiLU, nn.Sigmoid)
+
+def structure_refusal(model: nn.Module) -> str | None:
+    """Why the folded ``model``'s encoders cannot carry packed states (None when every module inside is known)."""
+    regions = [m for m in model.modules() if type(m) in REGIONS]
+    if not regions:
+        return f"{type(model).__name__} has no encoder of a family known to act per token (BERT, RoBERTa, ELECTRA, DistilBERT)"
+    for region in regions:
+        stack = list(region.named_children())
+        while stack:
+            name, module = stack.pop()
+            why = _module_refusal(module)
+            if why is not None:
+                return f"{name} ({type(module).__name__}) {why}"
+            if type(module) in CONTAINERS:
+                stack.extend((f"{name}.{child}", sub) for child, sub in module.named_children())
+    return None
+
+
+def _module_refusal(module: nn.Module) -> str | None:
+    kind = type(module)
+    if kind in CONTAINERS:
+        return None if not getattr(module, "chunk_size_feed_forward", 0) else "chunks its feed-forward"
+    if isinstance(module, WideAttention):
+        return "has rotary positions" if module.layout.rotary else None
+    if kind in TOKENWISE or kind.__module__ == activations.__name__:
+        return None
+    return "is not known to act on each token alone"
+
+
+def enable_packing(wide) -> str | None:
+    """Let pipelines pack ``wide``'s encoder (see the module's doc): install the encoder's hooks once, after a probe
+    batch gave the same outputs packed as padded. Returns why not (None: packing is on); the answer is kept."""
+    with _LOCK:
+        if "_packing_refusal" not in wide.__dict__:
+            wide.__dict__["_packing_refusal"] = _enable(wide)
+        return wide.__dict__["_packing_refusal"]
+
+
+def _enable(wide) -> str | None:
+    model = wide.model
+    if wide.members_group is not None:  # a probe on one rank would wait for the others
+        return "its members are split across processes"
+    why = structure_refusal(model)
+    handles = []
+    if why is None:
+        for region in (m for m in model.modules() if type(m) in REGIONS):
+            handles.extend(install_hooks(region))
+        try:
+            why = _probe_refusal(wide)
+        except Exception as error:  # noqa: BLE001 - any failure of the packed probe is a reason not to pack
+            why = f"the packed probe failed: {type(error).__name__}: {error}"
+        if why is not None:
+            for handle in handles:
+                handle.remove()
+    if why is not None:
+        logger.info("Pipelines run %s padded: %s.", type(model).__name__, why)
+    return why
+
+
+def _probe_refusal(wide) -> str | None:
+    """Run three rows (8, 5 and 1 tokens) padded and packed; why their outputs differ, if they do."""
+    config = wide.config
+    vocab = getattr(config, "vocab_size", None) or 2
+    length = min(8, getattr(config, "max_position_embeddings", None) or 8)
+    generator = torch.Generator().manual_seed(0)
+    device = next(wide.parameters()).device
+    mask = torch.arange(length) < torch.tensor([[length], [max(1, length - 3)], [1]])  # (3, T)
+    inputs = {"input_ids": torch.randint(vocab, (3, length), generator=generator).to(device),
+              "attention_mask": mask.long().to(device)}
+    with torch.inference_mode():
+        padded = wide(**inputs)
+        with packed(mask, device) as state:
+            packed_out = wide(**inputs)
+            if not state.entered:
+                return "the encoder was not called with the batch's padded states"
+    for key, ref in padded.items():
+        got = packed_out[key]
+        if not isinstance(ref, torch.Tensor):
+            continue
+        if ref.dim() >= 3 and tuple(ref.shape[1:3]) == tuple(mask.shape):  # (N, B, T, ...): the real tokens only
+            ref, got = ref[:, mask.to(device)], got[:, mask.to(device)]
+        error = (ref - got).abs().max().item() if ref.numel() else 0.0
+        if not error <= tolerance(ref):
+            return f"packed, its {key} differ from the padded forward's by {error:.3g}"
+    return None

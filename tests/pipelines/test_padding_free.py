@@ -1,0 +1,176 @@
+"""Padding-free pipelines (hf_wide.packing, hf_wide.pipelines.packing): where the encoder runs on the batch's real
+tokens only, every member's answer still equals that member run alone on its text alone; models whose encoder is
+not known to act per token, or whose packed probe disagrees, run padded; nothing leaks into other calls."""
+
+import threading
+
+import pytest
+import torch
+from text_members import bert_tokenizer, build_members
+
+from hf_wide import WideModel
+from hf_wide.packing import Packing, is_packing_hook
+from hf_wide.pipelines import pipeline
+
+SHORT, LONG = "great", "the big red dog ran over the small green mat and it was very good today yes"
+TEXTS = [SHORT, LONG, "a cat sat", LONG + " again"]  # one batch, mostly padding in its short rows
+PACKED_CASES = ["bert-seqcls", "roberta-seqcls", "electra-seqcls", "distilbert-seqcls"]
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory):
+    return bert_tokenizer(tmp_path_factory.mktemp("tok"))
+
+
+@pytest.fixture
+def packs(monkeypatch):
+    """Counts the encoder states packed (one per padding-free encoder call)."""
+    calls = []
+    original = Packing.pack
+
+    def pack(self, x):
+        calls.append(tuple(x.shape))
+        return original(self, x)
+
+    monkeypatch.setattr(Packing, "pack", pack)
+    return calls
+
+
+def alone(member, tokenizer, text, key="logits"):
+    with torch.no_grad():
+        return member(**tokenizer(text, return_tensors="pt"))[key][0]
+
+
+@pytest.mark.parametrize("case", PACKED_CASES)
+def test_text_classification_runs_padding_free_and_equals_each_member_alone(case, tokenizer, packs):
+    members = build_members(case, 3)
+    pipe = pipeline("text-classification", model=WideModel.from_models(members), tokenizer=tokenizer, batch_size=4)
+    assert pipe.padding_free
+    packs.clear()
+    results = pipe(TEXTS)
+    assert packs, "the batch was not packed"
+    for text, result in zip(TEXTS, results):
+        for i, member in enumerate(members):
+            expected = alone(member, tokenizer, text).softmax(-1)
+            assert result["members"][i]["score"] == pytest.approx(expected.max().item(), abs=1e-5)
+
+
+@pytest.mark.parametrize("case", ["bert-tokcls", "electra-tokcls"])
+def test_token_classification_runs_padding_free_and_equals_each_member_alone(case, tokenizer, packs):
+    members = build_members(case, 2)
+    wide = WideModel.from_models(members)
+    pipe = pipeline("token-classification", model=wide, tokenizer=tokenizer, batch_size=4, combine="none",
+                    ignore_labels=[])
+    assert pipe.padding_free
+    packs.clear()
+    results = pipe(TEXTS)
+    assert packs
+    for text, result in zip(TEXTS, results):
+        for i, member in enumerate(members):
+            probs = alone(member, tokenizer, text).softmax(-1)[1:-1]  # (T - 2, C): no [CLS], [SEP]
+            scores = torch.tensor([entity["score"] for entity in result["members"][i]])
+            assert scores == pytest.approx(probs.max(-1).values, abs=1e-5)
+
+
+@pytest.mark.parametrize("pooling", ["mean", "cls", "none"])
+def test_feature_extraction_of_a_bare_encoder_runs_padding_free(pooling, tokenizer, packs):
+    members = build_members("bert-base", 2)
+    pipe = pipeline("feature-extraction", model=WideModel.from_models(members), tokenizer=tokenizer, batch_size=4,
+                    pooling=pooling)
+    assert pipe.padding_free
+    packs.clear()
+    results = pipe(TEXTS)
+    assert packs
+    for text, result in zip(TEXTS, results):
+        for i, member in enumerate(members):
+            states = alone(member, tokenizer, text, "last_hidden_state")  # (T, D)
+            expected = {"mean": states.mean(0), "cls": states[0], "none": states}[pooling]
+            assert torch.tensor(result["members"][i]) == pytest.approx(expected, abs=1e-5)
+
+
+def test_a_model_with_a_head_asked_for_its_hidden_states_runs_padded(tokenizer):
+    pipe = pipeline("feature-extraction", model=WideModel.from_models(build_members("bert-seqcls", 2)),
+                    tokenizer=tokenizer)
+    assert not pipe.padding_free  # every layer's states are recorded, and those are not unpacked
+
+
+@pytest.mark.parametrize("case, reason", [
+    ("deberta-v2-seqcls", "has no encoder of a family known to act per token"),
+    ("albert-seqcls", "has no encoder of a family known to act per token"),
+    ("llama-seqcls", "has no encoder of a family known to act per token"),
+])
+def test_other_families_run_padded_and_say_why(case, reason, tokenizer, packs):
+    members = build_members(case, 2)
+    wide = WideModel.from_models(members)
+    pipe = pipeline("text-classification", model=wide, tokenizer=tokenizer, batch_size=4)
+    assert not pipe.padding_free
+    assert reason in wide.__dict__["_packing_refusal"]
+    results = pipe(TEXTS)
+    assert not packs
+    for i, member in enumerate(members):
+        expected = alone(member, tokenizer, TEXTS[0]).softmax(-1)
+        assert results[0]["members"][i]["score"] == pytest.approx(expected.max().item(), abs=1e-5)
+
+
+def test_an_encoder_that_chunks_its_feed_forward_runs_padded(tokenizer):
+    members = build_members("bert-seqcls", 2)
+    for member in members:
+        for layer in member.bert.encoder.layer:
+            layer.chunk_size_feed_forward = 2
+    wide = WideModel.from_models(members)
+    assert not pipeline("text-classification", model=wide, tokenizer=tokenizer).padding_free
+    assert "chunks its feed-forward" in wide.__dict__["_packing_refusal"]
+
+
+def test_a_probe_that_disagrees_leaves_the_model_padded_and_without_hooks(tokenizer, monkeypatch):
+    wide = WideModel.from_models(build_members("bert-seqcls", 2))
+    original = Packing.unpack
+    monkeypatch.setattr(Packing, "unpack", lambda self, x: original(self, x).roll(1, dims=1))  # tokens moved
+    assert not pipeline("text-classification", model=wide, tokenizer=tokenizer).padding_free
+    assert "differ from the padded forward's" in wide.__dict__["_packing_refusal"]
+    hooks = [h for m in wide.modules() for h in (*m._forward_pre_hooks.values(), *m._forward_hooks.values())]
+    assert not any(is_packing_hook(h) for h in hooks)
+
+
+def test_the_model_itself_and_its_members_stay_as_they_were(tokenizer):
+    members = build_members("bert-tokcls", 2)
+    wide = WideModel.from_models(members)
+    assert pipeline("token-classification", model=wide, tokenizer=tokenizer).padding_free
+    batch = tokenizer([SHORT, LONG], padding=True, return_tensors="pt")
+    with torch.no_grad():
+        logits = wide(**batch).logits  # (N, B, T, C): every position, the padded ones too
+        for i, member in enumerate(members):
+            assert logits[i] == pytest.approx(member(**batch).logits, abs=1e-5)
+    copy = wide.member(0)
+    hooks = [h for m in copy.modules() for h in (*m._forward_pre_hooks.values(), *m._forward_hooks.values())]
+    assert not any(is_packing_hook(h) for h in hooks)
+
+
+def test_a_padding_free_pipeline_and_plain_calls_in_other_threads_do_not_mix(tokenizer):
+    members = build_members("bert-tokcls", 2)
+    wide = WideModel.from_models(members)
+    pipe = pipeline("token-classification", model=wide, tokenizer=tokenizer, batch_size=4, combine="none",
+                    ignore_labels=[])
+    batch = tokenizer([SHORT, LONG], padding=True, return_tensors="pt")
+    with torch.no_grad():
+        expected_plain = wide(**batch).logits
+    expected_pipe = pipe(TEXTS)
+    errors = []
+
+    def plain():
+        with torch.no_grad():
+            for _ in range(15):
+                if not torch.allclose(wide(**batch).logits, expected_plain, atol=1e-5):
+                    errors.append("a plain call saw packed states")
+
+    def padding_free():
+        for _ in range(15):
+            if pipe(TEXTS) != expected_pipe:
+                errors.append("a padding-free call changed")
+
+    threads = [threading.Thread(target=plain), threading.Thread(target=padding_free)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not errors
