@@ -1,8 +1,8 @@
 """Padding-free encoder forwards: the layers of a padded batch run on its real tokens only.
 
 A batch of texts is padded to its longest, and every padded position costs a real token's matmuls. Inside an
-encoder whose layers act on each token alone apart from their attention (BERT, RoBERTa, ELECTRA, DistilBERT), only
-attention looks across positions, and it masks the padded ones. So the encoder may carry its hidden states
+encoder whose layers act on each token alone apart from their attention (BERT, RoBERTa, ELECTRA, DistilBERT,
+ALBERT), only attention looks across positions, and it masks the padded ones. So the encoder may carry its hidden states
 *packed*: the real tokens of the batch, member-major, ``(N, K, D)``. That is the folded layout of one sequence of
 K tokens per member, which every wide primitive takes as it is. A fused attention block (:mod:`hf_wide.blocks.
 attention`) scatters its Q, K and V to the padded ``(N*B, T, .)`` layout for the attention call and gathers the
@@ -51,11 +51,13 @@ class Packing:
 
 
 class _State(threading.local):
-    """This thread's packed call: its :class:`Packing`, and whether the encoder's states are packed right now."""
+    """This thread's packed call: its :class:`Packing`, whether the encoder's states are packed right now, and
+    whether an island (a module inside the encoder that runs padded) is running."""
 
     def __init__(self):
         self.packing: Packing | None = None
         self.inside = False
+        self.island = False
         self.entered = False
 
 
@@ -74,11 +76,11 @@ def packed(attention_mask: torch.Tensor, device: torch.device | None = None):
     packing = Packing.of(attention_mask)
     if device is not None:
         packing = dataclasses.replace(packing, keep=packing.keep.to(device))
-    _STATE.packing, _STATE.inside, _STATE.entered = packing, False, False
+    _STATE.packing, _STATE.inside, _STATE.island, _STATE.entered = packing, False, False, False
     try:
         yield _STATE
     finally:
-        _STATE.packing, _STATE.inside = None, False
+        _STATE.packing, _STATE.inside, _STATE.island = None, False, False
 
 
 def worth_packing(attention_mask: torch.Tensor) -> bool:
@@ -110,15 +112,38 @@ def _leave(module: nn.Module, args: tuple, kwargs: dict, output):
     return output
 
 
-def install_hooks(encoder: nn.Module) -> list:
+def _enter_island(module: nn.Module, args: tuple, kwargs: dict):
+    if not _STATE.inside:
+        return None
+    _STATE.inside, _STATE.island = False, True
+    if args:
+        return (_STATE.packing.unpack(args[0]), *args[1:]), kwargs
+    return args, {**kwargs, "hidden_states": _STATE.packing.unpack(kwargs["hidden_states"])}
+
+
+def _leave_island(module: nn.Module, args: tuple, kwargs: dict, output):
+    if not _STATE.island:
+        return None
+    _STATE.inside, _STATE.island = True, False
+    if isinstance(output, torch.Tensor):
+        return _STATE.packing.pack(output)
+    return (_STATE.packing.pack(output[0]), *output[1:])  # (hidden states, attention weights, ...)
+
+
+def install_hooks(encoder: nn.Module, islands: list[nn.Module] = ()) -> list:
     """Hooks that pack ``encoder``'s input states and unpack its output in calls inside :func:`packed` (and do
-    nothing in others); returns their handles."""
-    return [encoder.register_forward_pre_hook(_enter, with_kwargs=True),
-            encoder.register_forward_hook(_leave, with_kwargs=True)]
+    nothing in others), and that run each of the ``islands`` inside it padded (its first input unpacked, its first
+    output packed: an attention that is the model's own code); returns their handles."""
+    handles = [encoder.register_forward_pre_hook(_enter, with_kwargs=True),
+               encoder.register_forward_hook(_leave, with_kwargs=True)]
+    for island in islands:
+        handles += [island.register_forward_pre_hook(_enter_island, with_kwargs=True),
+                    island.register_forward_hook(_leave_island, with_kwargs=True)]
+    return handles
 
 
 def is_packing_hook(hook) -> bool:
-    return hook is _enter or hook is _leave
+    return hook in (_enter, _leave, _enter_island, _leave_island)
 
 
 def remove_packing_hooks(model: nn.Module) -> None:

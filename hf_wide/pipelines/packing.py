@@ -29,10 +29,15 @@ _LOCK = threading.Lock()  # one probe and one set of hooks per model, whichever 
 
 FAMILIES = ("bert", "roberta", "electra")
 REGIONS = (*transformers_classes(*(f"{f}.{f.capitalize()}Encoder" for f in FAMILIES)),
-           *transformers_classes("distilbert.Transformer"))
+           *transformers_classes("distilbert.Transformer", "albert.AlbertTransformer"))
 CONTAINERS = (*transformers_classes(*(f"{f}.{f.capitalize()}{part}" for f in FAMILIES
                                       for part in ("Layer", "Attention", "SelfOutput", "Intermediate", "Output"))),
-              *transformers_classes("distilbert.TransformerBlock", "distilbert.FFN"), nn.ModuleList)
+              *transformers_classes("distilbert.TransformerBlock", "distilbert.FFN", "albert.AlbertLayerGroup",
+                                    "albert.AlbertLayer"), nn.ModuleList)
+# Attentions left as the model's own code (a LoRA adapter's, unfused on CPU; one shared by every member) run padded
+# inside a packed encoder: their input unpacked, their output packed again.
+ISLANDS = tuple(transformers_classes(*(f"{f}.{f.capitalize()}SelfAttention" for f in FAMILIES),
+                                     "distilbert.DistilBertSelfAttention", "albert.AlbertAttention"))
 TOKENWISE = (WideLinear, WideLayerNorm, WideLoraLinear, nn.Linear, nn.LayerNorm, nn.Dropout, nn.Identity,
              nn.GELU, nn.ReLU, nn.Tanh, nn.SiLU, nn.Sigmoid)
 
@@ -40,7 +45,8 @@ def structure_refusal(model: nn.Module) -> str | None:
     """Why the folded ``model``'s encoders cannot carry packed states (None when every module inside is known)."""
     regions = [m for m in model.modules() if type(m) in REGIONS]
     if not regions:
-        return f"{type(model).__name__} has no encoder of a family known to act per token (BERT, RoBERTa, ELECTRA, DistilBERT)"
+        return (f"{type(model).__name__} has no encoder of a family known to act per token (BERT, RoBERTa, ELECTRA, "
+                "DistilBERT, ALBERT)")
     for region in regions:
         stack = list(region.named_children())
         while stack:
@@ -53,10 +59,24 @@ def structure_refusal(model: nn.Module) -> str | None:
     return None
 
 
+def islands(region: nn.Module) -> list[nn.Module]:
+    """The modules inside ``region`` that run padded (:data:`ISLANDS`), outermost only."""
+    found, stack = [], list(region.children())
+    while stack:
+        module = stack.pop()
+        if type(module) in ISLANDS:
+            found.append(module)
+        elif type(module) in CONTAINERS:
+            stack.extend(module.children())
+    return found
+
+
 def _module_refusal(module: nn.Module) -> str | None:
     kind = type(module)
     if kind in CONTAINERS:
         return None if not getattr(module, "chunk_size_feed_forward", 0) else "chunks its feed-forward"
+    if kind in ISLANDS:
+        return None
     if isinstance(module, WideAttention):
         return "has rotary positions" if module.layout.rotary else None
     if kind in TOKENWISE or kind.__module__ == activations.__name__:
@@ -81,7 +101,7 @@ def _enable(wide) -> str | None:
     handles = []
     if why is None:
         for region in (m for m in model.modules() if type(m) in REGIONS):
-            handles.extend(install_hooks(region))
+            handles.extend(install_hooks(region, islands(region)))
         try:
             why = _probe_refusal(wide)
         except Exception as error:  # noqa: BLE001 - any failure of the packed probe is a reason not to pack

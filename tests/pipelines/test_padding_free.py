@@ -14,7 +14,7 @@ from hf_wide.pipelines import pipeline
 
 SHORT, LONG = "great", "the big red dog ran over the small green mat and it was very good today yes"
 TEXTS = [SHORT, LONG, "a cat sat", LONG + " again"]  # one batch, mostly padding in its short rows
-PACKED_CASES = ["bert-seqcls", "roberta-seqcls", "electra-seqcls", "distilbert-seqcls"]
+PACKED_CASES = ["bert-seqcls", "roberta-seqcls", "electra-seqcls", "distilbert-seqcls", "albert-seqcls"]
 
 
 @pytest.fixture(scope="module")
@@ -96,7 +96,7 @@ def test_a_model_with_a_head_asked_for_its_hidden_states_runs_padded(tokenizer):
 
 @pytest.mark.parametrize("case, reason", [
     ("deberta-v2-seqcls", "has no encoder of a family known to act per token"),
-    ("albert-seqcls", "has no encoder of a family known to act per token"),
+    ("mpnet-seqcls", "has no encoder of a family known to act per token"),
     ("llama-seqcls", "has no encoder of a family known to act per token"),
 ])
 def test_other_families_run_padded_and_say_why(case, reason, tokenizer, packs):
@@ -174,3 +174,36 @@ def test_a_padding_free_pipeline_and_plain_calls_in_other_threads_do_not_mix(tok
     for thread in threads:
         thread.join()
     assert not errors
+
+
+
+@pytest.mark.parametrize("targets, fused", [(["dense"], False), (["query", "key", "value", "dense"], True),
+                                            (["query", "key", "value", "dense"], False)])
+def test_lora_members_run_padding_free_with_every_adapter(targets, fused, tmp_path, tokenizer, packs, monkeypatch):
+    """Adapted q, k and v fused into the wide attention (``fused``), or not (on CPU, by default): then the attention
+    is transformers' own module around wide LoRA layers, and one shared by every member where q, k and v are not
+    adapted; those run padded inside the packed encoder."""
+    from conftest import CASES
+    from lora_members import alone as peft_alone
+    from lora_members import save_adapter
+
+    from hf_wide.blocks import lora_projections
+
+    monkeypatch.setattr(lora_projections, "FUSE_ON_CPU", fused)
+    case = CASES["bert-seqcls"]
+    case.build(0).save_pretrained(tmp_path / "base")
+    adapters = [save_adapter(case, tmp_path / "base", tmp_path / f"a{seed}", seed, r=4, lora_alpha=8,
+                             target_modules=targets, modules_to_save=["classifier"], task_type="SEQ_CLS")
+                for seed in range(2)]
+    pipe = pipeline("text-classification", model=adapters, tokenizer=tokenizer, batch_size=4)
+    assert pipe.padding_free
+    kinds = {type(m).__name__ for m in pipe.model.modules()}
+    assert ("WideAttention" in kinds) == fused and ("BertSelfAttention" in kinds) == (not fused)
+    packs.clear()
+    results = pipe(TEXTS)
+    assert packs
+    for i, adapter in enumerate(adapters):
+        member = peft_alone(case, tmp_path / "base", adapter)
+        for text, result in zip(TEXTS, results):
+            expected = alone(member, tokenizer, text).softmax(-1)
+            assert result["members"][i]["score"] == pytest.approx(expected.max().item(), abs=1e-5)
