@@ -1,10 +1,11 @@
 """Which wide models pipelines may run padding-free (:mod:`hf_wide.packing`).
 
-An encoder carries packed states only where every module inside it is known to act on each token alone or is a
-fused attention that unpacks for its attention call: the encoders of the families below, whose container modules'
-code was read (transformers 5.23-5.24), wide primitives that act per token, fused attention without rotary
-positions. Then a probe batch must give, packed, the outputs it gives padded; only then are the encoder's hooks
-installed, once per model.
+An encoder carries packed states only where every module inside it is known to act on each token alone, or is a
+fused attention that unpacks for its attention call, or is an attention of the family's own code, which runs padded
+(an island: its input unpacked, its output packed again). The encoders of the families below qualify, whose
+container modules' code was read (transformers 5.23-5.24), with wide primitives that act per token and fused
+attention without rotary positions inside. Then a probe batch must give, packed, the outputs it gives padded; only
+then are the hooks installed, once per model.
 """
 
 from __future__ import annotations
