@@ -36,6 +36,15 @@ def packs(monkeypatch):
     return calls
 
 
+def run_packed(pipe, packs) -> list:
+    """The pipeline's answers for TEXTS, which it ran padding-free."""
+    assert pipe.padding_free
+    packs.clear()
+    results = pipe(TEXTS)
+    assert packs, "the batch was not packed"
+    return results
+
+
 def alone(member, tokenizer, text, key="logits"):
     with torch.no_grad():
         return member(**tokenizer(text, return_tensors="pt"))[key][0]
@@ -45,10 +54,7 @@ def alone(member, tokenizer, text, key="logits"):
 def test_text_classification_runs_padding_free_and_equals_each_member_alone(case, tokenizer, packs):
     members = build_members(case, 3)
     pipe = pipeline("text-classification", model=WideModel.from_models(members), tokenizer=tokenizer, batch_size=4)
-    assert pipe.padding_free
-    packs.clear()
-    results = pipe(TEXTS)
-    assert packs, "the batch was not packed"
+    results = run_packed(pipe, packs)
     for text, result in zip(TEXTS, results):
         for i, member in enumerate(members):
             expected = alone(member, tokenizer, text).softmax(-1)
@@ -61,10 +67,7 @@ def test_token_classification_runs_padding_free_and_equals_each_member_alone(cas
     wide = WideModel.from_models(members)
     pipe = pipeline("token-classification", model=wide, tokenizer=tokenizer, batch_size=4, combine="none",
                     ignore_labels=[])
-    assert pipe.padding_free
-    packs.clear()
-    results = pipe(TEXTS)
-    assert packs
+    results = run_packed(pipe, packs)
     for text, result in zip(TEXTS, results):
         for i, member in enumerate(members):
             probs = alone(member, tokenizer, text).softmax(-1)[1:-1]  # (T - 2, C): no [CLS], [SEP]
@@ -77,10 +80,7 @@ def test_feature_extraction_of_a_bare_encoder_runs_padding_free(pooling, tokeniz
     members = build_members("bert-base", 2)
     pipe = pipeline("feature-extraction", model=WideModel.from_models(members), tokenizer=tokenizer, batch_size=4,
                     pooling=pooling)
-    assert pipe.padding_free
-    packs.clear()
-    results = pipe(TEXTS)
-    assert packs
+    results = run_packed(pipe, packs)
     for text, result in zip(TEXTS, results):
         for i, member in enumerate(members):
             states = alone(member, tokenizer, text, "last_hidden_state")  # (T, D)
@@ -196,12 +196,9 @@ def test_lora_members_run_padding_free_with_every_adapter(targets, fused, tmp_pa
                              target_modules=targets, modules_to_save=["classifier"], task_type="SEQ_CLS")
                 for seed in range(2)]
     pipe = pipeline("text-classification", model=adapters, tokenizer=tokenizer, batch_size=4)
-    assert pipe.padding_free
     kinds = {type(m).__name__ for m in pipe.model.modules()}
     assert ("WideAttention" in kinds) == fused and ("BertSelfAttention" in kinds) == (not fused)
-    packs.clear()
-    results = pipe(TEXTS)
-    assert packs
+    results = run_packed(pipe, packs)
     for i, adapter in enumerate(adapters):
         member = peft_alone(case, tmp_path / "base", adapter)
         for text, result in zip(TEXTS, results):
