@@ -2,8 +2,8 @@
 
 A batch of texts is padded to its longest, and every padded position costs a real token's matmuls. Inside an
 encoder whose layers act on each token alone apart from their attention (BERT, RoBERTa, ELECTRA, DistilBERT,
-ALBERT), only attention looks across positions, and it masks the padded ones. So the encoder may carry its hidden states
-*packed*: the real tokens of the batch, member-major, ``(N, K, D)``. That is the folded layout of one sequence of
+ALBERT), only attention looks across positions, and it masks the padded ones. So the encoder may carry its hidden
+states *packed*: the real tokens of the batch, member-major, ``(N, K, D)``. That is the folded layout of one sequence of
 K tokens per member, which every wide primitive takes as it is. A fused attention block (:mod:`hf_wide.blocks.
 attention`) scatters its Q, K and V to the padded ``(N*B, T, .)`` layout for the attention call and gathers the
 call's output; the encoder's output is scattered back, with zeros at the padded positions.
@@ -71,7 +71,8 @@ def active() -> Packing | None:
 
 @contextlib.contextmanager
 def packed(attention_mask: torch.Tensor, device: torch.device | None = None):
-    """Run the wide forwards inside on ``attention_mask``'s real tokens only (models :func:`enable_packing` took).
+    """Run the wide forwards inside on ``attention_mask``'s real tokens only (in the encoders of models that
+    :func:`hf_wide.pipelines.packing.enable_packing` took).
     ``attention_mask``: (B, T) on the CPU, where finding its tokens costs a GPU no synchronisation."""
     packing = Packing.of(attention_mask)
     if device is not None:

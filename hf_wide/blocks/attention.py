@@ -30,12 +30,12 @@ from transformers.models.qwen2.modeling_qwen2 import Qwen2Attention
 from transformers.models.roberta.modeling_roberta import RobertaSelfAttention
 from transformers.models.vit.modeling_vit import ViTAttention
 
+from ..packing import active as packing_of_this_call
 from ..primitives.base import meta_copies
 from ..primitives.linear import WideLinear, wide_linear
 from ..primitives.norm import WideLayerNorm
 from ..registry import register_block
 from ..versions import pop_cache
-from ..packing import active as packing_of_this_call
 from .base import WideBlock, member_slices, stack_cat
 from .lora import WideLoraLinear
 from .lora_projections import (

@@ -42,6 +42,7 @@ ISLANDS = tuple(transformers_classes(*(f"{f}.{f.capitalize()}SelfAttention" for 
 TOKENWISE = (WideLinear, WideLayerNorm, WideLoraLinear, nn.Linear, nn.LayerNorm, nn.Dropout, nn.Identity,
              nn.GELU, nn.ReLU, nn.Tanh, nn.SiLU, nn.Sigmoid)
 
+
 def structure_refusal(model: nn.Module) -> str | None:
     """Why the folded ``model``'s encoders cannot carry packed states (None when every module inside is known)."""
     regions = [m for m in model.modules() if type(m) in REGIONS]

@@ -176,7 +176,6 @@ def test_a_padding_free_pipeline_and_plain_calls_in_other_threads_do_not_mix(tok
     assert not errors
 
 
-
 @pytest.mark.parametrize("targets, fused", [(["dense"], False), (["query", "key", "value", "dense"], True),
                                             (["query", "key", "value", "dense"], False)])
 def test_lora_members_run_padding_free_with_every_adapter(targets, fused, tmp_path, tokenizer, packs, monkeypatch):
