@@ -56,17 +56,36 @@ class Classification(TaskFormat):
 
 
 class TextClassification(Classification):
-    """``[[{"label", "score"}, ...]]``: one ranked list per input (a list of one for a single text)."""
+    """``[[{"label", "score"}, ...]]``: one ranked list per input (a list of one for a single text). An input is a
+    text or a pair, ``{"text": premise, "text_pair": hypothesis}`` (natural language inference), as transformers'
+    pipeline and Inference Endpoints take one; ``inputs`` may be a list of both."""
 
     task = "text-classification"
 
     def inputs(self, inputs) -> tuple[bool, list]:
-        if isinstance(inputs, dict):
-            raise BadRequest("Text pairs ({\"text\", \"text_pair\"}) are not supported: send a text or a list of texts.")
+        if isinstance(inputs, dict):  # one pair
+            return True, [_text_pair(inputs, "")]
+        if isinstance(inputs, list) and any(isinstance(item, dict) for item in inputs):  # pairs, maybe with texts
+            texts(["pair" if isinstance(item, dict) else item for item in inputs])  # count, types, empty texts
+            return False, [_text_pair(item, f" (item {i})") if isinstance(item, dict) else item
+                           for i, item in enumerate(inputs)]
         return texts(inputs)
 
     def options(self, parameters: dict) -> dict:
         return {**super().options(parameters), "truncation": False}
+
+
+def _text_pair(item: dict, where: str) -> dict:
+    """``{"text": premise, "text_pair": hypothesis}``, as transformers' pipeline takes a pair, both non-empty."""
+    if set(item) != {"text", "text_pair"}:
+        raise BadRequest(f'A text pair{where} is {{"text": ..., "text_pair": ...}}; got the keys {sorted(item)}.')
+    for key in ("text", "text_pair"):
+        value = item[key]
+        if not isinstance(value, str):
+            raise BadRequest(f'"{key}"{where} must be a text, got a {_kind(value)}.')
+        if not value.strip():
+            raise BadRequest(f'"{key}"{where} is an empty text: there is nothing to run.')
+    return {"text": item["text"], "text_pair": item["text_pair"]}
 
 
 class ImageClassification(Classification):

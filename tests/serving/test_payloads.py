@@ -29,6 +29,16 @@ def test_a_text_and_a_list_of_texts(fmt):
     assert (many.items, many.single, many.options) == (["a", "b"], False, {"top_k": 3, "truncation": False})
 
 
+def test_text_pairs_as_transformers_takes_them(fmt):
+    pair = {"text": "a cat sat", "text_pair": "an animal sat"}
+    one = fmt.parse({"inputs": pair})
+    assert (one.items, one.single) == ([pair], True)
+    many = fmt.parse({"inputs": [pair, "just a text"]})
+    assert (many.items, many.single) == ([pair, "just a text"], False)
+    with pytest.raises(BadRequest, match=f"at most {MAX_INPUTS}"):
+        fmt.parse({"inputs": [pair] * (MAX_INPUTS + 1)})
+
+
 def test_the_answer_ranks_every_label_and_the_best_carries_the_extras(fmt):
     answer = {"label": "pos", "score": 0.6, "top_k": [{"label": "pos", "score": 0.6}, {"label": "neg", "score": 0.3},
                                                       {"label": "mixed", "score": 0.1}],
@@ -57,7 +67,10 @@ def test_bodies_that_are_not_a_json_object(body, status, says):
     ({"inputs": []}, "got an empty list"),
     ({"inputs": ["ok", 5]}, r"item 1\) must be a text"),
     ({"inputs": "   "}, "empty text"),
-    ({"inputs": {"text": "a", "text_pair": "b"}}, "Text pairs"),
+    ({"inputs": {"text": "a", "pair": "b"}}, r"A text pair is .*got the keys \['pair', 'text'\]"),
+    ({"inputs": {"text": "a", "text_pair": 3}}, '"text_pair" must be a text, got a number'),
+    ({"inputs": ["x", {"text": "a", "text_pair": " "}]}, r'"text_pair" \(item 1\) is an empty text'),
+    ({"inputs": [{"text": "a", "text_pair": "b"}, 4]}, r"item 1\) must be a text"),
     ({"inputs": "x", "parameters": {"temperature": 2}}, "Unknown parameter.*'temperature'.*known: function_to_apply, top_k"),
     ({"inputs": "x", "parameters": {"top_k": 0}}, "'top_k' must be a positive integer"),
     ({"inputs": "x", "parameters": {"top_k": True}}, "'top_k' must be a positive integer"),

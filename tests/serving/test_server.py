@@ -158,6 +158,18 @@ def test_text_classification_raw_http_health_and_info(servers):
     assert len(info["revisions"]) == 3 and all(len(r) == 40 for r in info["revisions"])  # commits on the test Hub
 
 
+def test_text_pairs_over_raw_http(servers):
+    url, pipe = servers["text-classification"]
+    premise, hypothesis, text = sentences(3, seed=10)
+    pair = {"text": premise, "text_pair": hypothesis}
+    status, body = post_json(url + "/", {"inputs": pair})
+    assert status == 200 and [(e["label"], e["score"]) for e in body[0]] == ranked(pipe, pair)
+    status, body = post_json(url + "/", {"inputs": [text, pair], "parameters": {"top_k": 2}})  # one batch, both kinds
+    assert status == 200 and [[(e["label"], e["score"]) for e in answer] for answer in body] == [
+        ranked(pipe, text, 2), ranked(pipe, pair, 2)]
+    assert abs(pipe(pair)["score"] - pipe(premise)["score"]) > 1e-4  # the pair was read as a pair
+
+
 @pytest.mark.parametrize("body, status, says", [
     (b"{oops", 400, "not valid JSON"),
     (b'{"text": "x"}', 422, "Unknown field"),
