@@ -1,8 +1,8 @@
 """Padding-free encoder forwards: the layers of a padded batch run on its real tokens only.
 
 A batch of texts is padded to its longest, and every padded position costs a real token's matmuls. Inside an
-encoder whose layers act on each token alone apart from their attention (BERT, RoBERTa, ELECTRA, DistilBERT,
-ALBERT), only attention looks across positions, and it masks the padded ones. So the encoder may carry its hidden
+encoder whose layers act on each token alone apart from their attention (BERT, RoBERTa, XLM-RoBERTa, CamemBERT,
+ELECTRA, DistilBERT, ALBERT), only attention looks across positions, and it masks the padded ones. So the encoder may carry its hidden
 states *packed*: the real tokens of the batch, member-major, ``(N, K, D)``. That is the folded layout of one sequence of
 K tokens per member, which every wide primitive takes as it is. A fused attention block (:mod:`hf_wide.blocks.
 attention`) scatters its Q, K and V to the padded ``(N*B, T, .)`` layout for the attention call and gathers the

@@ -40,6 +40,14 @@ def roberta() -> PretrainedConfig:
     return tf.RobertaConfig(**_BERT_LIKE)
 
 
+def xlm_roberta() -> PretrainedConfig:  # RoBERTa's code under other names: fused and packed as RoBERTa
+    return tf.XLMRobertaConfig(**_BERT_LIKE)
+
+
+def camembert() -> PretrainedConfig:
+    return tf.CamembertConfig(**_BERT_LIKE)
+
+
 def distilbert() -> PretrainedConfig:
     return tf.DistilBertConfig(vocab_size=VOCAB, max_position_embeddings=64, n_layers=2, n_heads=4,
                                dim=32, hidden_dim=64, num_labels=NUM_LABELS)
@@ -225,6 +233,8 @@ FAMILIES: list[FamilyCase] = [
     _case("bert-tokcls", "bert", tf.BertForTokenClassification, bert),
     _case("roberta-seqcls", "roberta", tf.RobertaForSequenceClassification, roberta),
     _case("roberta-tokcls", "roberta", tf.RobertaForTokenClassification, roberta),
+    _case("xlm-roberta-seqcls", "xlm-roberta", tf.XLMRobertaForSequenceClassification, xlm_roberta),
+    _case("camembert-tokcls", "camembert", tf.CamembertForTokenClassification, camembert),
     _case("distilbert-base", "distilbert", tf.DistilBertModel, distilbert),
     _case("distilbert-seqcls", "distilbert", tf.DistilBertForSequenceClassification, distilbert),
     _case("albert-seqcls", "albert", tf.AlbertForSequenceClassification, albert),

@@ -1,7 +1,8 @@
 """WideAttention: Q, K and V of every member in one matmul, then one attention call over all N*B rows.
 
 Covers the attention modules whose forward is "project q/k/v, (rotary), (cache), attention interface,
-(output projection)": BERT, RoBERTa, ELECTRA (``query/key/value``, output projection in the next module),
+(output projection)": BERT, RoBERTa, XLM-RoBERTa, CamemBERT, ELECTRA (``query/key/value``, output projection in the
+next module),
 Llama, Mistral, Qwen2 (``q_proj/k_proj/v_proj/o_proj``, rotary, grouped KV heads), ViT, DistilBERT
 (``q_lin/k_lin/v_lin/out_lin``) and ALBERT (output projection, dropout and residual layer norm inside).
 The attention itself goes through transformers' attention interface (sdpa, eager, ...) exactly as the
@@ -22,6 +23,7 @@ from transformers.cache_utils import EncoderDecoderCache
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.albert.modeling_albert import AlbertAttention
 from transformers.models.bert.modeling_bert import BertSelfAttention
+from transformers.models.camembert.modeling_camembert import CamembertSelfAttention
 from transformers.models.distilbert.modeling_distilbert import DistilBertSelfAttention
 from transformers.models.electra.modeling_electra import ElectraSelfAttention
 from transformers.models.llama.modeling_llama import LlamaAttention
@@ -29,6 +31,7 @@ from transformers.models.mistral.modeling_mistral import MistralAttention
 from transformers.models.qwen2.modeling_qwen2 import Qwen2Attention
 from transformers.models.roberta.modeling_roberta import RobertaSelfAttention
 from transformers.models.vit.modeling_vit import ViTAttention
+from transformers.models.xlm_roberta.modeling_xlm_roberta import XLMRobertaSelfAttention
 
 from ..packing import active as packing_of_this_call
 from ..primitives.base import meta_copies
@@ -71,6 +74,7 @@ ALBERT = AttentionLayout(("query", "key", "value"), "dense", "attention_head_siz
                          ("hidden_states", "attention_mask"), residual_norm=("output_dropout", "LayerNorm"))
 LAYOUTS = {
     BertSelfAttention: BERT, RobertaSelfAttention: BERT, ElectraSelfAttention: BERT,
+    XLMRobertaSelfAttention: BERT, CamembertSelfAttention: BERT,  # RoBERTa's code under other names (5.23-5.24)
     LlamaAttention: LLAMA, MistralAttention: LLAMA, Qwen2Attention: LLAMA,
     ViTAttention: VIT, DistilBertSelfAttention: DISTILBERT, AlbertAttention: ALBERT,
 }

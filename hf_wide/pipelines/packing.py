@@ -28,16 +28,17 @@ from ..verify import tolerance
 logger = logging.getLogger(__name__)
 _LOCK = threading.Lock()  # one probe and one set of hooks per model, whichever pipeline asks first
 
-FAMILIES = ("bert", "roberta", "electra")
-REGIONS = (*transformers_classes(*(f"{f}.{f.capitalize()}Encoder" for f in FAMILIES)),
+FAMILIES = {"bert": "Bert", "roberta": "Roberta", "xlm_roberta": "XLMRoberta", "camembert": "Camembert",
+            "electra": "Electra"}  # module -> class prefix: BERT's encoder code (RoBERTa's under other names)
+REGIONS = (*transformers_classes(*(f"{f}.{prefix}Encoder" for f, prefix in FAMILIES.items())),
            *transformers_classes("distilbert.Transformer", "albert.AlbertTransformer"))
-CONTAINERS = (*transformers_classes(*(f"{f}.{f.capitalize()}{part}" for f in FAMILIES
+CONTAINERS = (*transformers_classes(*(f"{f}.{prefix}{part}" for f, prefix in FAMILIES.items()
                                       for part in ("Layer", "Attention", "SelfOutput", "Intermediate", "Output"))),
               *transformers_classes("distilbert.TransformerBlock", "distilbert.FFN", "albert.AlbertLayerGroup",
                                     "albert.AlbertLayer"), nn.ModuleList)
 # Attentions left as the model's own code (a LoRA adapter's, unfused on CPU; one shared by every member) run padded
 # inside a packed encoder: their input unpacked, their output packed again.
-ISLANDS = tuple(transformers_classes(*(f"{f}.{f.capitalize()}SelfAttention" for f in FAMILIES),
+ISLANDS = tuple(transformers_classes(*(f"{f}.{prefix}SelfAttention" for f, prefix in FAMILIES.items()),
                                      "distilbert.DistilBertSelfAttention", "albert.AlbertAttention"))
 TOKENWISE = (WideLinear, WideLayerNorm, WideLoraLinear, nn.Linear, nn.LayerNorm, nn.Dropout, nn.Identity,
              nn.GELU, nn.ReLU, nn.Tanh, nn.SiLU, nn.Sigmoid)
@@ -47,8 +48,8 @@ def structure_refusal(model: nn.Module) -> str | None:
     """Why the folded ``model``'s encoders cannot carry packed states (None when every module inside is known)."""
     regions = [m for m in model.modules() if type(m) in REGIONS]
     if not regions:
-        return (f"{type(model).__name__} has no encoder of a family known to act per token (BERT, RoBERTa, ELECTRA, "
-                "DistilBERT, ALBERT)")
+        return (f"{type(model).__name__} has no encoder of a family known to act per token (BERT, RoBERTa, "
+                "XLM-RoBERTa, CamemBERT, ELECTRA, DistilBERT, ALBERT)")
     for region in regions:
         stack = list(region.named_children())
         while stack:

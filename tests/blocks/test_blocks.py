@@ -19,6 +19,8 @@ from hf_wide.blocks import (
 BLOCKS = {
     "bert-seqcls": {"BertSelfAttention": WideAttention},
     "roberta-tokcls": {"RobertaSelfAttention": WideAttention},
+    "xlm-roberta-seqcls": {"XLMRobertaSelfAttention": WideAttention},
+    "camembert-tokcls": {"CamembertSelfAttention": WideAttention},
     "electra-seqcls": {"ElectraSelfAttention": WideAttention},
     "distilbert-seqcls": {"DistilBertSelfAttention": WideAttention},
     "albert-seqcls": {"AlbertAttention": WideAttention},

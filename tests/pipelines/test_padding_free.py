@@ -14,7 +14,8 @@ from hf_wide.pipelines import pipeline
 
 SHORT, LONG = "great", "the big red dog ran over the small green mat and it was very good today yes"
 TEXTS = [SHORT, LONG, "a cat sat", LONG + " again"]  # one batch, mostly padding in its short rows
-PACKED_CASES = ["bert-seqcls", "roberta-seqcls", "electra-seqcls", "distilbert-seqcls", "albert-seqcls"]
+PACKED_CASES = ["bert-seqcls", "roberta-seqcls", "xlm-roberta-seqcls", "electra-seqcls", "distilbert-seqcls",
+                "albert-seqcls"]
 
 
 @pytest.fixture(scope="module")
@@ -61,7 +62,7 @@ def test_text_classification_runs_padding_free_and_equals_each_member_alone(case
             assert result["members"][i]["score"] == pytest.approx(expected.max().item(), abs=1e-5)
 
 
-@pytest.mark.parametrize("case", ["bert-tokcls", "electra-tokcls"])
+@pytest.mark.parametrize("case", ["bert-tokcls", "electra-tokcls", "camembert-tokcls"])
 def test_token_classification_runs_padding_free_and_equals_each_member_alone(case, tokenizer, packs):
     members = build_members(case, 2)
     wide = WideModel.from_models(members)
