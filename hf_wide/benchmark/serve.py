@@ -174,9 +174,10 @@ def _summary(rounds: list[dict]) -> dict:
 
 def run(num_requests: int = 2000, clients: int = 16, num_members: int = 8, hidden: int = 128,
         max_batch_size: int = 32, batch_wait_ms: float = 5.0, port: int = 8765, ways=WAYS,
-        replicas: int = 1, rounds: int = 10, high_throughput: bool = False) -> dict:
+        replicas: int = 1, rounds: int = 10, high_throughput: bool = False, num_cpus: int = 1) -> dict:
     """Every way deployed at once (each under its own route prefix), then ``rounds`` rounds in which each way in
-    turn gets its share of the requests: a slow spell on the machine falls on every way, not on one."""
+    turn gets its share of the requests: a slow spell on the machine falls on every way, not on one. ``num_cpus``:
+    what Ray reserves for every replica of every way, and its torch threads."""
     import ray
 
     from ..pipelines import pipeline
@@ -192,25 +193,27 @@ def run(num_requests: int = 2000, clients: int = 16, num_members: int = 8, hidde
         reference = pipeline("text-classification", model=paths, batch_size=64)
         expected = [r["top_k"] for r in reference(texts, top_k=3)]
         forwards = forward_alone(paths, texts, tuple(sorted({n for n in (1, 4, 8, clients) if n <= clients})))
-        # A logical CPU for every replica of every way, all deployed at once (Ray gives each replica one torch thread
-        # either way); they share the machine's cores, and only one way is under load at a time.
+        # num_cpus logical CPUs for every replica of every way, all deployed at once (Ray gives each replica as many
+        # torch threads); they share the machine's cores, and only one way is under load at a time.
         with ray_environment(high_throughput):  # every way behind HAProxy, or every way behind Ray's proxy
-            ray.init(num_cpus=len(ways) * replicas, include_dashboard=False, logging_level="ERROR")
+            ray.init(num_cpus=len(ways) * replicas * num_cpus, include_dashboard=False, logging_level="ERROR")
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         report = {"requests": num_requests, "clients": clients, "members": num_members, "hidden": hidden,
                   "max_batch_size": max_batch_size, "batch_wait_ms": batch_wait_ms, "replicas": replicas,
-                  "rounds": rounds, "high_throughput": high_throughput, "forward_alone": forwards, "ways": {}}
+                  "rounds": rounds, "high_throughput": high_throughput, "num_cpus": num_cpus,
+                  "forward_alone": forwards, "ways": {}}
         done: dict[str, list[dict]] = {way: [] for way in ways}
         try:
             for way in ways:
                 batch = 1 if way in ("wide_unbatched", "members") else max_batch_size
+                options = {"num_replicas": replicas, "ray_actor_options": {"num_cpus": num_cpus}}
                 if way.startswith("wide"):
                     app = build_app(paths, "text-classification", max_batch_size=batch, batch_wait_ms=batch_wait_ms,
-                                    replicas=replicas)
+                                    replicas=replicas, num_cpus=num_cpus)
                 elif way == "no_model":
-                    app = NoModelServer.options(num_replicas=replicas).bind(batch, batch_wait_ms)
+                    app = NoModelServer.options(**options).bind(batch, batch_wait_ms)
                 else:
-                    app = MembersServer.options(num_replicas=replicas).bind(paths, batch, batch_wait_ms)
+                    app = MembersServer.options(**options).bind(paths, batch, batch_wait_ms)
                 serve.run(app, name=way, route_prefix=f"/{way}")
                 load(port, f"/{way}", texts[:clients * 2], None, clients)  # warm-up
             share = -(-num_requests // rounds)
@@ -253,6 +256,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--batch-wait-ms", type=float, default=5.0)
     parser.add_argument("--port", type=int, default=8765)
     parser.add_argument("--replicas", type=int, default=1, help="replicas of every way's deployment")
+    parser.add_argument("--num-cpus", type=int, default=1,
+                        help="CPUs Ray reserves for every replica of every way, and its torch threads")
     parser.add_argument("--ways", nargs="+", choices=WAYS, default=list(WAYS))
     parser.add_argument("--rounds", type=int, default=10, help="rounds in which every way gets its share in turn")
     parser.add_argument("--high-throughput", action="store_true",
@@ -261,9 +266,9 @@ def main(argv=None) -> dict:
     args = parser.parse_args(argv)
     report = run(args.requests, args.clients, args.members, max_batch_size=args.max_batch_size,
                  batch_wait_ms=args.batch_wait_ms, port=args.port, ways=args.ways, replicas=args.replicas,
-                 rounds=args.rounds, high_throughput=args.high_throughput)
+                 rounds=args.rounds, high_throughput=args.high_throughput, num_cpus=args.num_cpus)
     print(f"{report['members']} BERTs (hidden {report['hidden']}), {report['requests']} requests from "
-          f"{report['clients']} clients, {report['replicas']} replica(s) per way"
+          f"{report['clients']} clients, {report['replicas']} replica(s) per way of {report['num_cpus']} CPU(s)"
           + (", Ray Serve's high-throughput mode" if report["high_throughput"] else ""))
     for way, r in report["ways"].items():
         print(f"{way:<16} {_row(r)}")
