@@ -31,6 +31,7 @@ from transformers.models.deberta_v2.modeling_deberta_v2 import (
     scaled_size_sqrt,
 )
 
+from ..packing import active as packing_of_this_call
 from ..primitives.linear import WideLinear, wide_linear
 from ..registry import register_block, register_stacked_read
 from .base import WideBlock, member_slices, stack_cat
@@ -86,10 +87,14 @@ class WideDebertaV2Attention(WideBlock):
         return wide_linear(self.fold, x, self.qkv_weight[:, part].transpose(1, 2), self.qkv_bias[:, part])
 
     def forward(self, hidden_states, attention_mask, output_attentions=False, query_states=None, relative_pos=None,
-                rel_embeddings=None):  # hidden_states: (N*B, T, D)
+                rel_embeddings=None):  # hidden_states: (N*B, T, D), or (N, K, D) in a packed layer
         heads, q = self.num_attention_heads, self.sizes[0]
+        packing = packing_of_this_call()  # hf_wide.packing: the states are the batch's real tokens only
         if query_states is None:
-            query, key, value = self._project(hidden_states, slice(None)).split(self.sizes, dim=-1)
+            qkv = self._project(hidden_states, slice(None))  # (N*B, T, 3*H*d)
+            query, key, value = (qkv if packing is None else packing.unpack(qkv)).split(self.sizes, dim=-1)
+        elif packing is not None:
+            raise RuntimeError("A packed layer reached DeBERTa's attention with queries from elsewhere.")
         else:  # the enhanced mask decoder's queries come from elsewhere
             query = self._project(query_states, slice(0, q))
             key, value = self._project(hidden_states, slice(q, None)).split(self.sizes[1:], dim=-1)
@@ -111,6 +116,8 @@ class WideDebertaV2Attention(WideBlock):
         context = torch.bmm(attention_probs.view(-1, *attention_probs.shape[-2:]), value_layer)
         context = context.view(-1, heads, *context.shape[-2:]).permute(0, 2, 1, 3).contiguous()
         context = context.view(*context.shape[:-2], -1)  # (N*B, T, H*d)
+        if packing is not None:
+            context = packing.pack(context)  # (N, K, H*d)
         return context, (attention_probs if output_attentions else None)
 
     def disentangled_attention_bias(self, query_layer, key_layer, relative_pos, rel_embeddings, scale_factor):

@@ -18,6 +18,7 @@ from torch import nn
 from transformers import activations
 
 from ..blocks.attention import WideAttention
+from ..blocks.deberta_v2 import WideDebertaV2Attention
 from ..blocks.lora import WideLoraLinear
 from ..packing import install_hooks, packed
 from ..primitives.linear import WideLinear
@@ -30,16 +31,20 @@ _LOCK = threading.Lock()  # one probe and one set of hooks per model, whichever 
 
 FAMILIES = {"bert": "Bert", "roberta": "Roberta", "xlm_roberta": "XLMRoberta", "camembert": "Camembert",
             "electra": "Electra"}  # module -> class prefix: BERT's encoder code (RoBERTa's under other names)
+# DeBERTa-v2's encoder reads its states' length between layers (its relative positions): each layer is a region.
 REGIONS = (*transformers_classes(*(f"{f}.{prefix}Encoder" for f, prefix in FAMILIES.items())),
-           *transformers_classes("distilbert.Transformer", "albert.AlbertTransformer"))
+           *transformers_classes("distilbert.Transformer", "albert.AlbertTransformer", "deberta_v2.DebertaV2Layer"))
 CONTAINERS = (*transformers_classes(*(f"{f}.{prefix}{part}" for f, prefix in FAMILIES.items()
                                       for part in ("Layer", "Attention", "SelfOutput", "Intermediate", "Output"))),
               *transformers_classes("distilbert.TransformerBlock", "distilbert.FFN", "albert.AlbertLayerGroup",
-                                    "albert.AlbertLayer"), nn.ModuleList)
+                                    "albert.AlbertLayer", *(f"deberta_v2.DebertaV2{part}" for part in
+                                                            ("Attention", "SelfOutput", "Intermediate", "Output"))),
+              nn.ModuleList)
 # Attentions left as the model's own code (a LoRA adapter's, unfused on CPU; one shared by every member) run padded
 # inside a packed encoder: their input unpacked, their output packed again.
 ISLANDS = tuple(transformers_classes(*(f"{f}.{prefix}SelfAttention" for f, prefix in FAMILIES.items()),
-                                     "distilbert.DistilBertSelfAttention", "albert.AlbertAttention"))
+                                     "distilbert.DistilBertSelfAttention", "albert.AlbertAttention",
+                                     "deberta_v2.DisentangledSelfAttention"))
 TOKENWISE = (WideLinear, WideLayerNorm, WideLoraLinear, nn.Linear, nn.LayerNorm, nn.Dropout, nn.Identity,
              nn.GELU, nn.ReLU, nn.Tanh, nn.SiLU, nn.Sigmoid)
 
@@ -49,7 +54,7 @@ def structure_refusal(model: nn.Module) -> str | None:
     regions = [m for m in model.modules() if type(m) in REGIONS]
     if not regions:
         return (f"{type(model).__name__} has no encoder of a family known to act per token (BERT, RoBERTa, "
-                "XLM-RoBERTa, CamemBERT, ELECTRA, DistilBERT, ALBERT)")
+                "XLM-RoBERTa, CamemBERT, ELECTRA, DistilBERT, ALBERT, DeBERTa-v2)")
     for region in regions:
         stack = list(region.named_children())
         while stack:
@@ -82,6 +87,8 @@ def _module_refusal(module: nn.Module) -> str | None:
         return None
     if isinstance(module, WideAttention):
         return "has rotary positions" if module.layout.rotary else None
+    if isinstance(module, WideDebertaV2Attention):
+        return None
     if kind in TOKENWISE or kind.__module__ == activations.__name__:
         return None
     return "is not known to act on each token alone"

@@ -6,6 +6,8 @@ import threading
 
 import pytest
 import torch
+import transformers
+from families import VOCAB, randomise_
 from text_members import bert_tokenizer, build_members
 
 from hf_wide import WideModel
@@ -14,8 +16,11 @@ from hf_wide.pipelines import pipeline
 
 SHORT, LONG = "great", "the big red dog ran over the small green mat and it was very good today yes"
 TEXTS = [SHORT, LONG, "a cat sat", LONG + " again"]  # one batch, mostly padding in its short rows
+DEBERTA_V2 = {"vocab_size": VOCAB, "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4,
+              "intermediate_size": 64, "max_position_embeddings": 64, "num_labels": 3, "relative_attention": True,
+              "pos_att_type": ["p2c", "c2p"], "position_buckets": 8, "max_relative_positions": 16}
 PACKED_CASES = ["bert-seqcls", "roberta-seqcls", "xlm-roberta-seqcls", "electra-seqcls", "distilbert-seqcls",
-                "albert-seqcls"]
+                "albert-seqcls", "deberta-v2-seqcls"]  # DeBERTa-v2: each layer packed (its encoder reads lengths)
 
 
 @pytest.fixture(scope="module")
@@ -62,7 +67,26 @@ def test_text_classification_runs_padding_free_and_equals_each_member_alone(case
             assert result["members"][i]["score"] == pytest.approx(expected.max().item(), abs=1e-5)
 
 
-@pytest.mark.parametrize("case", ["bert-tokcls", "electra-tokcls", "camembert-tokcls"])
+@pytest.mark.parametrize("options", [
+    {"conv_kernel_size": 3, "conv_act": "gelu"},  # DeBERTa-v2 xlarge's convolution after the first layer
+    {"share_att_key": True, "position_buckets": 256, "norm_rel_ebd": "layer_norm"},  # DeBERTa-v3's
+    {"pos_att_type": ["c2p"], "share_att_key": False},  # its own position keys, content-to-position only
+])
+def test_deberta_v2_variants_run_padding_free_and_equal_each_member_alone(options, tokenizer, packs):
+    config = transformers.DebertaV2Config(**{**DEBERTA_V2, **options})
+    members = []
+    for seed in range(2):
+        members.append(transformers.DebertaV2ForSequenceClassification(config).eval())
+        randomise_(members[-1], seed)
+    pipe = pipeline("text-classification", model=WideModel.from_models(members), tokenizer=tokenizer, batch_size=4)
+    results = run_packed(pipe, packs)
+    for text, result in zip(TEXTS, results):
+        for i, member in enumerate(members):
+            expected = alone(member, tokenizer, text).softmax(-1)
+            assert result["members"][i]["score"] == pytest.approx(expected.max().item(), abs=1e-5)
+
+
+@pytest.mark.parametrize("case", ["bert-tokcls", "electra-tokcls", "camembert-tokcls", "deberta-v2-tokcls"])
 def test_token_classification_runs_padding_free_and_equals_each_member_alone(case, tokenizer, packs):
     members = build_members(case, 2)
     wide = WideModel.from_models(members)
@@ -96,7 +120,7 @@ def test_a_model_with_a_head_asked_for_its_hidden_states_runs_padded(tokenizer):
 
 
 @pytest.mark.parametrize("case, reason", [
-    ("deberta-v2-seqcls", "has no encoder of a family known to act per token"),
+    ("deberta-seqcls", "has no encoder of a family known to act per token"),
     ("mpnet-seqcls", "has no encoder of a family known to act per token"),
     ("llama-seqcls", "has no encoder of a family known to act per token"),
 ])
@@ -198,6 +222,28 @@ def test_lora_members_run_padding_free_with_every_adapter(targets, fused, tmp_pa
     pipe = pipeline("text-classification", model=adapters, tokenizer=tokenizer, batch_size=4)
     kinds = {type(m).__name__ for m in pipe.model.modules()}
     assert ("WideAttention" in kinds) == fused and ("BertSelfAttention" in kinds) == (not fused)
+    results = run_packed(pipe, packs)
+    for i, adapter in enumerate(adapters):
+        member = peft_alone(case, tmp_path / "base", adapter)
+        for text, result in zip(TEXTS, results):
+            expected = alone(member, tokenizer, text).softmax(-1)
+            assert result["members"][i]["score"] == pytest.approx(expected.max().item(), abs=1e-5)
+
+
+def test_deberta_v2_lora_members_run_padding_free(tmp_path, tokenizer, packs):
+    """DeBERTa-v2's attention around adapted projections is the model's own module: it runs padded in a packed
+    layer."""
+    from conftest import CASES
+    from lora_members import alone as peft_alone
+    from lora_members import save_adapter
+
+    case = CASES["deberta-v2-seqcls"]
+    case.build(0).save_pretrained(tmp_path / "base")
+    adapters = [save_adapter(case, tmp_path / "base", tmp_path / f"a{seed}", seed, r=4, lora_alpha=8,
+                             target_modules=["query_proj", "value_proj", "dense"], modules_to_save=["classifier"],
+                             task_type="SEQ_CLS") for seed in range(2)]
+    pipe = pipeline("text-classification", model=adapters, tokenizer=tokenizer, batch_size=4)
+    assert "DisentangledSelfAttention" in {type(m).__name__ for m in pipe.model.modules()}
     results = run_packed(pipe, packs)
     for i, adapter in enumerate(adapters):
         member = peft_alone(case, tmp_path / "base", adapter)
