@@ -2,13 +2,14 @@
 
 A batch of texts is padded to its longest, and every padded position costs a real token's matmuls. Inside an
 encoder whose layers act on each token alone apart from their attention (BERT, RoBERTa, XLM-RoBERTa, CamemBERT,
-ELECTRA, DistilBERT, ALBERT, DeBERTa-v2/v3), only attention looks across positions, and it masks the padded ones. So
-the encoder may carry its hidden states *packed*: the real tokens of the batch, member-major, ``(N, K, D)``. That is
-the folded layout of one sequence of K tokens per member, which every wide primitive takes as it is. A fused
+ELECTRA, DistilBERT, ALBERT, DeBERTa-v2/v3, MPNet), only attention looks across positions, and it masks the padded
+ones. So the encoder may carry its hidden states *packed*: the real tokens of the batch, member-major, ``(N, K, D)``.
+That is the folded layout of one sequence of K tokens per member, which every wide primitive takes as it is. A fused
 attention block (:mod:`hf_wide.blocks.attention`, :mod:`hf_wide.blocks.deberta_v2`) scatters its Q, K and V to the
 padded ``(N*B, T, .)`` layout for the attention call and gathers the call's output; the region's output is scattered
 back, with zeros at the padded positions. The region is the encoder, or each layer where the encoder's own code
-reads its states' length between layers (DeBERTa-v2's relative positions).
+reads its states' length between layers (DeBERTa-v2's relative positions); MPNet's encoder (:mod:`hf_wide.rewrites`)
+takes the padded length from the packing.
 
 What changes is the outputs at padded positions (zeros where the model computed values nothing should read). So
 only pipelines pack, whose answers never read them (a sequence's first token, each input's own tokens), never
@@ -105,14 +106,19 @@ def _enter(module: nn.Module, args: tuple, kwargs: dict):
     return ((states, *args[1:]), kwargs) if args else (args, {**kwargs, "hidden_states": states})
 
 
+_RECORDED = "A packed encoder returned per-layer states; hf-wide packs only calls that ask for none."
+
+
 def _leave(module: nn.Module, args: tuple, kwargs: dict, output):
     if not _STATE.inside:
         return None
     _STATE.inside = False
-    if isinstance(output, tuple):  # a layer as the region (DeBERTa-v2): (states, its attention's probabilities)
-        return (_STATE.packing.unpack(output[0]), *output[1:])  # the probabilities: computed padded, as they are
+    if isinstance(output, tuple):  # a layer's (states, its attention's probabilities, computed padded): DeBERTa-v2
+        if any(isinstance(r, tuple) for r in output[1:]):  # an encoder's (states, every layer's states, ...): MPNet
+            raise RuntimeError(_RECORDED)
+        return (_STATE.packing.unpack(output[0]), *output[1:])
     if any(output.get(k) is not None for k in ("hidden_states", "attentions")):
-        raise RuntimeError("A packed encoder returned per-layer states; hf-wide packs only calls that ask for none.")
+        raise RuntimeError(_RECORDED)
     output["last_hidden_state"] = _STATE.packing.unpack(output["last_hidden_state"])  # (N*B, T, D)
     return output
 

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 from transformers.models.mpnet.modeling_mpnet import MPNetEncoder
 
+from .packing import active as packing_of_this_call
 from .primitives.embedding import WideEmbedding
 from .registry import register_rewrite
 
@@ -29,7 +30,8 @@ class WideMPNetEncoder(MPNetEncoder):
     def compute_position_bias(self, x, position_ids=None, num_buckets=32):
         if position_ids is not None:  # the encoder never passes them (nor could the source handle them)
             raise NotImplementedError("hf-wide's MPNet encoder computes the position bias without position_ids.")
-        rows, length = x.shape[0], x.shape[1]  # x: (N*B, T, D)
+        packing = packing_of_this_call()  # hf_wide.packing: x is the batch's real tokens only, (N, K, D)
+        rows, length = (x.shape[0], x.shape[1]) if packing is None else (x.shape[0] * packing.batch, packing.length)
         position = torch.arange(length, dtype=torch.long, device=x.device)
         buckets = self.relative_position_bucket(position[None, :] - position[:, None], num_buckets=num_buckets)
         if type(self.relative_attention_bias) not in (WideEmbedding, nn.Embedding):  # the planner sees to it
@@ -39,3 +41,4 @@ class WideMPNetEncoder(MPNetEncoder):
         values = values.reshape(-1, length, length, table.shape[-1]).permute(0, 3, 1, 2)  # (n, H, T, T), n in {N, 1}
         n = values.shape[0]
         return values[:, None].expand(n, rows // n, *values.shape[1:]).reshape(rows, *values.shape[1:]).contiguous()
+        # (N*B, H, T, T): the padded layout, in which the attentions (run padded in a packed encoder) add it

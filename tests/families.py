@@ -241,6 +241,7 @@ FAMILIES: list[FamilyCase] = [
     _case("electra-seqcls", "electra", tf.ElectraForSequenceClassification, electra),
     _case("electra-tokcls", "electra", tf.ElectraForTokenClassification, electra),
     _case("xmod-seqcls", "xmod", tf.XmodForSequenceClassification, xmod),
+    _case("mpnet-base", "mpnet", tf.MPNetModel, mpnet),  # sentence embeddings (all-mpnet-base-v2)
     _case("mpnet-seqcls", "mpnet", tf.MPNetForSequenceClassification, mpnet),
     _case("t5-encoder", "t5", tf.T5EncoderModel, t5),
     _case("deberta-seqcls", "deberta", tf.DebertaForSequenceClassification, deberta),

@@ -20,7 +20,7 @@ DEBERTA_V2 = {"vocab_size": VOCAB, "hidden_size": 32, "num_hidden_layers": 2, "n
               "intermediate_size": 64, "max_position_embeddings": 64, "num_labels": 3, "relative_attention": True,
               "pos_att_type": ["p2c", "c2p"], "position_buckets": 8, "max_relative_positions": 16}
 PACKED_CASES = ["bert-seqcls", "roberta-seqcls", "xlm-roberta-seqcls", "electra-seqcls", "distilbert-seqcls",
-                "albert-seqcls", "deberta-v2-seqcls"]  # DeBERTa-v2: each layer packed (its encoder reads lengths)
+                "albert-seqcls", "deberta-v2-seqcls", "mpnet-seqcls"]  # DeBERTa-v2: each layer packed
 
 
 @pytest.fixture(scope="module")
@@ -100,9 +100,10 @@ def test_token_classification_runs_padding_free_and_equals_each_member_alone(cas
             assert scores == pytest.approx(probs.max(-1).values, abs=1e-5)
 
 
-@pytest.mark.parametrize("pooling", ["mean", "cls", "none"])
-def test_feature_extraction_of_a_bare_encoder_runs_padding_free(pooling, tokenizer, packs):
-    members = build_members("bert-base", 2)
+@pytest.mark.parametrize("case, pooling", [("bert-base", "mean"), ("bert-base", "cls"), ("bert-base", "none"),
+                                           ("mpnet-base", "mean")])
+def test_feature_extraction_of_a_bare_encoder_runs_padding_free(case, pooling, tokenizer, packs):
+    members = build_members(case, 2)
     pipe = pipeline("feature-extraction", model=WideModel.from_models(members), tokenizer=tokenizer, batch_size=4,
                     pooling=pooling)
     results = run_packed(pipe, packs)
@@ -121,7 +122,7 @@ def test_a_model_with_a_head_asked_for_its_hidden_states_runs_padded(tokenizer):
 
 @pytest.mark.parametrize("case, reason", [
     ("deberta-seqcls", "has no encoder of a family known to act per token"),
-    ("mpnet-seqcls", "has no encoder of a family known to act per token"),
+    ("xmod-seqcls", "has no encoder of a family known to act per token"),
     ("llama-seqcls", "has no encoder of a family known to act per token"),
 ])
 def test_other_families_run_padded_and_say_why(case, reason, tokenizer, packs):
