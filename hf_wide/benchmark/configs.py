@@ -104,8 +104,8 @@ def _mpnet(hidden: int, layers: int) -> nn.Module:
     return tf.MPNetForSequenceClassification(config)
 
 
-# bert and llama have fused blocks; t5 (an encoder) and mpnet have relative position biases no block knows, which
-# run vectorised (hf_wide.primitives.vectorised) and rewritten (hf_wide.rewrites).
+# bert and llama have fused blocks; t5 (an encoder) and mpnet have relative position biases: t5's first attention runs
+# vectorised (hf_wide.primitives.vectorised), mpnet's encoder is rewritten (hf_wide.rewrites) around fused attention.
 _BUILDERS = {"bert": _bert, "llama": _llama, "t5": _t5, "mpnet": _mpnet}
 # Every linear of the layers: what the LoRA configs adapt (rank 8, alpha 16).
 LORA_TARGETS = {"llama": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
@@ -179,7 +179,8 @@ PRESETS = ("tiny", "quick", "full", "lora")
 
 
 def _relative_bias_configs() -> list[BenchConfig]:
-    """Families without a fused block, run vectorised: the T5 encoder and MPNet, N=8, B=1 and 8, seq 16."""
+    """Families with relative position biases: the T5 encoder (its first attention vectorised) and MPNet (its
+    encoder rewritten), N=8, B=1 and 8, seq 16."""
     return [BenchConfig(ModelSpec(f, 128), 8, b, 16, compile=False) for f in ("t5", "mpnet") for b in (1, 8)]
 
 

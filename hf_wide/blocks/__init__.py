@@ -6,9 +6,10 @@ from .deberta import WideDebertaAttention
 from .deberta_v2 import WideDebertaV2Attention
 from .lora import WideLoraLinear
 from .mlp import WideGatedMLP, WidePlainMLP
+from .mpnet import WideMPNetAttention
 from .vit_embeddings import WideViTEmbeddings
 
 __all__ = [
-    "WideAttention", "WideBlock", "WideDebertaAttention", "WideDebertaV2Attention", "WideGatedMLP", "WideLoraLinear", "WidePlainMLP",
-    "WideViTEmbeddings",
+    "WideAttention", "WideBlock", "WideDebertaAttention", "WideDebertaV2Attention", "WideGatedMLP", "WideLoraLinear",
+    "WideMPNetAttention", "WidePlainMLP", "WideViTEmbeddings",
 ]

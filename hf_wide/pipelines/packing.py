@@ -19,6 +19,7 @@ from transformers import activations
 
 from ..blocks.attention import WideAttention
 from ..blocks.deberta_v2 import WideDebertaV2Attention
+from ..blocks.mpnet import WideMPNetAttention
 from ..blocks.lora import WideLoraLinear
 from ..packing import install_hooks, packed
 from ..primitives.linear import WideLinear
@@ -95,7 +96,7 @@ def _module_refusal(module: nn.Module) -> str | None:
         return None
     if isinstance(module, WideAttention):
         return "has rotary positions" if module.layout.rotary else None
-    if isinstance(module, WideDebertaV2Attention):
+    if isinstance(module, (WideDebertaV2Attention, WideMPNetAttention)):
         return None
     if kind in TOKENWISE or kind.__module__ == activations.__name__:
         return None

@@ -12,6 +12,7 @@ from hf_wide.blocks import (
     WideDebertaAttention,
     WideDebertaV2Attention,
     WideGatedMLP,
+    WideMPNetAttention,
     WidePlainMLP,
     WideViTEmbeddings,
 )
@@ -24,6 +25,7 @@ BLOCKS = {
     "electra-seqcls": {"ElectraSelfAttention": WideAttention},
     "distilbert-seqcls": {"DistilBertSelfAttention": WideAttention},
     "albert-seqcls": {"AlbertAttention": WideAttention},
+    "mpnet-seqcls": {"MPNetSelfAttention": WideMPNetAttention},
     "deberta-seqcls": {"DisentangledSelfAttention": WideDebertaAttention},
     "deberta-v2-tokcls": {"DisentangledSelfAttention": WideDebertaV2Attention},
     "llama-causallm": {"LlamaAttention": WideAttention, "LlamaMLP": WideGatedMLP},

@@ -231,20 +231,25 @@ def test_lora_members_run_padding_free_with_every_adapter(targets, fused, tmp_pa
             assert result["members"][i]["score"] == pytest.approx(expected.max().item(), abs=1e-5)
 
 
-def test_deberta_v2_lora_members_run_padding_free(tmp_path, tokenizer, packs):
-    """DeBERTa-v2's attention around adapted projections is the model's own module: it runs padded in a packed
-    layer."""
+@pytest.mark.parametrize("case, targets, attention", [
+    ("deberta-v2-seqcls", ["query_proj", "value_proj", "dense"], "DisentangledSelfAttention"),
+    ("mpnet-seqcls", ["q", "v", "o"], "MPNetSelfAttention"),
+])
+def test_attentions_around_lora_layers_run_padded_in_packed_encoders(case, targets, attention, tmp_path, tokenizer,
+                                                                      packs):
+    """DeBERTa-v2's and MPNet's attentions around adapted projections are the model's own modules: they run padded
+    in a packed layer (DeBERTa-v2) or encoder (MPNet)."""
     from conftest import CASES
     from lora_members import alone as peft_alone
     from lora_members import save_adapter
 
-    case = CASES["deberta-v2-seqcls"]
+    case = CASES[case]
     case.build(0).save_pretrained(tmp_path / "base")
     adapters = [save_adapter(case, tmp_path / "base", tmp_path / f"a{seed}", seed, r=4, lora_alpha=8,
-                             target_modules=["query_proj", "value_proj", "dense"], modules_to_save=["classifier"],
-                             task_type="SEQ_CLS") for seed in range(2)]
+                             target_modules=targets, modules_to_save=["classifier"], task_type="SEQ_CLS")
+                for seed in range(2)]
     pipe = pipeline("text-classification", model=adapters, tokenizer=tokenizer, batch_size=4)
-    assert "DisentangledSelfAttention" in {type(m).__name__ for m in pipe.model.modules()}
+    assert attention in {type(m).__name__ for m in pipe.model.modules()}
     results = run_packed(pipe, packs)
     for i, adapter in enumerate(adapters):
         member = peft_alone(case, tmp_path / "base", adapter)
