@@ -5,9 +5,9 @@ encoder whose layers act on each token alone apart from their attention (BERT, R
 ELECTRA, DistilBERT, ALBERT, DeBERTa-v2/v3, MPNet), only attention looks across positions, and it masks the padded
 ones. So the encoder may carry its hidden states *packed*: the real tokens of the batch, member-major, ``(N, K, D)``.
 That is the folded layout of one sequence of K tokens per member, which every wide primitive takes as it is. A fused
-attention block (:mod:`hf_wide.blocks.attention`, :mod:`hf_wide.blocks.deberta_v2`) scatters its Q, K and V to the
-padded ``(N*B, T, .)`` layout for the attention call and gathers the call's output; the region's output is scattered
-back, with zeros at the padded positions. The region is the encoder, or each layer where the encoder's own code
+attention block (:mod:`hf_wide.blocks.attention`, ``.deberta_v2``, ``.mpnet``) scatters its Q, K and V to the padded
+``(N*B, T, .)`` layout for the attention call and gathers the call's output; the region's output is scattered back,
+with zeros at the padded positions. The region is the encoder, or each layer where the encoder's own code
 reads its states' length between layers (DeBERTa-v2's relative positions); MPNet's encoder (:mod:`hf_wide.rewrites`)
 takes the padded length from the packing.
 

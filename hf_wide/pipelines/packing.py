@@ -19,8 +19,8 @@ from transformers import activations
 
 from ..blocks.attention import WideAttention
 from ..blocks.deberta_v2 import WideDebertaV2Attention
-from ..blocks.mpnet import WideMPNetAttention
 from ..blocks.lora import WideLoraLinear
+from ..blocks.mpnet import WideMPNetAttention
 from ..packing import install_hooks, packed
 from ..primitives.linear import WideLinear
 from ..primitives.norm import WideLayerNorm
@@ -48,8 +48,8 @@ CONTAINERS = (*transformers_classes(*(f"{f}.{prefix}{part}" for f, prefix in FAM
               *transformers_classes(*(f"mpnet.MPNet{part}" for part in
                                       ("Layer", "Attention", "Intermediate", "Output"))),
               nn.ModuleList)
-# Attentions left as the model's own code (a LoRA adapter's, unfused on CPU; one shared by every member; MPNet's,
-# with its position bias) run padded inside a packed encoder: their input unpacked, their output packed again.
+# Attentions left as the model's own code (around a LoRA adapter's projections, unfused on CPU; one shared by every
+# member) run padded inside a packed encoder: their input unpacked, their output packed again.
 ISLANDS = tuple(transformers_classes(*(f"{f}.{prefix}SelfAttention" for f, prefix in FAMILIES.items()),
                                      "distilbert.DistilBertSelfAttention", "albert.AlbertAttention",
                                      "deberta_v2.DisentangledSelfAttention", "mpnet.MPNetSelfAttention"))
