@@ -56,15 +56,21 @@ def alone(member, tokenizer, text, key="logits"):
         return member(**tokenizer(text, return_tensors="pt"))[key][0]
 
 
-@pytest.mark.parametrize("case", PACKED_CASES)
-def test_text_classification_runs_padding_free_and_equals_each_member_alone(case, tokenizer, packs):
-    members = build_members(case, 3)
-    pipe = pipeline("text-classification", model=WideModel.from_models(members), tokenizer=tokenizer, batch_size=4)
+def assert_packed_answers_are_the_members(pipe, members, tokenizer, packs) -> None:
+    """The text-classification pipeline ran TEXTS padding-free, and member i's answer on each text is member i's
+    on that text alone."""
     results = run_packed(pipe, packs)
     for text, result in zip(TEXTS, results):
         for i, member in enumerate(members):
             expected = alone(member, tokenizer, text).softmax(-1)
             assert result["members"][i]["score"] == pytest.approx(expected.max().item(), abs=1e-5)
+
+
+@pytest.mark.parametrize("case", PACKED_CASES)
+def test_text_classification_runs_padding_free_and_equals_each_member_alone(case, tokenizer, packs):
+    members = build_members(case, 3)
+    pipe = pipeline("text-classification", model=WideModel.from_models(members), tokenizer=tokenizer, batch_size=4)
+    assert_packed_answers_are_the_members(pipe, members, tokenizer, packs)
 
 
 @pytest.mark.parametrize("options", [
@@ -79,11 +85,7 @@ def test_deberta_v2_variants_run_padding_free_and_equal_each_member_alone(option
         members.append(transformers.DebertaV2ForSequenceClassification(config).eval())
         randomise_(members[-1], seed)
     pipe = pipeline("text-classification", model=WideModel.from_models(members), tokenizer=tokenizer, batch_size=4)
-    results = run_packed(pipe, packs)
-    for text, result in zip(TEXTS, results):
-        for i, member in enumerate(members):
-            expected = alone(member, tokenizer, text).softmax(-1)
-            assert result["members"][i]["score"] == pytest.approx(expected.max().item(), abs=1e-5)
+    assert_packed_answers_are_the_members(pipe, members, tokenizer, packs)
 
 
 @pytest.mark.parametrize("case", ["bert-tokcls", "electra-tokcls", "camembert-tokcls", "deberta-v2-tokcls"])
@@ -223,12 +225,8 @@ def test_lora_members_run_padding_free_with_every_adapter(targets, fused, tmp_pa
     pipe = pipeline("text-classification", model=adapters, tokenizer=tokenizer, batch_size=4)
     kinds = {type(m).__name__ for m in pipe.model.modules()}
     assert ("WideAttention" in kinds) == fused and ("BertSelfAttention" in kinds) == (not fused)
-    results = run_packed(pipe, packs)
-    for i, adapter in enumerate(adapters):
-        member = peft_alone(case, tmp_path / "base", adapter)
-        for text, result in zip(TEXTS, results):
-            expected = alone(member, tokenizer, text).softmax(-1)
-            assert result["members"][i]["score"] == pytest.approx(expected.max().item(), abs=1e-5)
+    members = [peft_alone(case, tmp_path / "base", adapter) for adapter in adapters]
+    assert_packed_answers_are_the_members(pipe, members, tokenizer, packs)
 
 
 @pytest.mark.parametrize("case, targets, attention", [
@@ -250,9 +248,5 @@ def test_attentions_around_lora_layers_run_padded_in_packed_encoders(case, targe
                 for seed in range(2)]
     pipe = pipeline("text-classification", model=adapters, tokenizer=tokenizer, batch_size=4)
     assert attention in {type(m).__name__ for m in pipe.model.modules()}
-    results = run_packed(pipe, packs)
-    for i, adapter in enumerate(adapters):
-        member = peft_alone(case, tmp_path / "base", adapter)
-        for text, result in zip(TEXTS, results):
-            expected = alone(member, tokenizer, text).softmax(-1)
-            assert result["members"][i]["score"] == pytest.approx(expected.max().item(), abs=1e-5)
+    members = [peft_alone(case, tmp_path / "base", adapter) for adapter in adapters]
+    assert_packed_answers_are_the_members(pipe, members, tokenizer, packs)
