@@ -39,6 +39,5 @@ class WideMPNetEncoder(MPNetEncoder):
         table = self.relative_attention_bias.weight  # (N, K, H) stacked, or (K, H): one copy for every member
         values = table[..., buckets, :]  # (N, T, T, H) or (T, T, H)
         values = values.reshape(-1, length, length, table.shape[-1]).permute(0, 3, 1, 2)  # (n, H, T, T), n in {N, 1}
-        n = values.shape[0]
+        n = values.shape[0]  # (N*B, H, T, T) below: the padded layout, which the attentions use in a packed encoder
         return values[:, None].expand(n, rows // n, *values.shape[1:]).reshape(rows, *values.shape[1:]).contiguous()
-        # (N*B, H, T, T): the padded layout, in which the attentions (run padded in a packed encoder) add it
