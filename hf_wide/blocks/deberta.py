@@ -27,6 +27,7 @@ from transformers.models.deberta.modeling_deberta import (
     uneven_size_corrected,
 )
 
+from ..packing import active as packing_of_this_call
 from ..primitives.linear import WideLinear
 from ..registry import register_block, register_stacked_read
 from .base import WideBlock, member_slices
@@ -77,12 +78,16 @@ class WideDebertaAttention(WideBlock):
         return bias.view(bias.shape[0], 1, self.num_attention_heads, 1, -1)
 
     def forward(self, hidden_states, attention_mask, output_attentions=False, query_states=None, relative_pos=None,
-                rel_embeddings=None):  # hidden_states: (N*B, T, D)
+                rel_embeddings=None):  # hidden_states: (N*B, T, D), or (N, K, D) in a packed layer
         if query_states is not None:
             raise NotImplementedError("hf-wide's DeBERTa attention does not take separate query_states (the source's "
                                       "path for them handles 2-d inputs only).")
         n = self.num_members
-        query_layer, key_layer, value_layer = self._heads(self.in_proj(hidden_states)).chunk(3, dim=-1)
+        projected = self.in_proj(hidden_states)  # (N*B, T, 3*H*d)
+        packing = packing_of_this_call()  # hf_wide.packing: the states are the batch's real tokens only
+        if packing is not None:
+            projected = packing.unpack(projected)
+        query_layer, key_layer, value_layer = self._heads(projected).chunk(3, dim=-1)
         shape = query_layer.shape  # (N*B, H, T, d)
         query_layer = (query_layer.view(n, -1, *shape[1:]) + self._per_member(self.q_bias)).view(shape)
         value_layer = (value_layer.view(n, -1, *shape[1:]) + self._per_member(self.v_bias)).view(shape)
@@ -106,6 +111,8 @@ class WideDebertaAttention(WideBlock):
             attention_probs = self.head_weights_proj(attention_probs.permute(0, 2, 3, 1)).permute(0, 3, 1, 2)
         context = torch.matmul(attention_probs, value_layer).permute(0, 2, 1, 3).contiguous()
         context = context.view(*context.shape[:-2], -1)  # (N*B, T, H*d)
+        if packing is not None:
+            context = packing.pack(context)  # (N, K, H*d)
         return context, (attention_probs if output_attentions else None)
 
     def disentangled_att_bias(self, query_layer, key_layer, relative_pos, rel_embeddings, scale_factor):

@@ -18,12 +18,13 @@ from torch import nn
 from transformers import activations
 
 from ..blocks.attention import WideAttention
+from ..blocks.deberta import WideDebertaAttention
 from ..blocks.deberta_v2 import WideDebertaV2Attention
 from ..blocks.lora import WideLoraLinear
 from ..blocks.mpnet import WideMPNetAttention
 from ..packing import install_hooks, packed
 from ..primitives.linear import WideLinear
-from ..primitives.norm import WideLayerNorm
+from ..primitives.norm import WideDebertaLayerNorm, WideLayerNorm
 from ..registry import transformers_classes
 from ..rewrites import WideMPNetEncoder
 from ..verify import tolerance
@@ -33,18 +34,20 @@ _LOCK = threading.Lock()  # one probe and one set of hooks per model, whichever 
 
 FAMILIES = {"bert": "Bert", "roberta": "Roberta", "xlm_roberta": "XLMRoberta", "camembert": "Camembert",
             "electra": "Electra"}  # module -> class prefix: BERT's encoder code (RoBERTa's under other names)
-# DeBERTa-v2's encoder reads its states' length between layers (its relative positions): each layer is a region.
+# DeBERTa's encoders read their states' length between layers (relative positions): each layer is a region.
 # MPNet's (hf-wide's rewrite of it) reads the batch's padded length from the packing for its position bias.
 REGIONS = (*transformers_classes(*(f"{f}.{prefix}Encoder" for f, prefix in FAMILIES.items())),
-           *transformers_classes("distilbert.Transformer", "albert.AlbertTransformer", "deberta_v2.DebertaV2Layer"),
+           *transformers_classes("distilbert.Transformer", "albert.AlbertTransformer", "deberta.DebertaLayer",
+                                 "deberta_v2.DebertaV2Layer"),
            WideMPNetEncoder)
 NOT_CALLED = {WideMPNetEncoder: {"relative_attention_bias"}}  # children whose weights a region reads itself
 CONTAINERS = (*transformers_classes(*(f"{f}.{prefix}{part}" for f, prefix in FAMILIES.items()
                                       for part in ("Layer", "Attention", "SelfOutput", "Intermediate", "Output"))),
               *transformers_classes("distilbert.TransformerBlock", "distilbert.FFN", "albert.AlbertLayerGroup",
                                     "albert.AlbertLayer"),
-              *transformers_classes(*(f"deberta_v2.DebertaV2{part}" for part in
-                                      ("Attention", "SelfOutput", "Intermediate", "Output"))),
+              *transformers_classes(*(f"{f}.{prefix}{part}" for f, prefix in (("deberta", "Deberta"),
+                                                                              ("deberta_v2", "DebertaV2"))
+                                      for part in ("Attention", "SelfOutput", "Intermediate", "Output"))),
               *transformers_classes(*(f"mpnet.MPNet{part}" for part in
                                       ("Layer", "Attention", "Intermediate", "Output"))),
               nn.ModuleList)
@@ -52,9 +55,10 @@ CONTAINERS = (*transformers_classes(*(f"{f}.{prefix}{part}" for f, prefix in FAM
 # member) run padded inside a packed encoder: their input unpacked, their output packed again.
 ISLANDS = tuple(transformers_classes(*(f"{f}.{prefix}SelfAttention" for f, prefix in FAMILIES.items()),
                                      "distilbert.DistilBertSelfAttention", "albert.AlbertAttention",
-                                     "deberta_v2.DisentangledSelfAttention", "mpnet.MPNetSelfAttention"))
-TOKENWISE = (WideLinear, WideLayerNorm, WideLoraLinear, nn.Linear, nn.LayerNorm, nn.Dropout, nn.Identity,
-             nn.GELU, nn.ReLU, nn.Tanh, nn.SiLU, nn.Sigmoid)
+                                     "deberta.DisentangledSelfAttention", "deberta_v2.DisentangledSelfAttention",
+                                     "mpnet.MPNetSelfAttention"))
+TOKENWISE = (WideLinear, WideLayerNorm, WideDebertaLayerNorm, WideLoraLinear, nn.Linear, nn.LayerNorm, nn.Dropout,
+             nn.Identity, nn.GELU, nn.ReLU, nn.Tanh, nn.SiLU, nn.Sigmoid)
 
 
 def structure_refusal(model: nn.Module) -> str | None:
@@ -62,7 +66,7 @@ def structure_refusal(model: nn.Module) -> str | None:
     regions = [m for m in model.modules() if type(m) in REGIONS]
     if not regions:
         return (f"{type(model).__name__} has no encoder of a family known to act per token (BERT, RoBERTa, "
-                "XLM-RoBERTa, CamemBERT, ELECTRA, DistilBERT, ALBERT, DeBERTa-v2, MPNet)")
+                "XLM-RoBERTa, CamemBERT, ELECTRA, DistilBERT, ALBERT, DeBERTa, DeBERTa-v2, MPNet)")
     for region in regions:
         stack = [(name, child) for name, child in region.named_children()
                  if name not in NOT_CALLED.get(type(region), ())]
@@ -96,7 +100,7 @@ def _module_refusal(module: nn.Module) -> str | None:
         return None
     if isinstance(module, WideAttention):
         return "has rotary positions" if module.layout.rotary else None
-    if isinstance(module, (WideDebertaV2Attention, WideMPNetAttention)):
+    if isinstance(module, (WideDebertaAttention, WideDebertaV2Attention, WideMPNetAttention)):
         return None
     if kind in TOKENWISE or kind.__module__ == activations.__name__:
         return None

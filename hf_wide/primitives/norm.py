@@ -120,7 +120,9 @@ class WideDebertaLayerNorm(WideModule):
         h = ((h - mean) / torch.sqrt(variance + self.variance_epsilon)).to(x.dtype)
         y = self.fold.split(h)  # (N, b, ..., D)
         shape = (y.shape[0], *([1] * (y.dim() - 2)), y.shape[-1])
-        return self.fold.merge(self.weight.view(shape) * y + self.bias.view(shape))
+        out = self.weight.view(shape) * y + self.bias.view(shape)
+        # x's own rows (a packed encoder's (N, K, D) too); only a broadcast row is expanded to the forward's batch
+        return self.fold.merge(out) if x.shape[0] == 1 else out.view(x.shape)
 
 
 @register_wide(nn.RMSNorm)

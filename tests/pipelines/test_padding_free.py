@@ -20,7 +20,7 @@ DEBERTA_V2 = {"vocab_size": VOCAB, "hidden_size": 32, "num_hidden_layers": 2, "n
               "intermediate_size": 64, "max_position_embeddings": 64, "num_labels": 3, "relative_attention": True,
               "pos_att_type": ["p2c", "c2p"], "position_buckets": 8, "max_relative_positions": 16}
 PACKED_CASES = ["bert-seqcls", "roberta-seqcls", "xlm-roberta-seqcls", "electra-seqcls", "distilbert-seqcls",
-                "albert-seqcls", "deberta-v2-seqcls", "mpnet-seqcls"]  # DeBERTa-v2: each layer packed
+                "albert-seqcls", "deberta-seqcls", "deberta-v2-seqcls", "mpnet-seqcls"]  # DeBERTa: layer by layer
 
 
 @pytest.fixture(scope="module")
@@ -123,7 +123,6 @@ def test_a_model_with_a_head_asked_for_its_hidden_states_runs_padded(tokenizer):
 
 
 @pytest.mark.parametrize("case, reason", [
-    ("deberta-seqcls", "has no encoder of a family known to act per token"),
     ("xmod-seqcls", "has no encoder of a family known to act per token"),
     ("llama-seqcls", "has no encoder of a family known to act per token"),
 ])
