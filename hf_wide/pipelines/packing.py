@@ -58,7 +58,8 @@ ISLANDS = tuple(transformers_classes(*(f"{f}.{prefix}SelfAttention" for f, prefi
                                      "deberta.DisentangledSelfAttention", "deberta_v2.DisentangledSelfAttention",
                                      "mpnet.MPNetSelfAttention"))
 TOKENWISE = (WideLinear, WideLayerNorm, WideDebertaLayerNorm, WideLoraLinear, nn.Linear, nn.LayerNorm, nn.Dropout,
-             nn.Identity, nn.GELU, nn.ReLU, nn.Tanh, nn.SiLU, nn.Sigmoid)
+             nn.Identity, nn.GELU, nn.ReLU, nn.Tanh, nn.SiLU, nn.Sigmoid,
+             *transformers_classes("deberta.DebertaLayerNorm"))  # one shared by every member: each row alone
 
 
 def structure_refusal(model: nn.Module) -> str | None:

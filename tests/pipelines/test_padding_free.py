@@ -73,6 +73,18 @@ def test_text_classification_runs_padding_free_and_equals_each_member_alone(case
     assert_packed_answers_are_the_members(pipe, members, tokenizer, packs)
 
 
+def test_layer_norms_shared_by_every_member_run_on_the_packed_rows(tokenizer, packs):
+    """Members whose layer norms are equal share one (the source's DebertaLayerNorm, on all rows): packed too."""
+    members = build_members("deberta-seqcls", 2)
+    for name, module in members[0].named_modules():
+        if type(module).__name__ == "DebertaLayerNorm":
+            members[1].get_submodule(name).load_state_dict(module.state_dict())
+    wide = WideModel.from_models(members)
+    assert "DebertaLayerNorm" in {type(m).__name__ for m in wide.model.modules()}  # shared, not a wide primitive
+    pipe = pipeline("text-classification", model=wide, tokenizer=tokenizer, batch_size=4)
+    assert_packed_answers_are_the_members(pipe, members, tokenizer, packs)
+
+
 @pytest.mark.parametrize("options", [
     {"conv_kernel_size": 3, "conv_act": "gelu"},  # DeBERTa-v2 xlarge's convolution after the first layer
     {"share_att_key": True, "position_buckets": 256, "norm_rel_ebd": "layer_norm"},  # DeBERTa-v3's
