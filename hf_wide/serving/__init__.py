@@ -8,12 +8,15 @@ application (``build_app``); :func:`serve` runs it until interrupted. Ray is an 
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import signal
+import socket
 import threading
 import time
 from collections.abc import Iterator, Sequence
 
+logger = logging.getLogger(__name__)
 INSTALL = 'hf-wide serve needs Ray Serve: pip install "hf-wide[serve]" (or: pip install "ray[serve]")'
 
 
@@ -27,16 +30,50 @@ HIGH_THROUGHPUT_ENV = {"RAY_SERVE_ENABLE_HA_PROXY": "1", "RAY_SERVE_THROUGHPUT_O
                        "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "1"}
 HIGH_THROUGHPUT_HINT = ("a cluster reads it from its own environment: start it with "
                         + " ".join(f"{k}={v}" for k, v in HIGH_THROUGHPUT_ENV.items()) + " before `ray start`.")
+# HAProxy's stats page and Prometheus metrics listen on every interface at ports of their own, Ray's defaults unless
+# set: a second such server on the machine would find them taken, and its HAProxy would not start.
+HAPROXY_PORTS = {"RAY_SERVE_HAPROXY_STATS_PORT": 8404, "RAY_SERVE_HAPROXY_METRICS_PORT": 9101}
+
+
+def haproxy_ports() -> dict[str, str]:
+    """The environment that gives HAProxy's stats and metrics ports: Ray's defaults where they are free, any free
+    port where one is taken (by another hf-wide serve, say); a port set in the environment is left as it is."""
+    ports = {}
+    for name, default in HAPROXY_PORTS.items():
+        if name in os.environ:
+            continue
+        port = default if _bindable(default) else _free_port()
+        if port != default:
+            logger.warning("Port %d (%s) is taken, by another server in high-throughput mode perhaps: HAProxy "
+                           "takes port %d for it.", default, name, port)
+        ports[name] = str(port)
+    return ports
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        try:
+            probe.bind(("0.0.0.0", port))  # where HAProxy binds them
+        except OSError:
+            return False
+    return True
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind(("0.0.0.0", 0))
+        return probe.getsockname()[1]
 
 
 @contextlib.contextmanager
-def ray_environment(high_throughput: bool) -> Iterator[None]:
-    """Within it (around ``ray.init`` of a local Ray), the environment of :data:`HIGH_THROUGHPUT_ENV` if asked."""
-    saved = {name: os.environ.get(name) for name in HIGH_THROUGHPUT_ENV}
-    if high_throughput:
-        os.environ.update(HIGH_THROUGHPUT_ENV)
+def ray_environment(high_throughput: bool) -> Iterator[dict[str, str]]:
+    """Within it (around ``ray.init`` of a local Ray), the environment of :data:`HIGH_THROUGHPUT_ENV` and of
+    :func:`haproxy_ports` if asked; yields what it set."""
+    values = {**HIGH_THROUGHPUT_ENV, **haproxy_ports()} if high_throughput else {}
+    saved = {name: os.environ.get(name) for name in values}
+    os.environ.update(values)
     try:
-        yield
+        yield values
     finally:
         for name, value in saved.items():
             if value is None:
@@ -66,8 +103,8 @@ def serve(model_ids: Sequence[str] | str, task: str = "text-classification", *, 
     """Start Ray (a local instance, or join the cluster at ``address``), run the application on
     ``host:port`` and, with ``blocking``, serve until Ctrl-C or SIGTERM (what ``docker stop`` and Kubernetes
     send), then shut Serve (and a local Ray) down. ``high_throughput``: Ray Serve's high-throughput mode for the
-    local Ray (see :data:`HIGH_THROUGHPUT_ENV`; HAProxy keeps its files under ``/tmp/haproxy-serve`` and a stats
-    port: one such server per machine)."""
+    local Ray (see :data:`HIGH_THROUGHPUT_ENV`; HAProxy's stats and metrics take free ports where Ray's defaults
+    are taken: :func:`haproxy_ports`)."""
     require_ray()
     import ray
     from ray import serve as ray_serve

@@ -30,7 +30,7 @@ def register_cli(sub) -> None:
                        help="join the Ray cluster at this address ('auto': the local one); default: start Ray here")
     serve.add_argument("--high-throughput", action="store_true",
                        help="Ray Serve's high-throughput mode for the Ray this starts: HAProxy on the port, sending "
-                            "each request straight to a replica (one such server per machine)")
+                            "each request straight to a replica")
     serve.add_argument("--revision", default=None)
     serve.set_defaults(func=_serve)
 

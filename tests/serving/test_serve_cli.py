@@ -1,10 +1,11 @@
 """``hf-wide serve`` as a user runs it: a process serving local members until Ctrl-C (SIGINT), or SIGTERM (``docker
 stop``, Kubernetes)."""
 
-import os
-
+import contextlib
 import json
+import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -24,15 +25,21 @@ pytest.importorskip("ray.serve")
 from huggingface_hub import InferenceClient  # noqa: E402
 
 from hf_wide.pipelines import pipeline  # noqa: E402
+from hf_wide.serving import HAPROXY_PORTS  # noqa: E402
 
 
 @pytest.mark.parametrize("stop, options", [(signal.SIGINT, []), (signal.SIGTERM, []),
                                            (signal.SIGINT, ["--high-throughput"])],
                          ids=["ctrl-c", "sigterm", "high-throughput"])
 def test_serve_answers_until_stopped_and_then_stops_cleanly(tmp_path, stop, options):
-    # --high-throughput: HAProxy on the port, each request straight to the replica's own HTTP server.
+    # --high-throughput: HAProxy on the port, each request straight to the replica's own HTTP server; with Ray's
+    # ports for HAProxy's stats and metrics taken, as by another such server, it takes others.
     paths = save_members(tmp_path, build_members("bert-seqcls", 2), bert_tokenizer(tmp_path / "tok"))
     port = free_port()
+    taken = contextlib.ExitStack()
+    if options:
+        for default in HAPROXY_PORTS.values():
+            taken.enter_context(_listening(default))
     log = (tmp_path / "serve.log").open("wb")  # a file, not a pipe: Ray's logs must never block the server
     # As from a terminal: Ctrl-C's signal handled. (A shell's background job, CI's say, starts with SIGINT
     # ignored, and a child inherits that: Python would then never raise KeyboardInterrupt.)
@@ -70,6 +77,7 @@ def test_serve_answers_until_stopped_and_then_stops_cleanly(tmp_path, stop, opti
                                  + (tmp_path / "serve.log").read_text(errors="replace")[-3000:]) from None
         finally:
             log.close()
+            taken.close()
     assert code == 0, (tmp_path / "serve.log").read_text(errors="replace")[-3000:]
     assert not _left_running(proc.pid), "Ray processes of hf-wide serve are still running after it exited"
 
@@ -79,6 +87,45 @@ def test_high_throughput_is_refused_for_a_cluster_it_cannot_configure(capsys):
 
     assert main(["serve", "org/a", "--high-throughput", "--address", "auto"]) == 2
     assert "RAY_SERVE_ENABLE_HA_PROXY=1" in capsys.readouterr().err
+
+
+def test_haproxy_takes_free_ports_where_rays_are_taken(monkeypatch):
+    from hf_wide.serving import HIGH_THROUGHPUT_ENV, haproxy_ports, ray_environment
+
+    for name in ("RAY_SERVE_HAPROXY_STATS_PORT", *HIGH_THROUGHPUT_ENV):
+        monkeypatch.delenv(name, raising=False)
+    with socket.socket() as busy:
+        busy.bind(("0.0.0.0", 0))
+        busy.listen()
+        taken = busy.getsockname()[1]
+        monkeypatch.setattr("hf_wide.serving.HAPROXY_PORTS", {"RAY_SERVE_HAPROXY_STATS_PORT": taken})
+        (name, port), = haproxy_ports().items()
+        assert name == "RAY_SERVE_HAPROXY_STATS_PORT" and int(port) != taken
+        with socket.socket() as probe:
+            probe.bind(("0.0.0.0", int(port)))  # free
+    free = int(port)
+    monkeypatch.setattr("hf_wide.serving.HAPROXY_PORTS", {"RAY_SERVE_HAPROXY_STATS_PORT": free})
+    assert haproxy_ports() == {"RAY_SERVE_HAPROXY_STATS_PORT": str(free)}  # Ray's default, where it is free
+    with ray_environment(True) as values:
+        assert os.environ["RAY_SERVE_HAPROXY_STATS_PORT"] == values["RAY_SERVE_HAPROXY_STATS_PORT"] == str(free)
+        assert all(os.environ[k] == v for k, v in HIGH_THROUGHPUT_ENV.items())
+    assert not {"RAY_SERVE_HAPROXY_STATS_PORT", *HIGH_THROUGHPUT_ENV} & set(os.environ)  # as it was
+    monkeypatch.setenv("RAY_SERVE_HAPROXY_STATS_PORT", "12345")  # the user's choice stands
+    assert haproxy_ports() == {}
+    with ray_environment(False) as values:
+        assert values == {} and not set(HIGH_THROUGHPUT_ENV) & set(os.environ)
+
+
+@contextlib.contextmanager
+def _listening(port: int):
+    """A socket listening on ``port`` within it (where something else already listens there: nothing)."""
+    with socket.socket() as sock:
+        try:
+            sock.bind(("0.0.0.0", port))
+            sock.listen()
+        except OSError:
+            pass
+        yield
 
 
 def _runs_haproxy(session: int) -> bool:
