@@ -8,6 +8,7 @@ application (``build_app``); :func:`serve` runs it until interrupted. Ray is an 
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import os
 import signal
@@ -48,6 +49,21 @@ def haproxy_ports() -> dict[str, str]:
                            "takes port %d for it.", default, name, port)
         ports[name] = str(port)
     return ports
+
+
+class PortInUse(OSError):
+    """The port to serve on is taken."""
+
+
+def require_free(host: str, port: int) -> None:
+    """Raise :class:`PortInUse` where something listens on ``host:port`` already (another server, say)."""
+    try:
+        with socket.create_server((host, port)):  # as a server binds it (SO_REUSEADDR: a closing socket is no bar)
+            pass
+    except OSError as exc:
+        if exc.errno == errno.EADDRINUSE:
+            raise PortInUse(exc.errno, f"{host}:{port} is in use (another server?)") from None
+        raise
 
 
 def _bindable(port: int) -> bool:
@@ -115,6 +131,7 @@ def serve(model_ids: Sequence[str] | str, task: str = "text-classification", *, 
                          f"{HIGH_THROUGHPUT_HINT}")
     app = build_app(model_ids, task, **kwargs)
     if local:
+        require_free(host, port)  # before Ray starts, rather than Ray's traceback seconds later
         with ray_environment(high_throughput):
             ray.init(include_dashboard=False, logging_level="ERROR")
     else:

@@ -36,7 +36,7 @@ def register_cli(sub) -> None:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from . import HIGH_THROUGHPUT_HINT, INSTALL, serve
+    from . import HIGH_THROUGHPUT_HINT, INSTALL, PortInUse, serve
 
     try:
         import ray  # noqa: F401
@@ -51,7 +51,11 @@ def _serve(args: argparse.Namespace) -> int:
               f"--address: {HIGH_THROUGHPUT_HINT}", file=sys.stderr)
         return 2
     print(f"hf-wide serve: {args.task} on http://{args.host}:{args.port}/ (Ctrl-C stops)", file=sys.stderr)
-    serve(args.models, args.task, host=args.host, port=args.port, address=args.address, replicas=args.replicas,
-          num_cpus=args.num_cpus, max_batch_size=args.max_batch_size, batch_wait_ms=args.batch_wait_ms,
-          high_throughput=args.high_throughput, **options)
+    try:
+        serve(args.models, args.task, host=args.host, port=args.port, address=args.address, replicas=args.replicas,
+              num_cpus=args.num_cpus, max_batch_size=args.max_batch_size, batch_wait_ms=args.batch_wait_ms,
+              high_throughput=args.high_throughput, **options)
+    except PortInUse as exc:
+        print(f"hf-wide serve: error: {exc.strerror}: choose another --port.", file=sys.stderr)
+        return 2
     return 0

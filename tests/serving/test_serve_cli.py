@@ -89,6 +89,19 @@ def test_high_throughput_is_refused_for_a_cluster_it_cannot_configure(capsys):
     assert "RAY_SERVE_ENABLE_HA_PROXY=1" in capsys.readouterr().err
 
 
+def test_a_port_in_use_is_refused_before_ray_starts(capsys):
+    from hf_wide.cli import main
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        start = time.perf_counter()
+        assert main(["serve", "org/a", "--port", str(port)]) == 2
+        assert time.perf_counter() - start < 5  # not Ray's failure, seconds after it started
+    assert f"127.0.0.1:{port} is in use (another server?): choose another --port" in capsys.readouterr().err
+
+
 def test_haproxy_takes_free_ports_where_rays_are_taken(monkeypatch):
     from hf_wide.serving import HIGH_THROUGHPUT_ENV, haproxy_ports, ray_environment
 
