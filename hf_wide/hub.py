@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 from huggingface_hub import list_repo_files, snapshot_download
-from huggingface_hub.errors import RepositoryNotFoundError
+from huggingface_hub.errors import HFValidationError, RepositoryNotFoundError
 from huggingface_hub.utils import tqdm as hf_tqdm
 
 from .adapter_repos import adapter_folders
@@ -136,6 +136,9 @@ def download_members(
             folder = Path(snapshot_download(model_id, revision=rev, allow_patterns=patterns, **hub_kwargs))
         except Exception as exc:  # the hub client's errors, offline misses, network failures
             hint = ""
+            if isinstance(exc, HFValidationError) and _path_like(model_id):
+                raise MemberLoadError(f"{name}: there is no folder {os.path.abspath(model_id)}, and "
+                                      f"{model_id!r} is not a Hub repo id ('org/name') either.") from exc
             if isinstance(exc, RepositoryNotFoundError):
                 hint = "\nIf the repo is private or gated, pass token= (or log in with `hf auth login`)."
             raise MemberLoadError(f"{name}: {type(exc).__name__}: {exc}{hint}") from exc
@@ -152,6 +155,12 @@ def download_members(
                 paths.append(path)
                 bar.update(1)
     return paths
+
+
+def _path_like(model_id: str) -> bool:
+    """Whether an id that is no folder was meant as one: a Hub repo id never starts with '/', '.' or '~', and has
+    one '/' at most."""
+    return model_id.startswith(("/", ".", "~")) or model_id.count("/") > 1 or (os.sep != "/" and os.sep in model_id)
 
 
 def _refuse_if_pickle_only(model_id: str, sha: str, name: str, hub_kwargs: dict) -> None:

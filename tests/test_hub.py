@@ -1,6 +1,8 @@
 """from_pretrained on local folders: the same loading path as Hub repos once the files are local."""
 
 import json
+import os
+import re
 
 import pytest
 import torch
@@ -153,3 +155,12 @@ def test_missing_repo_and_revision_name_the_member(hub, published):
         WideModel.from_pretrained(["alice/seed-0", "alice/nope"])
     with pytest.raises(MemberLoadError, match=r"member 0 \(alice/seed-0\) at revision 'v9'.*Revision"):
         WideModel.from_pretrained(["alice/seed-0"], revision="v9")
+
+
+@pytest.mark.parametrize("path", ["./no-such-folder", "/no/such/folder", "no/such/folder"])
+def test_a_folder_that_is_not_there_is_named_as_a_folder(hub, published, tmp_path, monkeypatch, path):
+    # not the hub client's "Repo id must be in the form 'repo_name' or 'namespace/repo_name'"
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(MemberLoadError, match=rf"member 1 \({re.escape(path)}\): there is no folder "
+                                              rf"{re.escape(os.path.abspath(path))}, and .* not a Hub repo id"):
+        WideModel.from_pretrained(["alice/seed-0", path])

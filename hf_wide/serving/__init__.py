@@ -120,7 +120,9 @@ def serve(model_ids: Sequence[str] | str, task: str = "text-classification", *, 
     ``host:port`` and, with ``blocking``, serve until Ctrl-C or SIGTERM (what ``docker stop`` and Kubernetes
     send), then shut Serve (and a local Ray) down. ``high_throughput``: Ray Serve's high-throughput mode for the
     local Ray (see :data:`HIGH_THROUGHPUT_ENV`; HAProxy's stats and metrics take free ports where Ray's defaults
-    are taken: :func:`haproxy_ports`)."""
+    are taken: :func:`haproxy_ports`). Raises, for a local Ray before it starts, :class:`PortInUse` and
+    :class:`~hf_wide.hub.MemberLoadError` (:func:`fetch_members`), and :class:`ServeStartError` with the
+    replicas' own error where they could not load the model."""
     require_ray()
     import ray
     from ray import serve as ray_serve
@@ -130,8 +132,9 @@ def serve(model_ids: Sequence[str] | str, task: str = "text-classification", *, 
         raise ValueError(f"high_throughput applies to a local Ray, not to one at address={address!r}: "
                          f"{HIGH_THROUGHPUT_HINT}")
     app = build_app(model_ids, task, **kwargs)
-    if local:
-        require_free(host, port)  # before Ray starts, rather than Ray's traceback seconds later
+    if local:  # what would fail in the replicas, said before Ray starts rather than after their attempts
+        require_free(host, port)
+        fetch_members(model_ids, kwargs)
         with ray_environment(high_throughput):
             ray.init(include_dashboard=False, logging_level="ERROR")
     else:
@@ -139,7 +142,13 @@ def serve(model_ids: Sequence[str] | str, task: str = "text-classification", *, 
     try:
         with _sigterm_as_interrupt():  # loading the model included: it may take minutes
             ray_serve.start(http_options={"host": host, "port": port})
-            ray_serve.run(app, name="hf-wide", route_prefix="/")  # returns once the replicas have loaded the model
+            try:
+                ray_serve.run(app, name="hf-wide", route_prefix="/")  # returns once the replicas loaded the model
+            except RuntimeError as exc:  # Ray's "Deploying application hf-wide failed": say why
+                reason = _replica_failure(ray_serve)
+                if reason is None:
+                    raise
+                raise ServeStartError(f"The replicas could not load the model: {reason}") from exc
             if not blocking:
                 return app
             while True:
@@ -151,6 +160,39 @@ def serve(model_ids: Sequence[str] | str, task: str = "text-classification", *, 
         raise
     _stop(ray, ray_serve, local)
     return app
+
+
+class ServeStartError(RuntimeError):
+    """The application did not start: its replicas failed to load the model (the message says why)."""
+
+
+def fetch_members(model_ids: Sequence[str] | str, options: dict) -> None:
+    """Fetch every member here, with ``options``' revision, token and download options: a local Ray's replicas then
+    find them in the cache, and a typo, a private repo without a token or a revision that is not there is a
+    :class:`~hf_wide.hub.MemberLoadError` now, rather than each replica's failure in turn."""
+    from ..hub import HUB_KWARGS, download_members
+
+    hub_kwargs = {k: v for k, v in (options.get("model_kwargs") or {}).items() if k in HUB_KWARGS}
+    if options.get("token") is not None:
+        hub_kwargs["token"] = options["token"]
+    ids = [model_ids] if isinstance(model_ids, str) else list(model_ids)
+    allow_pickle = bool((options.get("model_kwargs") or {}).get("allow_pickle", False))
+    download_members(ids, options.get("revision"), allow_pickle=allow_pickle, **hub_kwargs)
+
+
+def _replica_failure(ray_serve) -> str | None:
+    """The exception a replica's constructor raised (the end of its traceback, in the deployment's status)."""
+    try:
+        app = ray_serve.status().applications.get("hf-wide")
+    except Exception:  # the status itself unavailable: Ray's own error stands
+        return None
+    for deployment in (app.deployments.values() if app is not None else ()):
+        lines = (deployment.message or "").strip().splitlines()
+        indented = [i for i, line in enumerate(lines) if line.startswith(" ")]  # the traceback's frames
+        reason = "\n".join(lines[indented[-1] + 1:] if indented else lines).strip()
+        if reason:
+            return reason
+    return None
 
 
 @contextlib.contextmanager

@@ -36,7 +36,8 @@ def register_cli(sub) -> None:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from . import HIGH_THROUGHPUT_HINT, INSTALL, PortInUse, serve
+    from ..hub import MemberLoadError
+    from . import HIGH_THROUGHPUT_HINT, INSTALL, PortInUse, ServeStartError, serve
 
     try:
         import ray  # noqa: F401
@@ -58,4 +59,7 @@ def _serve(args: argparse.Namespace) -> int:
     except PortInUse as exc:
         print(f"hf-wide serve: error: {exc.strerror}: choose another --port.", file=sys.stderr)
         return 2
+    except (MemberLoadError, ServeStartError) as exc:
+        print(f"hf-wide serve: error: {exc}", file=sys.stderr)
+        return 1
     return 0

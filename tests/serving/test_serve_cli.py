@@ -102,6 +102,30 @@ def test_a_port_in_use_is_refused_before_ray_starts(capsys):
     assert f"127.0.0.1:{port} is in use (another server?): choose another --port" in capsys.readouterr().err
 
 
+def test_a_member_that_is_not_there_is_said_before_ray_starts(tmp_path, capsys):
+    from hf_wide.cli import main
+
+    paths = save_members(tmp_path, build_members("bert-seqcls", 1), bert_tokenizer(tmp_path / "tok"))
+    start = time.perf_counter()
+    assert main(["serve", *paths, str(tmp_path / "m9"), "--port", str(free_port())]) == 1
+    assert time.perf_counter() - start < 10  # not after Ray's attempts to start a replica
+    assert f"member 1 ({tmp_path / 'm9'}): there is no folder" in capsys.readouterr().err
+
+
+def test_a_model_the_replicas_cannot_load_is_said_in_its_own_words(tmp_path):
+    # Not only Ray's "Deploying application hf-wide failed: Failed to update the deployments ['WideServer']".
+    tokenizer = bert_tokenizer(tmp_path / "tok")
+    paths = [*save_members(tmp_path / "a", build_members("bert-seqcls", 1), tokenizer),
+             *save_members(tmp_path / "b", build_members("distilbert-seqcls", 1), tokenizer)]
+    done = subprocess.run([sys.executable, "-m", "hf_wide.cli", "serve", *paths, "--port", str(free_port())],
+                          capture_output=True, text=True, timeout=300, start_new_session=True)
+    assert done.returncode == 1, done.stderr[-3000:]
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("hf-wide serve: error: The replicas could not load the model: "
+                           "hf_wide.compat.IncompatibleMembersError: member 1"), done.stderr[-3000:]
+    assert "all members must be the same model class" in last
+
+
 def test_haproxy_takes_free_ports_where_rays_are_taken(monkeypatch):
     from hf_wide.serving import HIGH_THROUGHPUT_ENV, haproxy_ports, ray_environment
 
