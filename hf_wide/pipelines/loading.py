@@ -15,10 +15,26 @@ def _fingerprint(obj, kind: str):
     return settings
 
 
+EMPTY_VOCAB = 4  # a vocabulary of fewer words than this, besides the special tokens, reads no text
+
+
+def _refuse_if_empty(tokenizer, name: str) -> None:
+    """A tokenizer with no vocabulary but its special tokens (and T5's '▁') reads every word as unknown: what
+    transformers 5 makes, silently, of a folder without tokenizer files (a checkpoint saved without its tokenizer).
+    The smallest real vocabularies are bytes or characters (ByT5's 256, CANINE's code points)."""
+    words = set(tokenizer.get_vocab()) - set(tokenizer.all_special_tokens)
+    if len(words) < EMPTY_VOCAB:
+        raise ValueError(
+            f"The tokenizer of {name} has no vocabulary but its special tokens (the checkpoint has no tokenizer "
+            f"files, it seems): it would read every word as {tokenizer.unk_token or 'unknown'}. Pass tokenizer= "
+            f"(the one the members were fine-tuned with, their base model's say)."
+        )
+
+
 def load_preprocessors(sources: Sequence[str], kind: str, token=None):
     """The one tokenizer (``kind="tokenizer"``) or image processor the members share. Members whose
     vocabularies or settings differ are refused with a message naming them: pass ``tokenizer=`` (or
-    ``image_processor=``) yourself to use one for all."""
+    ``image_processor=``) yourself to use one for all. So is a tokenizer with no vocabulary (no tokenizer files)."""
     from transformers import AutoImageProcessor, AutoTokenizer
 
     auto = AutoTokenizer if kind == "tokenizer" else AutoImageProcessor
@@ -28,8 +44,12 @@ def load_preprocessors(sources: Sequence[str], kind: str, token=None):
             loaded.append(auto.from_pretrained(source, token=token))
         except (OSError, ValueError) as exc:
             raise ValueError(
-                f"Could not load a {kind} for member {i} ({source}): {exc}. Pass {kind}= explicitly."
+                f"Could not load {'an' if kind == 'image_processor' else 'a'} {kind} for member {i} ({source}): {exc}. "
+                f"Pass {kind}= explicitly."
             ) from exc
+    if kind == "tokenizer":
+        for i, (source, tokenizer) in enumerate(zip(sources, loaded)):
+            _refuse_if_empty(tokenizer, f"member {i} ({source})")
     reference = _fingerprint(loaded[0], kind)
     for i, (source, obj) in enumerate(zip(sources, loaded)):
         if _fingerprint(obj, kind) != reference:
