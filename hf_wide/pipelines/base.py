@@ -30,6 +30,9 @@ class WidePipeline:
     """One task on a :class:`WideModel`: every batch is one forward of all N members."""
 
     task: str = ""
+    # The models this task runs: the name of transformers' mapping of them (in transformers.models.auto.
+    # modeling_auto, as its own pipeline of the task checks), and what their head is called in an error; None: any.
+    heads: tuple[str, str] | None = None
 
     def __init__(
         self,
@@ -51,6 +54,9 @@ class WidePipeline:
             raise TypeError(f"A wide pipeline runs a WideModel, got {type(model).__name__}.")
         if batch_size < 1:
             raise ValueError(f"batch_size must be at least 1, got {batch_size}.")
+        refusal = head_refusal(model, self.task, self.heads)
+        if refusal is not None:
+            raise ValueError(refusal)
         self.model = model.eval()
         if device is not None:
             self.model.to(torch.device(f"cuda:{device}" if isinstance(device, int) else device))
@@ -188,6 +194,30 @@ class WidePipeline:
     def __repr__(self) -> str:
         return (f"{type(self).__name__}(task={self.task!r}, members={self.model.num_members}, "
                 f"combine={self.combine.value!r}, device={self.device})")
+
+
+def head_refusal(model: WideModel, task: str, heads: tuple[str, str] | None) -> str | None:
+    """Why ``task`` cannot run the members, whose class transformers knows for another task (a causal LM for text
+    classification, say: its outputs would be misread, or fail deep inside); None where it can, or where their class
+    is none transformers knows (a model of its own code: its outputs will tell)."""
+    if heads is None:
+        return None
+    from transformers.models.auto import modeling_auto
+
+    mapping, head = heads
+    module = model.model.get_base_model() if hasattr(model.model, "get_base_model") else model.model  # PEFT's
+    name = type(module).__name__
+    if name in _class_names(getattr(modeling_auto, mapping)):
+        return None
+    known = set().union(*(_class_names(m) for key, m in vars(modeling_auto).items()
+                          if key.startswith("MODEL_") and key.endswith("_MAPPING_NAMES") and isinstance(m, dict)))
+    if name not in known:
+        return None
+    return f"{task} runs members with {head}; these are {name} models. Load members with such a head for it."
+
+
+def _class_names(mapping: dict) -> set[str]:
+    return {name for value in mapping.values() for name in ((value,) if isinstance(value, str) else value)}
 
 
 def _length(features: dict[str, torch.Tensor]) -> int:

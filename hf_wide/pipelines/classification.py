@@ -114,6 +114,7 @@ class TextClassificationPipeline(ClassificationPipeline):
     Texts longer than the model's maximum length are truncated (``truncation=False`` refuses them)."""
 
     task = "text-classification"
+    heads = ("MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES", "a sequence-classification head (...ForSequenceClassification)")
 
     def packs_tokens(self) -> bool:
         return True  # each answer reads its text's first token (or a pooling of its own tokens)
@@ -145,6 +146,7 @@ class ImageClassificationPipeline(ClassificationPipeline):
     model expects (``L`` for one channel, ``RGB`` for three) before the image processor runs."""
 
     task = "image-classification"
+    heads = ("MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES", "an image-classification head (...ForImageClassification)")
 
     def preprocess(self, image):
         channels = getattr(self.model.config, "num_channels", 3)

@@ -15,15 +15,12 @@ def _fingerprint(obj, kind: str):
     return settings
 
 
-EMPTY_VOCAB = 4  # a vocabulary of fewer words than this, besides the special tokens, reads no text
-
-
 def _refuse_if_empty(tokenizer, name: str) -> None:
-    """A tokenizer with no vocabulary but its special tokens (and T5's '▁') reads every word as unknown: what
-    transformers 5 makes, silently, of a folder without tokenizer files (a checkpoint saved without its tokenizer).
-    The smallest real vocabularies are bytes or characters (ByT5's 256, CANINE's code points)."""
+    """A tokenizer with no vocabulary but its special tokens (and T5's '▁', its one word then) reads every word as
+    unknown: what transformers 5 makes, silently, of a folder without tokenizer files (a checkpoint saved without
+    its tokenizer)."""
     words = set(tokenizer.get_vocab()) - set(tokenizer.all_special_tokens)
-    if len(words) < EMPTY_VOCAB:
+    if len(words) <= 1:
         raise ValueError(
             f"The tokenizer of {name} has no vocabulary but its special tokens (the checkpoint has no tokenizer "
             f"files, it seems): it would read every word as {tokenizer.unk_token or 'unknown'}. Pass tokenizer= "

@@ -39,6 +39,7 @@ class TextGenerationPipeline(WidePipeline):
     the model's positions keep their last tokens; False: refuse them). Prompts are left-padded."""
 
     task = "text-generation"
+    heads = ("MODEL_FOR_CAUSAL_LM_MAPPING_NAMES", "a language-modeling head (...ForCausalLM)")
 
     def _sanitize_parameters(self, max_new_tokens: int | None = None, do_sample: bool | None = None,
                              temperature: float | None = None, top_k: int | None = None, top_p: float | None = None,

@@ -53,6 +53,7 @@ class TokenClassificationPipeline(WidePipeline):
     strategies need a tokenizer that marks sub-words), ``ignore_labels`` (default ``["O"]``), ``truncation``."""
 
     task = "token-classification"
+    heads = ("MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES", "a token-classification head (...ForTokenClassification)")
 
     def packs_tokens(self) -> bool:
         return True  # each answer reads its own tokens' outputs (postprocess cuts the padding off)

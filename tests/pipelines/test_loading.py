@@ -1,12 +1,13 @@
-"""The members' tokenizer or image processor, loaded once for a pipeline (hf_wide/pipelines/loading.py): the one they
-share, or a refusal that names the member, never a preprocessor that would read the inputs wrongly."""
+"""What a pipeline takes: the members' tokenizer or image processor, loaded once (hf_wide/pipelines/loading.py), the one
+they share or a refusal that names the member, never a preprocessor that would read the inputs wrongly; and members
+with the head its task reads (hf_wide/pipelines/base.py)."""
 
 import pytest
 import transformers
 from conftest import CASES
-from text_members import bert_tokenizer, save_members
+from text_members import bert_tokenizer, build_members, decoder_tokenizer, save_members
 
-from hf_wide import pipeline
+from hf_wide import WideModel, pipeline
 
 TEXTS = ["the cat sat on the mat", "a good movie"]
 
@@ -44,3 +45,33 @@ def test_image_members_without_an_image_processor_are_refused(tmp_path):
     CASES["vit-imgcls"].build(0).save_pretrained(path)
     with pytest.raises(ValueError, match=r"Could not load an image_processor for member 0 .*Pass image_processor="):
         pipeline("image-classification", model=[str(path), str(path)])
+
+
+@pytest.mark.parametrize("task, case, head", [
+    ("text-classification", "llama-causallm", "a sequence-classification head"),
+    ("text-classification", "bert-tokcls", "a sequence-classification head"),
+    ("token-classification", "bert-seqcls", "a token-classification head"),
+    ("text-generation", "bert-seqcls", "a language-modeling head"),
+    ("image-classification", "bert-seqcls", "an image-classification head"),
+])
+def test_members_with_another_tasks_head_are_refused(tmp_path, task, case, head):
+    # (they failed deep inside: "Index tensor must have the same number of dimensions", "'SequenceClassifierOutput'
+    # object has no attribute 'cache'", ...)
+    members = build_members(case, 2)
+    tokenizer = (decoder_tokenizer if "causallm" in case else bert_tokenizer)(tmp_path)
+    with pytest.raises(ValueError, match=rf"{task} runs members with {head} .*these are {type(members[0]).__name__}"):
+        pipeline(task, model=WideModel.from_models(members), tokenizer=tokenizer, image_processor=object())
+
+
+def test_feature_extraction_takes_any_head_and_lora_members_are_known_by_their_base(tmp_path):
+    from lora_members import adapted
+
+    tokenizer = bert_tokenizer(tmp_path)
+    assert pipeline("feature-extraction", model=WideModel.from_models(build_members("bert-seqcls", 2)),
+                    tokenizer=tokenizer)("a cat")
+    base = build_members("bert-seqcls", 1)[0]
+    lora = WideModel.from_models([adapted(base, s, r=4, target_modules=["query", "value"]) for s in range(2)])
+    assert pipeline("text-classification", model=lora, tokenizer=tokenizer)("a cat")["label"]
+    with pytest.raises(ValueError, match="token-classification runs members with a token-classification head.*"
+                                         "these are BertForSequenceClassification"):
+        pipeline("token-classification", model=lora, tokenizer=tokenizer)
