@@ -14,10 +14,16 @@ from .pipelines import TASKS, pipeline
 
 
 def _trace(args: argparse.Namespace) -> int:
+    from .compat import check_compatible
     from .hub import load_members
     from .planner import plan_members
 
-    models, _, _ = load_members(args.models, revision=args.revision, local_files_only=args.offline)
+    try:
+        models, ids, _ = load_members(args.models, revision=args.revision, local_files_only=args.offline)
+        check_compatible(models, ids, allow_label_mismatch=True)  # the plan is one for all: labels aside
+    except (ValueError, OSError) as exc:  # a member not found, members of different architectures
+        print(f"hf-wide trace: error: {exc}", file=sys.stderr)
+        return 2
     plan = plan_members(models, share_identical=len(models) > 1)
     print(plan)
     return 0
@@ -92,7 +98,16 @@ def _read_inputs(task: str, value: str) -> list[str]:
         return lines
     if images:
         raise FileNotFoundError(f"No image file or folder at {value}.")
+    if _file_name_like(value):  # a misspelt file name must not be classified as the text itself
+        raise FileNotFoundError(f"No file {value}: --input reads a file of that name, one input per line (a text "
+                                f"to run has a space in it, or no file suffix).")
     return [value]
+
+
+def _file_name_like(value: str) -> bool:
+    """One word ending in a file suffix (``inputs.txt``, ``data/reviews.csv``): a path, not a text."""
+    suffix = Path(value).suffix.lower()
+    return not any(c.isspace() for c in value) and suffix in {".txt", ".text", ".csv", ".tsv", ".json", ".jsonl"}
 
 
 def _call_options(args: argparse.Namespace) -> dict:
@@ -210,7 +225,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("task", choices=sorted(TASKS))
     run.add_argument("--model", nargs="+", required=True, metavar="ID", help="member repo ids or local folders")
     run.add_argument("--input", required=True, metavar="FILE_OR_TEXT",
-                     help="a text file (one input per line), an image file or folder of images, or else the text")
+                     help="a text file (one input per line), an image file or folder of images, or else the text "
+                          "(a word with a file suffix, such as inputs.txt, is a file that must be there)")
     run.add_argument("--combine", default="mean", help="mean, logit_mean, vote, weighted, median or none")
     run.add_argument("--weights", type=float, nargs="+", default=None, help="one weight per member (weighted)")
     run.add_argument("--json", action="store_true", help="print one JSON object per input instead of a table")

@@ -30,6 +30,20 @@ def test_trace_of_one_checkpoint_shows_the_architectures_plan(tmp_path, capsys):
     assert "fallback" not in out  # every module of ViT is fused
 
 
+def test_trace_and_benchmark_say_what_is_wrong_with_the_members(tmp_path, capsys):
+    paths = []
+    for case in ("bert-seqcls", "distilbert-seqcls"):
+        CASES[case].build(0).save_pretrained(tmp_path / case)
+        paths.append(str(tmp_path / case))
+    missing = str(tmp_path / "nope")
+    for command in (["trace"], ["benchmark", "--models"]):
+        assert main([*command, paths[0], missing]) == 2  # not a traceback
+        assert f"error: member 1 ({missing}): there is no folder" in capsys.readouterr().err
+        assert main([*command, *paths]) == 2  # was a KeyError from the planner ('bert.embeddings')
+        err = capsys.readouterr().err
+        assert "error: member 1" in err and "is a DistilBertForSequenceClassification" in err
+
+
 def test_console_script_help():
     result = subprocess.run([sys.executable, "-m", "hf_wide.cli", "--help"], capture_output=True, text=True)
     assert result.returncode == 0

@@ -97,6 +97,8 @@ def test_the_rich_table_where_rich_is_installed(saved, capsys):
     (["text-classification", "--combine", "weighted", "--weights", "1"], "one number per member"),
     (["image-classification", "--input", "no/such/folder"], "No image file or folder"),
     (["text-classification", "--input", ""], "empty text"),
+    (["text-classification", "--input", "no-such-inputs.txt"], "No file no-such-inputs.txt"),  # not run as a text
+    (["text-generation", "--input", "the.csv"], "No file the.csv"),
 ])
 def test_errors_are_reported_with_exit_code_2(saved, capsys, argv, message):
     task, *rest = argv

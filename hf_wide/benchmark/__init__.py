@@ -90,9 +90,11 @@ def _preset_records(configs: list[BenchConfig], target_s: float, max_gflop: floa
 
 
 def _models_records(model_ids: Sequence[str], batch: int, seq: int, compiled: bool, offline: bool) -> list[dict]:
+    from ..compat import check_compatible
     from ..hub import load_members
 
     members, ids = load_members(model_ids, local_files_only=offline)[:2]  # (models, ids[, revisions])
+    check_compatible(members, ids, allow_label_mismatch=True)  # timing: labels aside
     for model in members:
         model.eval()
     label = {"config": type(members[0]).__name__, "family": None, "hidden": None, "layers": None,
@@ -168,9 +170,16 @@ def _cli(args: argparse.Namespace) -> int:
 
         run_pipeline_benchmark(threads=args.threads, json_path=args.json)
         return 0
-    records = run_benchmark(args.preset, models=args.models, batch=args.batch, seq=args.seq, compile=args.compile,
-                            threads=args.threads, max_gflop=args.max_gflop, offline=args.offline,
-                            json_path=args.json, plot_path=args.plot)
+    from ..compat import IncompatibleMembersError
+    from ..hub import MemberLoadError
+
+    try:
+        records = run_benchmark(args.preset, models=args.models, batch=args.batch, seq=args.seq,
+                                compile=args.compile, threads=args.threads, max_gflop=args.max_gflop,
+                                offline=args.offline, json_path=args.json, plot_path=args.plot)
+    except (MemberLoadError, IncompatibleMembersError) as exc:  # --models: not found, not one architecture
+        print(f"hf-wide benchmark: error: {exc}", file=sys.stderr)
+        return 2
     return 1 if report.mismatches(records) else 0
 
 
