@@ -27,7 +27,8 @@ def member_folders(tmp_path_factory):
         members.append(model)
         paths.append(root / f"seed-{seed}")
     (root / "vocab.txt").write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "good", "bad"]) + "\n")
-    transformers.BertTokenizerFast(vocab_file=str(root / "vocab.txt")).save_pretrained(root / "tokenizer")
+    # (the file positionally: transformers 5.23 reads no vocab_file= keyword, and its tokenizer would know no word)
+    transformers.BertTokenizerFast(str(root / "vocab.txt")).save_pretrained(root / "tokenizer")
     return members, paths, root / "tokenizer"
 
 
