@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import json
 import logging
 import os
 import signal
@@ -16,6 +17,7 @@ import socket
 import threading
 import time
 from collections.abc import Iterator, Sequence
+from pathlib import Path
 
 logger = logging.getLogger(__name__)
 INSTALL = 'hf-wide serve needs Ray Serve: pip install "hf-wide[serve]" (or: pip install "ray[serve]")'
@@ -120,9 +122,9 @@ def serve(model_ids: Sequence[str] | str, task: str = "text-classification", *, 
     ``host:port`` and, with ``blocking``, serve until Ctrl-C or SIGTERM (what ``docker stop`` and Kubernetes
     send), then shut Serve (and a local Ray) down. ``high_throughput``: Ray Serve's high-throughput mode for the
     local Ray (see :data:`HIGH_THROUGHPUT_ENV`; HAProxy's stats and metrics take free ports where Ray's defaults
-    are taken: :func:`haproxy_ports`). Raises, for a local Ray before it starts, :class:`PortInUse` and
-    :class:`~hf_wide.hub.MemberLoadError` (:func:`fetch_members`), and :class:`ServeStartError` with the
-    replicas' own error where they could not load the model."""
+    are taken: :func:`haproxy_ports`). Raises, for a local Ray before it starts, :class:`PortInUse`,
+    :class:`~hf_wide.hub.MemberLoadError` (:func:`fetch_members`) and ``ValueError`` (:func:`check_head`), and
+    :class:`ServeStartError` with the replicas' own error where they could not load the model."""
     require_ray()
     import ray
     from ray import serve as ray_serve
@@ -134,7 +136,7 @@ def serve(model_ids: Sequence[str] | str, task: str = "text-classification", *, 
     app = build_app(model_ids, task, **kwargs)
     if local:  # what would fail in the replicas, said before Ray starts rather than after their attempts
         require_free(host, port)
-        fetch_members(model_ids, kwargs)
+        check_head(fetch_members(model_ids, kwargs)[0], task)
         with ray_environment(high_throughput):
             ray.init(include_dashboard=False, logging_level="ERROR")
     else:
@@ -166,10 +168,10 @@ class ServeStartError(RuntimeError):
     """The application did not start: its replicas failed to load the model (the message says why)."""
 
 
-def fetch_members(model_ids: Sequence[str] | str, options: dict) -> None:
+def fetch_members(model_ids: Sequence[str] | str, options: dict) -> list[Path]:
     """Fetch every member here, with ``options``' revision, token and download options: a local Ray's replicas then
     find them in the cache, and a typo, a private repo without a token or a revision that is not there is a
-    :class:`~hf_wide.hub.MemberLoadError` now, rather than each replica's failure in turn."""
+    :class:`~hf_wide.hub.MemberLoadError` now, rather than each replica's failure in turn. Returns their folders."""
     from ..hub import HUB_KWARGS, download_members
 
     hub_kwargs = {k: v for k, v in (options.get("model_kwargs") or {}).items() if k in HUB_KWARGS}
@@ -177,7 +179,23 @@ def fetch_members(model_ids: Sequence[str] | str, options: dict) -> None:
         hub_kwargs["token"] = options["token"]
     ids = [model_ids] if isinstance(model_ids, str) else list(model_ids)
     allow_pickle = bool((options.get("model_kwargs") or {}).get("allow_pickle", False))
-    download_members(ids, options.get("revision"), allow_pickle=allow_pickle, **hub_kwargs)
+    return download_members(ids, options.get("revision"), allow_pickle=allow_pickle, **hub_kwargs)
+
+
+def check_head(folder: Path, task: str) -> None:
+    """A ``ValueError`` where the members' class (the ``architectures`` of the first one's config) has another task's
+    head, as the task's pipeline would refuse it in each replica (:func:`hf_wide.pipelines.base.head_refusal`).
+    Adapters, which have no config of their own, are checked there."""
+    from ..pipelines import TASKS
+    from ..pipelines.base import class_refusal
+
+    config = Path(folder) / "config.json"
+    if not config.is_file():
+        return
+    architectures = json.loads(config.read_text()).get("architectures") or []
+    refusal = class_refusal(architectures[0], task, TASKS[task].heads) if len(architectures) == 1 else None
+    if refusal is not None:
+        raise ValueError(refusal)
 
 
 def _replica_failure(ray_serve) -> str | None:

@@ -59,7 +59,10 @@ def _serve(args: argparse.Namespace) -> int:
     except PortInUse as exc:
         print(f"hf-wide serve: error: {exc.strerror}: choose another --port.", file=sys.stderr)
         return 2
-    except (MemberLoadError, ServeStartError) as exc:
+    except (ValueError, MemberLoadError) as exc:  # an option, a member not found, members without the task's head
+        print(f"hf-wide serve: error: {exc}", file=sys.stderr)
+        return 2
+    except ServeStartError as exc:
         print(f"hf-wide serve: error: {exc}", file=sys.stderr)
         return 1
     return 0

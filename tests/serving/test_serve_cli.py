@@ -102,14 +102,21 @@ def test_a_port_in_use_is_refused_before_ray_starts(capsys):
     assert f"127.0.0.1:{port} is in use (another server?): choose another --port" in capsys.readouterr().err
 
 
-def test_a_member_that_is_not_there_is_said_before_ray_starts(tmp_path, capsys):
+@pytest.mark.parametrize("extra, says", [
+    (["{missing}"], "member 1 ({missing}): there is no folder"),
+    (["--task", "text-generation"], "text-generation runs members with a language-modeling head (...ForCausalLM); "
+                                    "these are BertForSequenceClassification models"),
+    (["--combine", "none"], "hf-wide serve answers with the ensemble's answer, and combine='none' has none"),
+], ids=["member-not-there", "another-tasks-head", "no-combination"])
+def test_what_would_fail_in_the_replicas_is_said_before_ray_starts(tmp_path, capsys, extra, says):
     from hf_wide.cli import main
 
     paths = save_members(tmp_path, build_members("bert-seqcls", 1), bert_tokenizer(tmp_path / "tok"))
+    missing = str(tmp_path / "m9")
     start = time.perf_counter()
-    assert main(["serve", *paths, str(tmp_path / "m9"), "--port", str(free_port())]) == 1
+    assert main(["serve", *paths, *(e.format(missing=missing) for e in extra), "--port", str(free_port())]) == 2
     assert time.perf_counter() - start < 10  # not after Ray's attempts to start a replica
-    assert f"member 1 ({tmp_path / 'm9'}): there is no folder" in capsys.readouterr().err
+    assert "hf-wide serve: error: " + says.format(missing=missing) in capsys.readouterr().err
 
 
 def test_a_model_the_replicas_cannot_load_is_said_in_its_own_words(tmp_path):
