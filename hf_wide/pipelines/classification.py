@@ -114,7 +114,8 @@ class TextClassificationPipeline(ClassificationPipeline):
     Texts longer than the model's maximum length are truncated (``truncation=False`` refuses them)."""
 
     task = "text-classification"
-    heads = ("MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES", "a sequence-classification head (...ForSequenceClassification)")
+    heads = ("MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES",
+             "a sequence-classification head (...ForSequenceClassification)")
 
     def packs_tokens(self) -> bool:
         return True  # each answer reads its text's first token (or a pooling of its own tokens)

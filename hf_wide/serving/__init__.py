@@ -58,14 +58,15 @@ class PortInUse(OSError):
 
 
 def require_free(host: str, port: int) -> None:
-    """Raise :class:`PortInUse` where something listens on ``host:port`` already (another server, say)."""
-    try:
-        with socket.create_server((host, port)):  # as a server binds it (SO_REUSEADDR: a closing socket is no bar)
+    """Raise :class:`PortInUse` where something listens on ``host:port`` already (another server, say). Any other
+    failure to bind it here is left for Ray's proxy to meet and report."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    try:  # bound as a server binds it (SO_REUSEADDR: a socket still closing is no bar)
+        with socket.create_server((host, port), family=family):
             pass
     except OSError as exc:
         if exc.errno == errno.EADDRINUSE:
             raise PortInUse(exc.errno, f"{host}:{port} is in use (another server?)") from None
-        raise
 
 
 def _bindable(port: int) -> bool:
