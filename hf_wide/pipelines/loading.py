@@ -15,11 +15,11 @@ def _fingerprint(obj, kind: str):
     return settings
 
 
-def _refuse_if_empty(tokenizer, name: str) -> None:
-    """A tokenizer with no vocabulary but its special tokens (and T5's '▁', its one word then) reads every word as
-    unknown: what transformers 5 makes, silently, of a folder without tokenizer files (a checkpoint saved without
-    its tokenizer)."""
-    words = set(tokenizer.get_vocab()) - set(tokenizer.all_special_tokens)
+def _refuse_if_empty(tokenizer, vocab: dict, name: str) -> None:
+    """A tokenizer with no vocabulary (``vocab``, its ``get_vocab()``) but its special tokens (and T5's '▁', its one
+    word then) reads every word as unknown: what transformers 5 makes, silently, of a folder without tokenizer files
+    (a checkpoint saved without its tokenizer)."""
+    words = set(vocab) - set(tokenizer.all_special_tokens)
     if len(words) <= 1:
         raise ValueError(
             f"The tokenizer of {name} has no vocabulary but its special tokens (the checkpoint has no tokenizer "
@@ -44,12 +44,11 @@ def load_preprocessors(sources: Sequence[str], kind: str, token=None):
                 f"Could not load {'an' if kind == 'image_processor' else 'a'} {kind} for member {i} ({source}): {exc}. "
                 f"Pass {kind}= explicitly."
             ) from exc
-    if kind == "tokenizer":
-        for i, (source, tokenizer) in enumerate(zip(sources, loaded)):
-            _refuse_if_empty(tokenizer, f"member {i} ({source})")
-    reference = _fingerprint(loaded[0], kind)
-    for i, (source, obj) in enumerate(zip(sources, loaded)):
-        if _fingerprint(obj, kind) != reference:
+    fingerprints = [_fingerprint(obj, kind) for obj in loaded]  # a tokenizer's: (vocabulary, settings)
+    for i, (source, obj, fingerprint) in enumerate(zip(sources, loaded, fingerprints)):
+        if kind == "tokenizer":
+            _refuse_if_empty(obj, fingerprint[0], f"member {i} ({source})")
+        if fingerprint != fingerprints[0]:
             raise ValueError(
                 f"Member {i} ({source}) has a different {kind} from member 0 ({sources[0]}): they would "
                 f"read the same input differently. Pass {kind}= to use one for all members."
