@@ -5,10 +5,16 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 
+# What a tokenizer's init_kwargs record of where and how it was loaded, not of how it reads text: a member from a
+# local folder (is_local=True) and one from the Hub read alike.
+LOADED_FROM = frozenset({"name_or_path", "is_local", "local_files_only", "cache_dir", "token", "revision",
+                         "_commit_hash", "subfolder", "force_download", "proxies", "trust_remote_code"})
+
+
 def _fingerprint(obj, kind: str):
     if kind == "tokenizer":
-        settings = {k: v for k, v in obj.init_kwargs.items() if isinstance(v, (str, int, float, bool, type(None)))}
-        settings.pop("name_or_path", None)
+        settings = {k: v for k, v in obj.init_kwargs.items()
+                    if isinstance(v, (str, int, float, bool, type(None))) and k not in LOADED_FROM}
         return obj.get_vocab(), settings
     settings = obj.to_dict()
     settings.pop("_processor_class", None)

@@ -5,6 +5,7 @@ with the head its task reads (hf_wide/pipelines/base.py)."""
 import pytest
 import transformers
 from conftest import CASES
+from hub_server import hub  # noqa: F401
 from text_members import bert_tokenizer, build_members, decoder_tokenizer, save_members
 
 from hf_wide import WideModel, pipeline
@@ -30,6 +31,15 @@ def test_members_saved_without_tokenizer_files_are_refused_not_read_as_unknown_w
     with_files = save_members(tmp_path / "with", members, tokenizer)
     assert pipeline("text-classification", model=paths, tokenizer=tokenizer)(TEXTS) == pipeline(
         "text-classification", model=with_files)(TEXTS)
+
+
+def test_members_from_the_hub_and_from_folders_share_their_tokenizer(members, tmp_path, hub):
+    # The tokenizer's record of where it came from (is_local) differed, and the members were refused as reading
+    # differently: the README's first example (Hub repos and a local folder) could not run a pipeline.
+    paths = save_members(tmp_path, members, bert_tokenizer(tmp_path / "tok"))
+    hub.publish("alice/m0", paths[0])
+    assert pipeline("text-classification", model=["alice/m0", paths[1]])(TEXTS) == pipeline(
+        "text-classification", model=paths)(TEXTS)
 
 
 def test_members_whose_tokenizers_differ_are_refused(members, tmp_path):
