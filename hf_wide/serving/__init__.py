@@ -70,11 +70,10 @@ def require_free(host: str, port: int) -> None:
 
 
 def _bindable(port: int) -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        try:
-            probe.bind(("0.0.0.0", port))  # where HAProxy binds them
-        except OSError:
-            return False
+    try:
+        require_free("0.0.0.0", port)  # where HAProxy binds them
+    except PortInUse:
+        return False
     return True
 
 
