@@ -43,6 +43,7 @@ from ray import serve
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 
+from ..serving import BATCH_WAIT_MS
 from . import cpu_share
 from .forward_alone import forward_alone
 from .pipeline import make_texts, make_tokenizer
@@ -79,7 +80,7 @@ class MembersServer(_OneTextRequests):
         config = self.models[0].config
         self.labels = [config.id2label[i] for i in range(config.num_labels)]
 
-    @serve.batch(max_batch_size=32, batch_wait_timeout_s=0.005)
+    @serve.batch(max_batch_size=32, batch_wait_timeout_s=BATCH_WAIT_MS / 1000)
     async def answer(self, texts: list[str]) -> list[list[dict]]:
         batch = self.tokenizer(texts, padding=True, truncation=True, return_tensors="pt")
         with torch.inference_mode():
@@ -92,7 +93,7 @@ class NoModelServer(_OneTextRequests):
     """The reference: the members' server's request path and batching, and no model (a fixed answer, not
     checked)."""
 
-    @serve.batch(max_batch_size=32, batch_wait_timeout_s=0.005)
+    @serve.batch(max_batch_size=32, batch_wait_timeout_s=BATCH_WAIT_MS / 1000)
     async def answer(self, texts: list[str]) -> list[list[dict]]:
         return [[{"label": "none", "score": 1.0}] for _ in texts]
 
@@ -173,7 +174,7 @@ def _summary(rounds: list[dict]) -> dict:
 
 
 def run(num_requests: int = 2000, clients: int = 16, num_members: int = 8, hidden: int = 128,
-        max_batch_size: int = 32, batch_wait_ms: float = 5.0, port: int = 8765, ways=WAYS,
+        max_batch_size: int = 32, batch_wait_ms: float = BATCH_WAIT_MS, port: int = 8765, ways=WAYS,
         replicas: int = 1, rounds: int = 10, high_throughput: bool = False, num_cpus: int = 1) -> dict:
     """Every way deployed at once (each under its own route prefix), then ``rounds`` rounds in which each way in
     turn gets its share of the requests: a slow spell on the machine falls on every way, not on one. ``num_cpus``:
@@ -253,7 +254,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--clients", type=int, default=16)
     parser.add_argument("--members", type=int, default=8)
     parser.add_argument("--max-batch-size", type=int, default=32)
-    parser.add_argument("--batch-wait-ms", type=float, default=5.0)
+    parser.add_argument("--batch-wait-ms", type=float, default=BATCH_WAIT_MS)
     parser.add_argument("--port", type=int, default=8765)
     parser.add_argument("--replicas", type=int, default=1, help="replicas of every way's deployment")
     parser.add_argument("--num-cpus", type=int, default=1,

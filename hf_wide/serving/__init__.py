@@ -21,6 +21,11 @@ from pathlib import Path
 
 logger = logging.getLogger(__name__)
 INSTALL = 'hf-wide serve needs Ray Serve: pip install "hf-wide[serve]" (or: pip install "ray[serve]")'
+# How long a batch waits for more requests. Ray Serve opens a batch's window when it takes the batch's first request
+# from the queue: under load, once the replica is done with the previous batch (its forward holds the event loop),
+# and the requests that came meanwhile are in it already. The window is then time the replica waits, idle, each
+# batch: short, it keeps the replica busy; under light load it is what a lone request waits for company.
+BATCH_WAIT_MS = 1.0
 
 
 # Ray Serve's high-throughput mode (Ray >= 2.55): HAProxy, a load balancer in C, takes the HTTP port and sends each

@@ -6,51 +6,46 @@
 Routes: ``POST /`` (the Inference API payloads of :mod:`hf_wide.serving.tasks`), ``GET /health`` (answered
 once the replica's model is loaded: Ray Serve routes to a replica only after its constructor returns) and
 ``GET /info`` (members, revisions, task, plan summary). Batching is Ray Serve's ``@serve.batch``: the
-requests that arrive within ``batch_wait_ms`` of each other, up to ``max_batch_size``, run as one call of
-:func:`hf_wide.pipelines.requests.run_requests`, which answers each one as the pipeline would alone.
+requests waiting when the replica is free, and those that come within ``batch_wait_ms`` of its taking the first, up
+to ``max_batch_size``, run as one call of :func:`hf_wide.pipelines.requests.run_requests`, which answers each one
+as the pipeline would alone.
 """
 
-from collections.abc import Sequence  # (no postponed annotations: FastAPI reads the route signatures)
+from collections.abc import Sequence
 
-from fastapi import FastAPI
 from ray import serve
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 
+from . import BATCH_WAIT_MS
 from .payloads import BadRequest
 from .tasks import task_format
 
-api = FastAPI(title="hf-wide ensemble")
+ROUTES = {"/": "POST", "/health": "GET", "/info": "GET"}
 
 
-class _RoutePrefixItself:
-    """``POST /prefix`` as ``POST /prefix/`` (what InferenceClient sends for ``base_url=".../prefix"``), rather
-    than a redirect, which curl and urllib do not follow for a POST. Plain ASGI: nothing else per request."""
-
-    def __init__(self, app):
-        self.app = app
-
-    async def __call__(self, scope, receive, send):
-        root = scope.get("root_path", "")
-        if root and scope.get("path") == root:
-            scope = {**scope, "path": root + "/"}
-        await self.app(scope, receive, send)
+def _error(message: str, status: int, headers: dict | None = None) -> JSONResponse:
+    return JSONResponse({"error": message}, status_code=status, headers=headers)
 
 
-api.add_middleware(_RoutePrefixItself)
-
-
-def _error(message: str, status: int) -> JSONResponse:
-    return JSONResponse({"error": message}, status_code=status)
+def route_of(request: Request) -> str:
+    """The request's path below the application's route prefix (``root_path``): ``/`` for the prefix itself,
+    with or without its slash (``InferenceClient`` posts ``base_url=".../prefix"`` as ``/prefix/``, curl as
+    ``/prefix``)."""
+    path, root = request.scope.get("path", "/"), request.scope.get("root_path", "").rstrip("/")
+    if root and (path == root or path.startswith(root + "/")):
+        path = path[len(root):]
+    return path.rstrip("/") or "/"
 
 
 @serve.deployment(max_ongoing_requests=256)
-@serve.ingress(api)
 class WideServer:
-    """One replica: the members fused into one wide model, behind a pipeline for ``task``."""
+    """One replica: the members fused into one wide model, behind a pipeline for ``task``. Its three routes are
+    dispatched here, on the request's path and method: a web framework's routing and middleware would cost
+    more per request than the rest of the request path (Ray Serve's own HTTP handling aside)."""
 
     def __init__(self, model_ids: Sequence[str] | str, task: str, pipeline_options: dict,
-                 max_batch_size: int = 32, batch_wait_ms: float = 5.0):
+                 max_batch_size: int = 32, batch_wait_ms: float = BATCH_WAIT_MS):
         from ..pipelines import pipeline  # in the replica's process
 
         self.task = task
@@ -59,18 +54,26 @@ class WideServer:
         self.batched.set_max_batch_size(max_batch_size)
         self.batched.set_batch_wait_timeout_s(batch_wait_ms / 1000)
 
-    @api.get("/health")
+    async def __call__(self, request: Request) -> JSONResponse:
+        route = route_of(request)
+        method = ROUTES.get(route)
+        if method is None:
+            return _error(f"There is no {route} here: POST / (the task's payloads), GET /health, GET /info.", 404)
+        if request.method != method:
+            return _error(f"{route} takes {method}, not {request.method}.", 405, {"Allow": method})
+        if route == "/":
+            return await self.infer(request)
+        return JSONResponse(self.health() if route == "/health" else self.info())
+
     def health(self) -> dict:
         return {"status": "ok"}
 
-    @api.get("/info")
     def info(self) -> dict:
         wide = self.pipe.model
         return {"task": self.task, "num_members": wide.num_members, "members": list(wide.member_ids),
                 "revisions": list(getattr(wide, "member_revisions", None) or []),
                 "combine": self.pipe.combine.value, "plan": wide.plan.summary()}
 
-    @api.post("/")
     async def infer(self, request: Request) -> JSONResponse:
         try:
             checked = self.format.parse_body(await request.body(), request.headers.get("content-type", ""))
@@ -83,7 +86,7 @@ class WideServer:
             return _error(f"The model failed on this request: {type(answers).__name__}: {answers}", 500)
         return JSONResponse(self.format.respond(checked, answers))
 
-    @serve.batch(max_batch_size=32, batch_wait_timeout_s=0.005)
+    @serve.batch(max_batch_size=32, batch_wait_timeout_s=BATCH_WAIT_MS / 1000)
     async def batched(self, requests: list[tuple[list, dict]]) -> list:
         from ..pipelines.requests import run_requests
 
@@ -91,7 +94,7 @@ class WideServer:
 
 
 def build_app(model_ids: Sequence[str] | str, task: str = "text-classification", *, replicas: int = 1,
-              max_batch_size: int = 32, batch_wait_ms: float = 5.0, num_cpus: float | None = None,
+              max_batch_size: int = 32, batch_wait_ms: float = BATCH_WAIT_MS, num_cpus: float | None = None,
               **pipeline_options) -> serve.Application:
     """The Ray Serve application serving ``model_ids`` (members, a fused repo, adapters, local folders) for
     ``task``; ``num_cpus`` is what Ray reserves for each replica (Ray's default: 1; it also sets the replica's

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from . import BATCH_WAIT_MS
 from .tasks import FORMATS
 
 
@@ -24,8 +25,8 @@ def register_cli(sub) -> None:
     serve.add_argument("--num-cpus", type=float, default=None,
                        help="CPUs Ray reserves for each replica, and its torch threads (default: Ray's, 1)")
     serve.add_argument("--max-batch-size", type=int, default=32, help="requests batched into one forward, at most")
-    serve.add_argument("--batch-wait-ms", type=float, default=5.0,
-                       help="how long a batch waits for more requests once one arrives")
+    serve.add_argument("--batch-wait-ms", type=float, default=BATCH_WAIT_MS,
+                       help="how long a batch waits for more requests once the replica takes its first")
     serve.add_argument("--address", default=None,
                        help="join the Ray cluster at this address ('auto': the local one); default: start Ray here")
     serve.add_argument("--high-throughput", action="store_true",

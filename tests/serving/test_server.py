@@ -158,6 +158,21 @@ def test_text_classification_raw_http_health_and_info(servers):
     assert len(info["revisions"]) == 3 and all(len(r) == 40 for r in info["revisions"])  # commits on the test Hub
 
 
+def test_routes_prefix_unknown_path_and_wrong_method(servers):
+    url, pipe = servers["text-classification"]
+    text = sentences(1, seed=9)[0]
+    status, body = post_json(url, {"inputs": text})  # the route prefix itself, no slash (curl's way)
+    assert status == 200 and [(e["label"], e["score"]) for e in body[0]] == ranked(pipe, text)
+    status, body = post_json(url + "/nowhere", {"inputs": text})
+    assert status == 404 and "GET /health" in body["error"]
+    with pytest.raises(urllib.error.HTTPError) as caught:
+        urllib.request.urlopen(url + "/")  # a GET where a POST is wanted
+    assert caught.value.code == 405 and caught.value.headers["Allow"] == "POST"
+    assert json.loads(caught.value.read()) == {"error": "/ takes POST, not GET."}
+    status, body = post_json(url + "/health", {})
+    assert status == 405 and body == {"error": "/health takes GET, not POST."}
+
+
 def test_text_pairs_over_raw_http(servers):
     url, pipe = servers["text-classification"]
     premise, hypothesis, text = sentences(3, seed=10)
