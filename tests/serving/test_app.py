@@ -7,7 +7,7 @@ pytest.importorskip("ray.serve")
 
 from starlette.requests import Request  # noqa: E402
 
-from hf_wide.serving.app import ROUTES, route_of  # noqa: E402
+from hf_wide.serving.app import route_of  # noqa: E402
 
 
 def request(path: str, root_path: str = "") -> Request:
@@ -29,7 +29,3 @@ def request(path: str, root_path: str = "") -> Request:
 ])
 def test_route_below_the_prefix(path, root, route):
     assert route_of(request(path, root)) == route
-
-
-def test_routes_are_the_documented_three():
-    assert ROUTES == {"/": "POST", "/health": "GET", "/info": "GET"}
