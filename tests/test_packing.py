@@ -4,7 +4,7 @@ import threading
 
 import torch
 
-from hf_wide.packing import Packing, active, packed, worth_packing
+from hf_wide.packing import Packing, _enter_last, active, keys_from, packed, worth_packing
 
 MASK = torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0], [1, 0, 0, 0]])  # B=3, T=4: 7 real tokens
 
@@ -40,3 +40,22 @@ def test_only_batches_with_enough_padding_are_packed():
     assert worth_packing(MASK)  # 5 of 12 positions padded
     assert not worth_packing(torch.ones(4, 8, dtype=torch.long))
     assert not worth_packing(torch.tensor([[1, 1, 1, 1], [1, 1, 1, 0]]))  # 1 of 8
+
+
+def test_each_position_knows_its_packed_token_and_each_row_its_first():
+    packing = Packing.of(MASK)
+    assert packing.source.tolist() == [0, 1, 2, 3, 4, 5, 7, 7, 6, 7, 7, 7]  # 7: the row of zeros past the K tokens
+    assert packing.firsts.tolist() == [0, 4, 6]
+    x = torch.randn(2, 3, 5)  # (N, B, D): each row's first token
+    back = packing.unpack_firsts(x).view(2, 3, 4, 5)
+    assert torch.equal(back[:, :, 0], x)
+    assert torch.count_nonzero(back[:, :, 1:]) == 0
+
+
+def test_a_batch_padded_on_the_left_has_no_first_tokens_to_run_alone():
+    assert Packing.of(MASK.flip(1)).firsts is None  # row 1's first position is padding
+    with packed(MASK.flip(1), first_tokens=True) as state:
+        state.inside = True
+        hidden = torch.randn(2, 7, 5)
+        assert _enter_last(None, (hidden,), {}) is None  # the last layer runs on every token
+        assert keys_from() is None

@@ -20,8 +20,9 @@ and p99 latency (ms), and the CPU time a request cost in Ray Serve's HTTP proxy,
 throughput is what they allow at that cost), as a table and, with ``--json``, a file.
 
 It also times the two models' forwards alone, in this process, with the replica's one thread, on padded batches
-of 1, 4, 8 and ``clients`` texts: the wide model (padded, and padding-free as the pipeline runs a batch with a
-quarter or more padding: :mod:`hf_wide.packing`) against the members one after another. Ray Serve forms its
+of 1, 4, 8 and ``clients`` texts: the wide model (padded; padding-free, on the real tokens only; and as the
+text-classification pipeline runs it, padding-free with the last layer at the texts' first tokens, which its head
+reads: :mod:`hf_wide.packing`) against the members one after another. Ray Serve forms its
 batches from what has arrived (on this machine, a few requests each), so these show where the wide forward gains
 and how much of a request's time is the forward at all.
 """
@@ -281,9 +282,10 @@ def main(argv=None) -> dict:
         ms = r["cpu_ms_per_request"]
         print(f"  {way:<16} " + " / ".join(f"{ms[g]:.2f}" for g in cpu_share.GROUPS) + f" = {sum(ms.values()):.2f}")
     print("in this process, one thread, the forward alone (ms): wide / the members one after another "
-          "(wide padding-free)")
+          "(wide padding-free; and at first tokens, as the pipeline runs it)")
     for f in report["forward_alone"]:
-        free = "" if f["wide_padding_free_ms"] is None else f" ({f['wide_padding_free_ms']:.1f})"
+        free = "; ".join(f"{f[k]:.1f}" for k in ("wide_padding_free_ms", "wide_first_tokens_ms") if f[k] is not None)
+        free = f" ({free})" if free else ""
         print(f"  batch {f['batch']}, {f['tokens']} tokens: {f['wide_ms']:.1f} / {f['members_ms']:.1f} = "
               f"{f['members_over_wide']:.2f}x{free}")
     if args.json:

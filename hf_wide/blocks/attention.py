@@ -34,6 +34,7 @@ from transformers.models.vit.modeling_vit import ViTAttention
 from transformers.models.xlm_roberta.modeling_xlm_roberta import XLMRobertaSelfAttention
 
 from ..packing import active as packing_of_this_call
+from ..packing import keys_from
 from ..primitives.base import meta_copies
 from ..primitives.linear import WideLinear, wide_linear
 from ..primitives.norm import WideLayerNorm
@@ -153,19 +154,27 @@ class WideAttention(WideBlock):
         position_embeddings = kwargs.pop("position_embeddings", None)
         cache = pop_cache(kwargs)  # transformers 5.24 calls it cache, earlier releases past_key_values
 
-        if "lora_qkv" in self._modules:
-            qkv = self.lora_qkv(hidden_states)  # (N*B, T, D_q + 2*D_kv)
-        else:
-            qkv = wide_linear(self.fold, hidden_states, self.qkv_weight.transpose(1, 2), self.qkv_bias)
         packing = packing_of_this_call()  # hf_wide.packing: the states are the batch's real tokens only
-        if packing is not None:
-            if cache is not None or self._rotary is not None:
-                raise RuntimeError("A packed encoder reached an attention with a cache or rotary positions.")
-            qkv = packing.unpack(qkv)  # (N*B, T, D_q + 2*D_kv), zeros at padded positions
-        input_shape = qkv.shape[:-1]
-        hidden_shape = (*input_shape, -1, self._head_dim)
-        query, key, value = (t.view(hidden_shape).transpose(1, 2) for t in qkv.split(self.sizes, dim=-1))
-        # query: (N*B, H, T, hd); key, value: (N*B, H_kv, T, hd)
+        if packing is not None and (cache is not None or self._rotary is not None):
+            raise RuntimeError("A packed encoder reached an attention with a cache or rotary positions.")
+        every_token = None if packing is None else keys_from()  # an encoder's last layer, at first tokens only
+        if every_token is not None:
+            query, kv = self._first_token_projections(hidden_states, every_token, packing)
+            # query: (N*B, 1, D_q), each row's first token; kv: (N*B, T, 2*D_kv)
+            if isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 4:
+                attention_mask = attention_mask[..., :1, :]  # (.., 1, T): the first token's row
+            query = query.view(*query.shape[:-1], -1, self._head_dim).transpose(1, 2)
+            key, value = (t.view(*kv.shape[:-1], -1, self._head_dim).transpose(1, 2)
+                          for t in kv.split(self.sizes[1:], dim=-1))
+            input_shape = query.shape[:1] + query.shape[2:3]
+        else:
+            qkv = self._projections(hidden_states)  # (N*B, T, D_q + 2*D_kv), or (N, K, ...) packed
+            if packing is not None:
+                qkv = packing.unpack(qkv)  # (N*B, T, D_q + 2*D_kv), zeros at padded positions
+            input_shape = qkv.shape[:-1]
+            hidden_shape = (*input_shape, -1, self._head_dim)
+            query, key, value = (t.view(hidden_shape).transpose(1, 2) for t in qkv.split(self.sizes, dim=-1))
+        # query: (N*B, H, T, hd) (T = 1 at first tokens only); key, value: (N*B, H_kv, T, hd)
 
         if self._rotary is not None:
             cos, sin = position_embeddings
@@ -185,10 +194,30 @@ class WideAttention(WideBlock):
             dropout=0.0 if not self.training else self._dropout_p, scaling=self.scaling, **kwargs,
         )
         attn_output = attn_output.reshape(*input_shape, -1).contiguous()  # (N*B, T, H*hd)
-        if packing is not None:
+        if every_token is not None:
+            attn_output = attn_output.view(hidden_states.shape[:-1] + attn_output.shape[-1:])  # (N, B, H*hd)
+        elif packing is not None:
             attn_output = packing.pack(attn_output)  # (N, K, H*hd)
         if self.layout.out is not None:
             attn_output = self.o_proj(attn_output)
         if self.layout.residual_norm is not None:  # ALBERT: norm(x + dropout(out)) inside the attention
             attn_output = self.post_norm(hidden_states + self.out_dropout(attn_output))
         return attn_output, attn_weights
+
+    def _projections(self, x: torch.Tensor) -> torch.Tensor:  # (N*B, T, D) -> (N*B, T, D_q + 2*D_kv)
+        if "lora_qkv" in self._modules:
+            return self.lora_qkv(x)
+        return wide_linear(self.fold, x, self.qkv_weight.transpose(1, 2), self.qkv_bias)
+
+    def _first_token_projections(self, firsts: torch.Tensor, every_token: torch.Tensor, packing
+                                 ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The queries of each row's first token, ``(N*B, 1, D_q)``, and the keys and values of every token, padded
+        ``(N*B, T, 2*D_kv)``, from ``firsts`` (N, B, D) and ``every_token`` (N, K, D): the packed states."""
+        d_q = self.sizes[0]
+        if "lora_qkv" in self._modules:  # one fused LoRA update: q of every token too, and its first tokens taken
+            qkv = packing.unpack(self.lora_qkv(every_token))  # (N*B, T, D_q + 2*D_kv)
+            return qkv[:, :1, :d_q], qkv[..., d_q:]
+        weight, bias = self.qkv_weight.transpose(1, 2), self.qkv_bias  # (N, D, D_q + 2*D_kv), (N, D_q + 2*D_kv)
+        query = wide_linear(self.fold, firsts, weight[..., :d_q], None if bias is None else bias[:, :d_q])
+        kv = wide_linear(self.fold, every_token, weight[..., d_q:], None if bias is None else bias[:, d_q:])
+        return query.reshape(-1, 1, d_q), packing.unpack(kv)

@@ -21,7 +21,7 @@ from torch.nn.utils.rnn import pad_sequence
 from ..model import WideModel
 from ..packing import packed, worth_packing
 from .combine import Combine, check_weights, label_permutations
-from .packing import enable_packing
+from .packing import enable_first_tokens, enable_packing
 
 PROGRESS_MIN_ITEMS = 256  # show a progress bar from this many inputs on
 
@@ -83,6 +83,9 @@ class WidePipeline:
         # Batches with much padding run the encoder on their real tokens only, where the model allows it (checked
         # on a probe batch: hf_wide.pipelines.packing); not in a compiled model, whose graphs would be one per K.
         self.padding_free = bool(padding_free and not compile and self.packs_tokens() and enable_packing(model) is None)
+        # Where the answers read each input's first token only (a sequence classifier's head), the encoder's last
+        # layer runs past its keys and values on those tokens only (checked on a probe batch as well).
+        self.first_tokens = bool(self.padding_free and self.reads_first_tokens() and enable_first_tokens(model) is None)
         self._label_order = None
         self._defaults = self._sanitize_parameters(**kwargs)
 
@@ -137,14 +140,22 @@ class WidePipeline:
         """One forward of these items' features, collated, on the model's device; its outputs back on the CPU."""
         batch = self.collate(features)
         mask = batch.get("attention_mask")
-        packing = self.padding_free and mask is not None and worth_packing(mask)
-        with torch.inference_mode(), packed(mask, self.device) if packing else contextlib.nullcontext():
+        packing = self.padding_free and mask is not None and (self.first_tokens or worth_packing(mask))
+        with torch.inference_mode(), (packed(mask, self.device, self.first_tokens) if packing
+                                      else contextlib.nullcontext()):
             outputs = self._forward({k: v.to(self.device) for k, v in batch.items()}, **fwd)
         return {k: v.cpu() for k, v in outputs.items()}  # one transfer per batch, then plain Python
 
     def packs_tokens(self) -> bool:
         """Whether this task's answers read the real tokens' outputs only, so that its batches may run padding-free
         (:mod:`hf_wide.packing`): no, unless a task says so."""
+        return False
+
+    def reads_first_tokens(self) -> bool:
+        """Whether this task's answers read nothing of a padding-free forward but what the model computes from
+        each input's first token (a sequence classifier's head), so that an encoder's last layer may run on those
+        alone (:func:`hf_wide.pipelines.packing.enable_first_tokens` checks it on the model): no, unless a task
+        says so."""
         return False
 
     def batch_invariant(self, fwd: dict) -> bool:

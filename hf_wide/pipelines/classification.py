@@ -120,6 +120,9 @@ class TextClassificationPipeline(ClassificationPipeline):
     def packs_tokens(self) -> bool:
         return True  # each answer reads its text's first token (or a pooling of its own tokens)
 
+    def reads_first_tokens(self) -> bool:
+        return True  # the logits, of a head that reads each text's first token where the model's probe agrees
+
     def _sanitize_inputs(self, truncation: bool | None = None, **kwargs):
         pre, fwd, post = super()._sanitize_inputs(**kwargs)
         if truncation is not None:

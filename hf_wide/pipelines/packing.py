@@ -30,7 +30,7 @@ from ..rewrites import WideMPNetEncoder
 from ..verify import tolerance
 
 logger = logging.getLogger(__name__)
-_LOCK = threading.Lock()  # one probe and one set of hooks per model, whichever pipeline asks first
+_LOCK = threading.RLock()  # one probe and one set of hooks per model, whichever pipeline asks first
 
 FAMILIES = {"bert": "Bert", "roberta": "Roberta", "xlm_roberta": "XLMRoberta", "camembert": "Camembert",
             "electra": "Electra"}  # module -> class prefix: BERT's encoder code (RoBERTa's under other names)
@@ -40,6 +40,9 @@ REGIONS = (*transformers_classes(*(f"{f}.{prefix}Encoder" for f, prefix in FAMIL
            *transformers_classes("distilbert.Transformer", "albert.AlbertTransformer", "deberta.DebertaLayer",
                                  "deberta_v2.DebertaV2Layer"),
            WideMPNetEncoder)
+# Encoders whose layers are ``layer`` and called in turn, the last one's output the encoder's: that layer may run at
+# the rows' first tokens only (hf_wide.packing.packed's first_tokens)
+LAYERED = transformers_classes(*(f"{f}.{prefix}Encoder" for f, prefix in FAMILIES.items()), "distilbert.Transformer")
 NOT_CALLED = {WideMPNetEncoder: {"relative_attention_bias"}}  # children whose weights a region reads itself
 CONTAINERS = (*transformers_classes(*(f"{f}.{prefix}{part}" for f, prefix in FAMILIES.items()
                                       for part in ("Layer", "Attention", "SelfOutput", "Intermediate", "Output"))),
@@ -122,10 +125,12 @@ def _enable(wide) -> str | None:
     if wide.members_group is not None:  # a probe on one rank would wait for the others
         return "its members are split across processes"
     why = structure_refusal(model)
-    handles = []
+    handles, lasts = [], 0
     if why is None:
         for region in (m for m in model.modules() if type(m) in REGIONS):
-            handles.extend(install_hooks(region, islands(region)))
+            last = last_layer(region)
+            lasts += last is not None
+            handles.extend(install_hooks(region, islands(region), last))
         try:
             why = _probe_refusal(wide)
         except Exception as error:  # noqa: BLE001 - any failure of the packed probe is a reason not to pack
@@ -135,11 +140,51 @@ def _enable(wide) -> str | None:
                 handle.remove()
     if why is not None:
         logger.info("Pipelines run %s padded: %s.", type(model).__name__, why)
+    wide.__dict__["_first_token_layers"] = lasts if why is None else 0
     return why
 
 
-def _probe_refusal(wide) -> str | None:
-    """Run three rows (8, 5 and 1 tokens) padded and packed; why their outputs differ, if they do."""
+def last_layer(region: nn.Module) -> nn.Module | None:
+    """``region``'s last layer where it may run at the rows' first tokens only: the region's output is that layer's,
+    whose attention is a fused one (:class:`WideAttention`, which takes its keys and values from every token);
+    else None."""
+    if type(region) not in LAYERED or not len(region.layer):
+        return None
+    last = region.layer[-1]
+    attentions = [m for m in last.modules() if isinstance(m, WideAttention)]
+    return last if len(attentions) == 1 and not islands(last) else None
+
+
+def enable_first_tokens(wide) -> str | None:
+    """Let pipelines whose answers read each input's first token run ``wide``'s encoders' last layers on those
+    tokens only (past their keys and values): where the model packs (:func:`enable_packing`), has such layers
+    (:func:`last_layer`), and a probe batch gives every output so as it gives them padded. Returns why not (None:
+    on); the answer is kept."""
+    with _LOCK:
+        if "_first_tokens_refusal" not in wide.__dict__:
+            wide.__dict__["_first_tokens_refusal"] = _enable_first_tokens(wide)
+        return wide.__dict__["_first_tokens_refusal"]
+
+
+def _enable_first_tokens(wide) -> str | None:
+    why = enable_packing(wide)
+    if why is not None:
+        return f"it runs padded: {why}"
+    if not wide.__dict__["_first_token_layers"]:
+        return ("no encoder of it ends in a layer that can (a BERT-family or DistilBERT encoder whose last layer's "
+                "attention is fused)")
+    try:
+        why = _probe_refusal(wide, first_tokens=True)
+    except Exception as error:  # noqa: BLE001 - any failure of the probe is a reason not to take it
+        why = f"the probe failed: {type(error).__name__}: {error}"
+    if why is not None:
+        logger.info("Pipelines run %s's last layers at every token: %s.", type(wide.model).__name__, why)
+    return why
+
+
+def _probe_refusal(wide, first_tokens: bool = False) -> str | None:
+    """Run three rows (8, 5 and 1 tokens) padded and packed (with ``first_tokens``: and the encoders' last layers
+    at the rows' first tokens only); why their outputs differ, if they do."""
     config = wide.config
     vocab = getattr(config, "vocab_size", None) or 2
     length = min(8, getattr(config, "max_position_embeddings", None) or 8)
@@ -150,10 +195,12 @@ def _probe_refusal(wide) -> str | None:
               "attention_mask": mask.long().to(device)}
     with torch.inference_mode():
         padded = wide(**inputs)
-        with packed(mask, device) as state:
+        with packed(mask, device, first_tokens) as state:
             packed_out = wide(**inputs)
             if not state.entered:
                 return "the encoder was not called with the batch's padded states"
+            if first_tokens and not state.cut:
+                return "its encoders' last layers were not called with the packed states"
     for key, ref in padded.items():
         got = packed_out[key]
         if not isinstance(ref, torch.Tensor):
@@ -162,5 +209,6 @@ def _probe_refusal(wide) -> str | None:
             ref, got = ref[:, mask.to(device)], got[:, mask.to(device)]
         error = (ref - got).abs().max().item() if ref.numel() else 0.0
         if not error <= tolerance(ref):
-            return f"packed, its {key} differ from the padded forward's by {error:.3g}"
+            how = "at first tokens" if first_tokens else "packed"
+            return f"{how}, its {key} differ from the padded forward's by {error:.3g}"
     return None

@@ -24,3 +24,4 @@ def test_every_way_answers_every_request_right():
     assert [f["batch"][0] for f in report["forward_alone"]] == [1, 4]  # 1, 4, 8 and the clients, up to the clients
     assert all(f["wide_ms"] > 0 and f["members_over_wide"] > 0 for f in report["forward_alone"])
     assert all(f["wide_padding_free_ms"] > 0 for f in report["forward_alone"])  # BERTs: their encoder packs
+    assert all(f["wide_first_tokens_ms"] > 0 for f in report["forward_alone"])  # and their head reads [CLS]

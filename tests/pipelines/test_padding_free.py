@@ -1,6 +1,7 @@
 """Padding-free pipelines (hf_wide.packing, hf_wide.pipelines.packing): where the encoder runs on the batch's real
-tokens only, every member's answer still equals that member run alone on its text alone; models whose encoder is
-not known to act per token, or whose packed probe disagrees, run padded; nothing leaks into other calls."""
+tokens only (and a text classifier's last layer on the texts' first tokens only), every member's answer still equals
+that member run alone on its text alone; models whose encoder is not known to act per token, or whose packed probe
+disagrees, run padded; nothing leaks into other calls."""
 
 import threading
 
@@ -13,12 +14,14 @@ from text_members import bert_tokenizer, build_members
 from hf_wide import WideModel
 from hf_wide.packing import Packing, is_packing_hook
 from hf_wide.pipelines import pipeline
+from hf_wide.pipelines.packing import enable_first_tokens
 
 SHORT, LONG = "great", "the big red dog ran over the small green mat and it was very good today yes"
 TEXTS = [SHORT, LONG, "a cat sat", LONG + " again"]  # one batch, mostly padding in its short rows
 DEBERTA_V2 = {"vocab_size": VOCAB, "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4,
               "intermediate_size": 64, "max_position_embeddings": 64, "num_labels": 3, "relative_attention": True,
               "pos_att_type": ["p2c", "c2p"], "position_buckets": 8, "max_relative_positions": 16}
+FIRST_TOKEN_CASES = ["bert-seqcls", "roberta-seqcls", "xlm-roberta-seqcls", "electra-seqcls", "distilbert-seqcls"]
 PACKED_CASES = ["bert-seqcls", "roberta-seqcls", "xlm-roberta-seqcls", "electra-seqcls", "distilbert-seqcls",
                 "albert-seqcls", "deberta-seqcls", "deberta-v2-seqcls", "mpnet-seqcls"]  # DeBERTa: layer by layer
 
@@ -39,6 +42,20 @@ def packs(monkeypatch):
         return original(self, x)
 
     monkeypatch.setattr(Packing, "pack", pack)
+    return calls
+
+
+@pytest.fixture
+def cuts(monkeypatch):
+    """The shapes of the states of encoders whose last layer ran at the texts' first tokens: (N, B, D) each."""
+    calls = []
+    original = Packing.unpack_firsts
+
+    def unpack_firsts(self, x):
+        calls.append(tuple(x.shape))
+        return original(self, x)
+
+    monkeypatch.setattr(Packing, "unpack_firsts", unpack_firsts)
     return calls
 
 
@@ -70,6 +87,58 @@ def assert_packed_answers_are_the_members(pipe, members, tokenizer, packs) -> No
 def test_text_classification_runs_padding_free_and_equals_each_member_alone(case, tokenizer, packs):
     members = build_members(case, 3)
     pipe = pipeline("text-classification", model=WideModel.from_models(members), tokenizer=tokenizer, batch_size=4)
+    assert_packed_answers_are_the_members(pipe, members, tokenizer, packs)
+
+
+@pytest.mark.parametrize("case", FIRST_TOKEN_CASES)
+def test_text_classification_runs_the_last_layer_at_first_tokens_and_equals_each_member_alone(case, tokenizer, packs,
+                                                                                               cuts):
+    members = build_members(case, 3)
+    pipe = pipeline("text-classification", model=WideModel.from_models(members), tokenizer=tokenizer, batch_size=4)
+    assert pipe.first_tokens
+    cuts.clear()  # the probe's
+    assert_packed_answers_are_the_members(pipe, members, tokenizer, packs)
+    width = members[0].config.hidden_size if hasattr(members[0].config, "hidden_size") else members[0].config.dim
+    assert cuts == [(3, len(TEXTS), width)]  # the last layer past its keys and values: one row per member and text
+
+
+@pytest.mark.parametrize("case, reason", [
+    ("albert-seqcls", "no encoder of it ends in a layer that can"),  # one layer shared by every step
+    ("deberta-seqcls", "no encoder of it ends in a layer that can"),  # relative positions: packed layer by layer
+    ("mpnet-seqcls", "no encoder of it ends in a layer that can"),  # hf-wide's rewrite of its encoder
+])
+def test_other_encoders_run_their_last_layer_at_every_token(case, reason, tokenizer, packs, cuts):
+    members = build_members(case, 2)
+    wide = WideModel.from_models(members)
+    pipe = pipeline("text-classification", model=wide, tokenizer=tokenizer, batch_size=4)
+    assert pipe.padding_free and not pipe.first_tokens
+    assert reason in wide.__dict__["_first_tokens_refusal"]
+    run_packed(pipe, packs)
+    assert not cuts
+
+
+def test_outputs_of_every_token_keep_the_last_layer_at_every_token(tokenizer, cuts):
+    """A bare encoder's last_hidden_state is every token's: its probe at first tokens disagrees; and pipelines that
+    read every token never ask."""
+    wide = WideModel.from_models(build_members("bert-base", 2))
+    assert "at first tokens, its last_hidden_state differ" in enable_first_tokens(wide)
+    cuts.clear()  # that probe's
+    wide = WideModel.from_models(build_members("bert-tokcls", 2))
+    pipe = pipeline("token-classification", model=wide, tokenizer=tokenizer, batch_size=4)
+    assert pipe.padding_free and not pipe.first_tokens and "_first_tokens_refusal" not in wide.__dict__
+    pipe(TEXTS)
+    assert not cuts
+
+
+def test_a_probe_at_first_tokens_that_disagrees_leaves_every_token_to_the_last_layer(tokenizer, packs, cuts,
+                                                                                    monkeypatch):
+    members = build_members("bert-seqcls", 2)
+    wide = WideModel.from_models(members)
+    original = Packing.unpack_firsts
+    monkeypatch.setattr(Packing, "unpack_firsts", lambda self, x: 2 * original(self, x))  # [CLS] states changed
+    pipe = pipeline("text-classification", model=wide, tokenizer=tokenizer, batch_size=4)
+    assert pipe.padding_free and not pipe.first_tokens
+    assert "at first tokens, its logits differ from the padded forward's" in wide.__dict__["_first_tokens_refusal"]
     assert_packed_answers_are_the_members(pipe, members, tokenizer, packs)
 
 
@@ -217,7 +286,8 @@ def test_a_padding_free_pipeline_and_plain_calls_in_other_threads_do_not_mix(tok
 
 @pytest.mark.parametrize("targets, fused", [(["dense"], False), (["query", "key", "value", "dense"], True),
                                             (["query", "key", "value", "dense"], False)])
-def test_lora_members_run_padding_free_with_every_adapter(targets, fused, tmp_path, tokenizer, packs, monkeypatch):
+def test_lora_members_run_padding_free_with_every_adapter(targets, fused, tmp_path, tokenizer, packs, cuts,
+                                                          monkeypatch):
     """Adapted q, k and v fused into the wide attention (``fused``), or not (on CPU, by default): then the attention
     is transformers' own module around wide LoRA layers, and one shared by every member where q, k and v are not
     adapted; those run padded inside the packed encoder."""
@@ -236,8 +306,11 @@ def test_lora_members_run_padding_free_with_every_adapter(targets, fused, tmp_pa
     pipe = pipeline("text-classification", model=adapters, tokenizer=tokenizer, batch_size=4)
     kinds = {type(m).__name__ for m in pipe.model.modules()}
     assert ("WideAttention" in kinds) == fused and ("BertSelfAttention" in kinds) == (not fused)
+    assert pipe.first_tokens == fused  # the last layer at first tokens: around a fused attention only
+    cuts.clear()  # the probe's
     members = [peft_alone(case, tmp_path / "base", adapter) for adapter in adapters]
     assert_packed_answers_are_the_members(pipe, members, tokenizer, packs)
+    assert len(cuts) == fused
 
 
 @pytest.mark.parametrize("case, targets, attention", [
