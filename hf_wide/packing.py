@@ -117,8 +117,8 @@ def keys_from() -> torch.Tensor | None:
 @contextlib.contextmanager
 def packed(attention_mask: torch.Tensor, device: torch.device | None = None, first_tokens: bool = False):
     """Run the wide forwards inside on ``attention_mask``'s real tokens only (in the encoders of models that
-    :func:`hf_wide.pipelines.packing.enable_packing` took); with ``first_tokens``, each encoder's last layer past
-    its keys and values on each row's first token only (in models that
+    :func:`hf_wide.pipelines.packing.enable_packing` took); with ``first_tokens``, each encoder's last layer runs,
+    past its keys and values, on each row's first token only (in models that
     :func:`hf_wide.pipelines.packing.enable_first_tokens` took: their heads read nothing else).
     ``attention_mask``: (B, T) on the CPU, where finding its tokens costs a GPU no synchronisation."""
     packing = Packing.of(attention_mask)

@@ -6,6 +6,10 @@ fused attention that unpacks for its attention call, or is an attention of the f
 container modules' code was read (transformers 5.23-5.24), with wide primitives that act per token and fused
 attention without rotary positions inside. Then a probe batch must give, packed, the outputs it gives padded; only
 then are the hooks installed, once per model.
+
+The last layer of an encoder whose layers run in turn (BERT's family, DistilBERT) may run at the rows' first tokens
+only, where its attention is fused: for pipelines whose answers read nothing else (text classification), once a
+probe batch gives every output so as padded (:func:`enable_first_tokens`).
 """
 
 from __future__ import annotations
