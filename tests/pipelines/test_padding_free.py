@@ -31,32 +31,29 @@ def tokenizer(tmp_path_factory):
     return bert_tokenizer(tmp_path_factory.mktemp("tok"))
 
 
-@pytest.fixture
-def packs(monkeypatch):
-    """Counts the encoder states packed (one per padding-free encoder call)."""
+def shapes_of_calls(monkeypatch, method: str) -> list:
+    """The shapes of the tensors passed to ``Packing.<method>`` from now on, as the calls come."""
     calls = []
-    original = Packing.pack
+    original = getattr(Packing, method)
 
-    def pack(self, x):
+    def recorded(self, x):
         calls.append(tuple(x.shape))
         return original(self, x)
 
-    monkeypatch.setattr(Packing, "pack", pack)
+    monkeypatch.setattr(Packing, method, recorded)
     return calls
+
+
+@pytest.fixture
+def packs(monkeypatch):
+    """Counts the encoder states packed (one per padding-free encoder call)."""
+    return shapes_of_calls(monkeypatch, "pack")
 
 
 @pytest.fixture
 def cuts(monkeypatch):
     """The shapes of the states of encoders whose last layer ran at the texts' first tokens: (N, B, D) each."""
-    calls = []
-    original = Packing.unpack_firsts
-
-    def unpack_firsts(self, x):
-        calls.append(tuple(x.shape))
-        return original(self, x)
-
-    monkeypatch.setattr(Packing, "unpack_firsts", unpack_firsts)
-    return calls
+    return shapes_of_calls(monkeypatch, "unpack_firsts")
 
 
 def run_packed(pipe, packs) -> list:
