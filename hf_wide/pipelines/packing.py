@@ -174,7 +174,7 @@ def _enable_first_tokens(wide) -> str | None:
     why = enable_packing(wide)
     if why is not None:
         return f"it runs padded: {why}"
-    if not wide.__dict__["_first_token_layers"]:
+    if not wide.__dict__.get("_first_token_layers"):
         return ("no encoder of it ends in a layer that can (a BERT-family or DistilBERT encoder whose last layer's "
                 "attention is fused)")
     try:
