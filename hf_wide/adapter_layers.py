@@ -14,35 +14,78 @@ from __future__ import annotations
 
 import contextlib
 import copy
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 
 import torch
 from torch import nn
 
 from .compat import IncompatibleMembersError
+from .primitives.base import same_value
 
 
-def shared_view(model: nn.Module, own: Callable[[str], bool] | None = None) -> nn.Module:
+def shared_view(model: nn.Module, own: Callable[[str], bool] | None = None,
+                memo: dict[int, object] | None = None) -> nn.Module:
     """A structural copy of ``model`` that holds the very same tensors (nothing is copied), except those whose
-    names ``own`` picks: copies of its own."""
-    tensors = (*model.named_parameters(), *model.named_buffers())
-    return copy.deepcopy(model, {id(t): t for name, t in tensors if own is None or not own(name)})
+    names ``own`` picks: copies of its own (a tensor tied under several names is copied where ``own`` picks any of
+    them, and stays tied). ``memo`` (filled in): the ``copy.deepcopy`` memo, each copied tensor's copy by ``id``."""
+    tensors = _named_tensors(model)
+    copied = set() if own is None else {id(t) for name, t in tensors if own(name)}
+    memo = {} if memo is None else memo
+    memo.update({id(t): t for name, t in tensors if id(t) not in copied})
+    return copy.deepcopy(model, memo)
 
 
-def adapter_view(base: nn.Module, config: dict) -> nn.Module:
+def _named_tensors(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """Every parameter and buffer of ``model`` under each of its names (tied ones under every name)."""
+    return [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]
+
+
+def held_base_tensors(keys: Iterable[str], base: nn.Module) -> set[str]:
+    """The names in ``base`` of its own tensors whose values an adapter file holds (``keys``, the file's names, as
+    PEFT writes them): the embedding layers a LoRA adapts, which PEFT saves whole (``save_embedding_layers``)."""
+    names = {name for name, _ in _named_tensors(base)}
+    return {name for name in (key.removeprefix("base_model.model.").replace(".base_layer.", ".") for key in keys)
+            if name in names}
+
+
+def adapter_view(base: nn.Module, config: dict, held: set[str] = frozenset()
+                 ) -> tuple[nn.Module, dict[str, tuple[torch.Tensor, torch.Tensor]]]:
     """The base for one adapter to load over: a :func:`shared_view`, with copies of its own of the base tensors
     the adapter holds values of. PEFT's ``bias="all"`` trains and saves every tensor whose name holds "bias", and
     ``bias="lora_only"`` the biases of the layers it adapts: loaded into the shared tensors, one adapter's biases
-    would be every member's."""
-    if config.get("bias", "none") == "none":
-        return shared_view(base)
-    return shared_view(base, own=lambda name: "bias" in name)
+    would be every member's. ``held`` (:func:`held_base_tensors`): the other base tensors its file holds, each
+    copied too, and returned by name as (the base's, the copy) for :func:`reshare` once the adapter has loaded."""
+    trains_biases = config.get("bias", "none") != "none"
+    held = {name for name in held if not (trains_biases and "bias" in name)}  # trained: each member's own
+    memo: dict[int, object] = {}
+    view = shared_view(base, lambda name: name in held or (trains_biases and "bias" in name), memo)
+    tensors = dict(_named_tensors(base))
+    return view, {name: (tensors[name], memo[id(tensors[name])]) for name in sorted(held)}
+
+
+def reshare(view: nn.Module, copies: dict[str, tuple[torch.Tensor, torch.Tensor]], name: str) -> None:
+    """Once an adapter has loaded over ``view`` (:func:`adapter_view`): each base tensor its file held values of
+    becomes the base's own again where the values are the base's (PEFT saves an embedding layer it adapts whole,
+    unchanged unless the vocabulary grew), held once; the adapter is refused where they differ."""
+    differ = [key for key, (ours, loaded) in copies.items() if not same_value(ours, loaded)]
+    if differ:
+        shown = ", ".join(differ[:3]) + (f" and {len(differ) - 3} more" if len(differ) > 3 else "")
+        raise IncompatibleMembersError(
+            f"{name} holds values of the base's own tensors ({shown}) that differ from the base's, which its members "
+            "share. Pass merge=True to merge each adapter into its own copy of the base (exact, N full weight sets).")
+    base_of_copy = {id(loaded): ours for ours, loaded in copies.values()}
+    for module in view.modules():
+        for table in (module._parameters, module._buffers):
+            for key, t in table.items():
+                if t is not None and id(t) in base_of_copy:
+                    table[key] = base_of_copy[id(t)]
 
 
 @contextlib.contextmanager
 def base_untouched(base: nn.Module, name: str) -> Iterator[None]:
-    """Refuse an adapter that, as it loads, writes into a tensor of the base its members share (an adapter file
-    that holds a base weight, say): it would change every member, so no member would be what was saved."""
+    """Refuse an adapter that, as it loads, writes into a tensor of the base its members share (one the
+    adapter's file was not seen to hold, see :func:`held_base_tensors`): it would change every member, so no member
+    would be what was saved."""
     before = {key: _version(t) for key, t in base.state_dict(keep_vars=True).items()}
     yield
     written = [key for key, t in base.state_dict(keep_vars=True).items() if _version(t) != before[key]]
@@ -83,11 +126,12 @@ def trained_bias_paths(model: nn.Module) -> set[str]:
 
 
 def pad_targets(model: nn.Module, paths: set[str], dtype: torch.dtype) -> list[str]:
-    """Wrap each ``nn.Linear`` (or GPT-2's ``Conv1D``) at ``paths`` (relative to the PEFT model) that has no
-    adapter in a LoRA layer whose update is exactly zero (rank 1, ``lora_B = 0``): then every member has the same
-    structure; their weights are in ``dtype``, the adapters' (float32 over a half-precision base, as PEFT keeps
-    them), so each layer's stacked updates have one dtype. Returns the paths wrapped."""
+    """Wrap each ``nn.Linear`` (or GPT-2's ``Conv1D``, or an ``nn.Embedding``) at ``paths`` (relative to the PEFT
+    model) that has no adapter in a LoRA layer whose update is exactly zero (rank 1, its B zero): then every member
+    has the same structure; their weights are in ``dtype``, the adapters' (float32 over a half-precision base, as
+    PEFT keeps them), so each layer's stacked updates have one dtype. Returns the paths wrapped."""
     import peft
+    from peft.tuners.lora import Embedding as LoraEmbedding
     from peft.tuners.lora import Linear as LoraLinear
     from transformers.pytorch_utils import Conv1D
 
@@ -96,14 +140,20 @@ def pad_targets(model: nn.Module, paths: set[str], dtype: torch.dtype) -> list[s
         parent_path, _, child = path.rpartition(".")
         parent = model.get_submodule(parent_path)
         layer = getattr(parent, child)
-        if type(layer) not in (nn.Linear, Conv1D):
+        if type(layer) not in (nn.Linear, Conv1D, nn.Embedding):
             raise IncompatibleMembersError(f"{path} is a {type(layer).__name__}: hf-wide can give it no zero LoRA.")
         conv = type(layer) is Conv1D  # PEFT wraps it with fan_in_fan_out, as its own dispatch does
         config = peft.LoraConfig(r=1, lora_alpha=1, lora_dropout=0.0, target_modules=[], fan_in_fan_out=conv)
-        lora = LoraLinear(layer, "default", config=config, r=1, lora_alpha=1, is_target_conv_1d_layer=conv)
-        for adapter in (lora.lora_A, lora.lora_B):  # not the base layer inside: it stays the base's tensors
+        if type(layer) is nn.Embedding:
+            lora = LoraEmbedding(layer, "default", config=config, r=1, lora_alpha=1)
+            updates = (lora.lora_embedding_A, lora.lora_embedding_B)
+        else:
+            lora = LoraLinear(layer, "default", config=config, r=1, lora_alpha=1, is_target_conv_1d_layer=conv)
+            updates = (lora.lora_A, lora.lora_B)
+        for adapter in updates:  # not the base layer inside: it stays the base's tensors
             adapter.to(layer.weight.device, dtype)
-        nn.init.zeros_(lora.lora_B["default"].weight)
+        for tensor in updates[1].parameters():  # B, of the embedding or of the linear in the ModuleDict
+            nn.init.zeros_(tensor)
         lora.requires_grad_(False)
         setattr(parent, child, lora.eval())
         wrapped.append(path)

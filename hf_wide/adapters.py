@@ -26,11 +26,12 @@ import warnings
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
+import torch
 import transformers
 from torch import nn
 
-from .adapter_layers import (adapter_view, base_untouched, lora_paths, pad_saved_modules, pad_targets,
-                             saved_paths, shared_view, stack_adapters, trained_bias_paths)
+from .adapter_layers import (adapter_view, base_untouched, held_base_tensors, lora_paths, pad_saved_modules,
+                             pad_targets, reshare, saved_paths, shared_view, stack_adapters, trained_bias_paths)
 from .adapter_repos import AdapterSources
 from .compat import IncompatibleMembersError
 
@@ -155,6 +156,18 @@ def check_adapter_weights(folder: Path, name: str, allow_pickle: bool) -> None:
     raise FileNotFoundError(f"{name} has no adapter weights (adapter_model.safetensors) in {folder}.")
 
 
+def adapter_keys(folder: Path) -> list[str]:
+    """The names of the tensors in an adapter's weights file (safetensors, or the pickle that
+    :func:`check_adapter_weights` let through, read with ``weights_only``)."""
+    path = folder / "adapter_model.safetensors"
+    if path.is_file():
+        from safetensors import safe_open
+
+        with safe_open(path, "pt") as f:
+            return list(f.keys())
+    return list(torch.load(folder / "adapter_model.bin", map_location="meta", weights_only=True))
+
+
 def head_labels(folders: Sequence[Path], configs: Sequence[dict | None]) -> int | None:
     """The number of labels the adapters' saved heads (``modules_to_save``) were trained with, if they hold one."""
     from safetensors import safe_open
@@ -221,7 +234,8 @@ def load_adapter_members(ids, folders, configs, *, base_model=None, base_revisio
                                           use_safetensors=weights_format(folder, name, allow_pickle),
                                           **(model_kwargs or {})))
             continue
-        target = copy.deepcopy(base) if merge else adapter_view(base, config)
+        target, copies = (copy.deepcopy(base), {}) if merge else adapter_view(
+            base, config, held_base_tensors(adapter_keys(Path(folder)), base))
         with base_untouched(base, name):
             try:
                 with peft_quietly():
@@ -232,6 +246,7 @@ def load_adapter_members(ids, folders, configs, *, base_model=None, base_revisio
             except Exception as exc:
                 raise IncompatibleMembersError(
                     f"{name} does not load over {base_name}: {type(exc).__name__}: {exc}") from exc
+            reshare(target, copies, name)
         models.append(member.merge_and_unload().eval() if merge else member.eval())
     if merge:
         return models, None, None

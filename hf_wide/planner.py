@@ -115,7 +115,7 @@ def make_plan(
                 notes.append(f"{fqn or '(model)'}: not a {block_cls.__name__} block: {refusal}")
                 refused = f" (which a {block_cls.__name__} would take, but {refusal})"
                 block_cls = None
-        if block_cls is not None and not _fusable(fqn, member_modules, aliases, trace, share_identical):
+        if block_cls is not None and not _fusable(fqn, block_cls, member_modules, aliases, trace, share_identical):
             block_cls = None
         if block_cls is None and fqn in opaque and opaque[fqn].block_may_take:  # its members differ: own code
             fallback_roots.setdefault(fqn, opaque[fqn].reason + refused)
@@ -242,24 +242,29 @@ def _block_refusal(fqn: str, block_cls: type, member_modules, fallback_roots: di
     if inside is not None:
         return f"{inside or '(model)'} {fallback_roots[inside]}"
     for modules in member_modules:
-        reason = block_structure_known(modules[fqn], block_cls.inner_blocks)
+        reason = block_structure_known(modules[fqn], block_cls.inner_blocks, block_cls.own_modules)
         if reason is not None:
             return reason
     return next((why for modules in member_modules if (why := block_cls.refusal(modules[fqn])) is not None), None)
 
 
-def _fusable(fqn: str, member_modules, aliases, trace: Trace, share_identical: bool) -> bool:
+def _fusable(fqn: str, block_cls, member_modules, aliases, trace: Trace, share_identical: bool) -> bool:
     """A block candidate fuses if its subtree differs between members (else it is shared), no module
-    outside it reads its tensors, and none of its ops mixes batch rows."""
+    outside it reads its tensors (but those every member holds equal, in a block that keeps them as they are:
+    ``keeps_shared_tensors``, a LoRA embedding's base table tied to the output layer), and none of its ops mixes
+    batch rows."""
     subtrees = [dict(modules[fqn].named_modules(prefix=fqn)) for modules in member_modules]
     differs = not share_identical
     for path, module in subtrees[0].items():
         names = list(direct_tensors(module))
-        if _outside_readers(path, names, aliases, trace, within=fqn):
+
+        def same(name: str) -> bool:  # compared only where asked: a pass over every member's values
+            return _same([direct_tensors(subtree[path])[name] for subtree in subtrees])
+
+        outside = _outside_readers(path, names, aliases, trace, within=fqn)
+        if any(not (block_cls.keeps_shared_tensors and same(name)) for name, _ in outside):
             return False
-        differs = differs or any(
-            not _same([direct_tensors(subtree[path])[name] for subtree in subtrees]) for name in names
-        )
+        differs = differs or not all(map(same, names))
     return differs and not any(is_under(path, fqn) for path in trace.mixing)
 
 

@@ -137,10 +137,12 @@ def _taken_by_blocks(fqn: str, modules: dict[str, nn.Module]) -> Callable[[str],
     return lambda name: whole or any(rule(relative, name) for relative, rule in rules)
 
 
-def block_structure_known(module: nn.Module, inner_blocks: tuple[type, ...] = ()) -> str | None:
+def block_structure_known(module: nn.Module, inner_blocks: tuple[type, ...] = (),
+                          own: tuple[type, ...] = ()) -> str | None:
     """None if every module inside ``module`` (a fused block's source) is one a block may read: an exact class
     with a registered builder, or a module without tensors from torch or transformers, or the source of one of
-    ``inner_blocks`` (blocks the outer one builds itself, with all inside them). Else the first stranger."""
+    ``inner_blocks`` (blocks the outer one builds itself, with all inside them), or of a class in ``own`` (whose
+    tensors the block reads itself). Else the first stranger."""
     inner = []  # paths of inner blocks' sources: what is under them is theirs
     for path, sub in module.named_modules():
         if not path or any(path.startswith(f"{p}.") for p in inner):
@@ -150,7 +152,7 @@ def block_structure_known(module: nn.Module, inner_blocks: tuple[type, ...] = ()
             continue
         owns = any(t is not None for t in (*sub._parameters.values(), *sub._buffers.values()))
         library = type(sub).__module__.split(".")[0] in ("torch", "transformers")
-        if (has_exact_builder(type(sub)) if owns else library):
+        if type(sub) in own or (has_exact_builder(type(sub)) if owns else library):
             continue
         return f"{path} is a {type(sub).__module__}.{type(sub).__qualname__}, which the block does not know"
     return None

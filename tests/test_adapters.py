@@ -301,6 +301,84 @@ def test_adapters_with_trainable_tokens(tmp_path):
     assert len(lora) == 2 * 2  # not one fallback of the whole model (the trace names its layers by a slice)
 
 
+@pytest.fixture(scope="module")
+def embedding_adapters(tmp_path_factory):
+    """A Llama base (its output layer tied to the embedding) and three adapters: LoRA on the embedding and q, on v
+    only, on the embedding only (rsLoRA). PEFT saves an embedding it adapts whole (``save_embedding_layers``)."""
+    root = tmp_path_factory.mktemp("embedding")
+    LLAMA.build(0).save_pretrained(root / "base")
+    adapters = [save_adapter(LLAMA, root / "base", root / "a0", 0, r=4, target_modules=["embed_tokens", "q_proj"]),
+                save_adapter(LLAMA, root / "base", root / "a1", 1, r=8, lora_alpha=4, target_modules=["v_proj"]),
+                save_adapter(LLAMA, root / "base", root / "a2", 2, r=2, use_rslora=True, target_modules=["embed_tokens"])]
+    return root / "base", adapters
+
+
+def test_adapters_of_the_embedding_hold_the_base_table_once(embedding_adapters, tmp_path):
+    """The table each adapter's file holds equals the base's: loaded, it is the base's one tensor again, which the
+    fused embedding and the tied output layer hold. An adapter that does not adapt the embedding gets a zero
+    update there; taken out, each member is its adapter as saved."""
+    from safetensors import safe_open
+
+    from hf_wide.adapters import adapter_config, load_adapter_members
+
+    base, adapters = embedding_adapters
+    with safe_open(Path(adapters[0]) / "adapter_model.safetensors", "pt") as f:
+        assert "base_model.model.model.embed_tokens.base_layer.weight" in f.keys()  # the table, saved whole
+    wide = WideModel.from_pretrained(adapters)
+    references = [alone(LLAMA, base, a) for a in adapters]
+    inputs = LLAMA.inputs(3, padded=True)
+    assert max_member_error(wide, references, inputs) <= TOLERANCE
+    path = "base_model.model.model.embed_tokens"
+    assert wide.plan.entries[path].wide_class == "WideLoraEmbedding" and not wide.plan.fallbacks
+    block = wide.model.get_submodule(path)
+    assert wide.model.get_submodule("base_model.model.lm_head").weight is block.base_layer.weight
+    models, _, _ = load_adapter_members(adapters, adapters, [adapter_config(Path(a)) for a in adapters])
+    assert len({id(m.get_submodule(path).base_layer.weight) for m in models}) == 1  # the base's, held once
+    wide.save_pretrained(tmp_path / "ensemble")  # the adapters, the base referenced
+    with torch.no_grad():
+        assert torch.equal(WideModel.from_pretrained(str(tmp_path / "ensemble"))(**inputs).logits,
+                           wide(**inputs).logits)
+    wide.save_members(tmp_path / "members")
+    for i, reference in enumerate(references):
+        assert (type(wide.member(i).get_submodule(path)) is torch.nn.Embedding) == (i == 1)  # its zero update out
+        back = peft.PeftModel.from_pretrained(LLAMA.model_class.from_pretrained(base), tmp_path / "members" /
+                                              f"member-{i}").eval()
+        assert lora_keys(back) == lora_keys(reference)
+        with torch.no_grad():
+            assert torch.equal(back(**inputs).logits, reference(**inputs).logits)
+
+
+def test_adapters_of_the_embedding_over_a_bfloat16_base_compute_as_peft_does(embedding_adapters):
+    """PEFT keeps an embedding's adapter in float32 over a bfloat16 base too, and adds its update in float32."""
+    base, adapters = embedding_adapters
+    wide = WideModel.from_pretrained(adapters, dtype=torch.bfloat16)
+    assert wide.model.get_submodule("base_model.model.model.embed_tokens").lora_embedding_A.dtype == torch.float32
+    inputs = LLAMA.inputs(3, padded=True)
+    with torch.no_grad():
+        out = wide(**inputs).logits
+        for i, adapter in enumerate(adapters):
+            reference = peft.PeftModel.from_pretrained(LLAMA.model_class.from_pretrained(base, dtype=torch.bfloat16),
+                                                       adapter).eval()
+            want = reference(**inputs).logits
+            error = (out[i].float() - want.float()).abs()
+            assert (error > 0).float().mean() < 0.05 and error.max() <= 2 ** -6 * max(1.0, want.abs().max().item())
+
+
+def test_an_adapter_whose_saved_table_differs_from_the_base_is_refused(embedding_adapters, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    base, adapters = embedding_adapters
+    edited = tmp_path / "edited"
+    edited.mkdir()
+    (edited / "adapter_config.json").write_bytes((Path(adapters[0]) / "adapter_config.json").read_bytes())
+    tensors = load_file(Path(adapters[0]) / "adapter_model.safetensors")
+    tensors["base_model.model.model.embed_tokens.base_layer.weight"] += 0.1
+    save_file(tensors, edited / "adapter_model.safetensors")
+    with pytest.raises(IncompatibleMembersError, match=r"member 1 .*model\.embed_tokens\.weight.* differ from the "
+                                                        r"base's.*merge=True"):
+        WideModel.from_pretrained([adapters[1], str(edited)])
+
+
 @pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="mappings are read from /proc (Linux)")
 def test_each_adapter_is_held_once_in_the_tensors_the_wide_model_keeps(llama_adapters):
     """As the adapters are loaded, every LoRA weight moves into one stacked tensor per layer (the members' become

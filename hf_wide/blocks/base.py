@@ -25,6 +25,10 @@ class WideBlock(nn.Module):
     # Blocks whose source modules this block may find inside its own and build itself (LoRA layers as its
     # projections): :func:`hf_wide.structure.block_structure_known` lets exactly these through.
     inner_blocks: tuple[type["WideBlock"], ...] = ()
+    own_modules: tuple[type[nn.Module], ...] = ()  # modules inside whose tensors it reads itself (PEFT's ParameterDict)
+    # Whether the block holds a tensor every member has equal as the source's module holds it (a LoRA layer's base,
+    # :func:`~hf_wide.primitives.base.kept`), so that modules outside it may read it too (tied weights, retied)
+    keeps_shared_tensors: bool = False
 
     def __init__(self, fold: Fold, proto: nn.Module):
         super().__init__()
