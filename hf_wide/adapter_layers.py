@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import sys
 from collections.abc import Callable, Iterable, Iterator, Sequence
 
 import torch
@@ -190,6 +191,39 @@ def stack_adapters(models: Sequence[nn.Module]) -> None:
                 stacked_b[i, :, :rank] = lb.weight
                 la.weight = nn.Parameter(stacked_a[i, :rank], requires_grad=la.weight.requires_grad)
                 lb.weight = nn.Parameter(stacked_b[i, :, :rank], requires_grad=lb.weight.requires_grad)
+
+
+def adapter_structure(models: Sequence[nn.Module]) -> tuple[set[str], set[str], torch.dtype]:
+    """What every member must hold, read off the PEFT models among ``models``: the paths of every LoRA layer of any
+    of them (with the linears whose biases PEFT's ``bias="all"`` trains, where one trains them, but for those a
+    member saves whole), the paths of every module any of them saves whole, and the dtype of their adapters' weights
+    (for :func:`pad_targets`)."""
+    import peft
+
+    adapters = [m for m in models if isinstance(m, peft.PeftModel)]
+    union, saved = set().union(*map(lora_paths, adapters)), set().union(*map(saved_paths, adapters))
+    if any(getattr(config, "bias", "none") == "all" for m in adapters for config in m.peft_config.values()):
+        biases = set().union(*map(trained_bias_paths, adapters))  # but in a module saved whole: its bias with it
+        union |= {path for path in biases if not any(path == p or path.startswith(f"{p}.") for p in saved)}
+    dtype = next(p.dtype for m in adapters for name, p in m.named_parameters() if ".lora_" in name)
+    return union, saved, dtype
+
+
+def aligned_adapters(models: Sequence[nn.Module]) -> tuple[list[nn.Module], list[list[str]] | None]:
+    """LoRA members given as PeftModels (``WideModel.from_models``) whose adapters target, or save whole, different
+    modules: views of them (:func:`shared_view`, their very tensors: the models themselves are left as they are),
+    each padded as adapters loaded from folders are (:func:`pad_saved_modules`, :func:`pad_targets`), and the paths
+    each was given, for ``member(i)`` to take out (:func:`unpad`). Members that agree already, or that are not all
+    PeftModels with one LoRA adapter named "default" (what the padding gives), come back as they are, with None."""
+    peft = sys.modules.get("peft")  # not imported: no member is a PeftModel
+    if peft is None or not all(isinstance(m, peft.PeftModel) and list(m.peft_config) == ["default"]
+                               and m.peft_config["default"].peft_type == peft.PeftType.LORA for m in models):
+        return list(models), None
+    union, saved, dtype = adapter_structure(models)
+    if all(lora_paths(m) == union and saved_paths(m) == saved for m in models):
+        return list(models), None
+    views = [shared_view(m) for m in models]
+    return views, [pad_saved_modules(view, saved) + pad_targets(view, union, dtype) for view in views]
 
 
 def saved_paths(model: nn.Module) -> set[str]:

@@ -30,8 +30,8 @@ import torch
 import transformers
 from torch import nn
 
-from .adapter_layers import (adapter_view, base_untouched, held_base_tensors, lora_paths, pad_saved_modules,
-                             pad_targets, reshare, saved_paths, shared_view, stack_adapters, trained_bias_paths)
+from .adapter_layers import (adapter_structure, adapter_view, base_untouched, held_base_tensors, lora_paths,
+                             pad_saved_modules, pad_targets, reshare, shared_view, stack_adapters)
 from .adapter_repos import AdapterSources
 from .compat import IncompatibleMembersError
 
@@ -250,12 +250,8 @@ def load_adapter_members(ids, folders, configs, *, base_model=None, base_revisio
         models.append(member.merge_and_unload().eval() if merge else member.eval())
     if merge:
         return models, None, None
-    union = set().union(*(lora_paths(m) for m in models if isinstance(m, peft.PeftModel)))
-    if any(config is not None and config.get("bias") == "all" for config in configs):
-        union |= set().union(*(trained_bias_paths(m) for m in models if isinstance(m, peft.PeftModel)))
-    saved = set().union(*(saved_paths(m) for m in models if isinstance(m, peft.PeftModel)))
+    union, saved, dtype = adapter_structure(models)
     reference = next(m for m in models if isinstance(m, peft.PeftModel))
-    dtype = next(p.dtype for name, p in reference.named_parameters() if ".lora_" in name)
     padded = []
     for i, model in enumerate(models):
         if not isinstance(model, peft.PeftModel):  # a full member: the adapters' structure, with zero updates

@@ -18,6 +18,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
+from .adapter_layers import aligned_adapters
 from .compat import check_compatible
 from .cpu import release_freed_memory
 from .fold import Fold
@@ -39,7 +40,7 @@ def fuse_models(cls: type[WideModel], models: Sequence[nn.Module], sample_inputs
                 share_identical: bool = True, verify: bool = True, atol: float = 1e-4,
                 copy_shared: bool = True) -> WideModel:
     """``cls.from_models(models, ...)``: see :meth:`WideModel.from_models` for the options."""
-    models = list(models)
+    models, padded = aligned_adapters(models)  # LoRA members with different targets: views, given zero updates
     check_compatible(models, member_ids, allow_label_mismatch)
     template = models[0]
     args, kwargs = _as_args_kwargs(sample_inputs if sample_inputs is not None else build_sample_inputs(template))
@@ -90,6 +91,8 @@ def fuse_models(cls: type[WideModel], models: Sequence[nn.Module], sample_inputs
     finally:
         for m, training in zip(models, was_training):
             m.train(training)
+    if padded:  # the no-ops the views were given, which member(i) takes out
+        wide.padded_targets = padded
     wide.train(was_training[0])
     if validate:
         wide.validate(models, args, kwargs, atol=atol)

@@ -130,6 +130,49 @@ def test_adapters_that_save_different_modules(tmp_path):
                                alone(BERT, tmp_path / "base", adapter)(**inputs).logits)
 
 
+def test_an_adapter_that_trains_every_bias_beside_one_that_saves_the_head(tmp_path):
+    """PEFT's ``bias="all"`` trains the head's bias where the adapter does not save the head; another adapter saves
+    it whole (and the pooler). The head was to get a zero LoRA layer for the biases, over the other member's saved
+    copy, and the load was refused ("a ModulesToSaveWrapper: hf-wide can give it no zero LoRA"): a module saved
+    whole carries its biases, so the first member gets a saved copy of its own head and pooler instead."""
+    BERT.build(0).save_pretrained(tmp_path / "base")
+    adapters = [save_adapter(BERT, tmp_path / "base", tmp_path / "a0", 0, r=4, target_modules=["query"], bias="all"),
+                save_adapter(BERT, tmp_path / "base", tmp_path / "a1", 1, r=2, target_modules=["value"],
+                             modules_to_save=["classifier", "pooler"])]
+    wide = WideModel.from_pretrained(adapters)
+    references = [alone(BERT, tmp_path / "base", a) for a in adapters]
+    assert max_member_error(wide, references, BERT.inputs(3, padded=True)) <= TOLERANCE and not wide.plan.fallbacks
+    for i, reference in enumerate(references):
+        member, want = wide.member(i).state_dict(), reference.state_dict()
+        assert member.keys() == want.keys() and all(torch.equal(member[k], want[k]) for k in want)
+
+
+def test_peft_models_that_target_and_save_different_modules_fuse_with_from_models():
+    """``from_models`` of PeftModels whose adapters differ in ``target_modules``, ``modules_to_save`` and ``bias``
+    was refused ("member 1 has no tensor ..."): views of them get the zero updates and saved copies that adapters
+    loaded from folders get. The models given are left as they were, and ``member(i)`` is each of them again."""
+    from lora_members import adapted
+
+    base, inputs = BERT.build(0), BERT.inputs(3, padded=True)
+    members = [adapted(base, 0, r=4, target_modules=["query", "value"], modules_to_save=["classifier"]),
+               adapted(base, 1, r=8, target_modules=["query"], modules_to_save=["classifier", "pooler"]),
+               adapted(base, 2, r=2, target_modules=["value"], bias="all")]
+    with torch.no_grad():  # what bias="all" trains: every bias of member 2's own
+        for name, p in members[2].named_parameters():
+            if name.endswith("bias"):
+                p.add_(0.1 * torch.randn(p.shape, generator=torch.Generator().manual_seed(len(name))))
+    before = [dict(m.named_modules()) for m in members]
+    wide = WideModel.from_models(members)
+    assert max_member_error(wide, members, inputs) <= TOLERANCE and not wide.plan.fallbacks
+    assert {e.wide_class for e in wide.plan.entries.values()} >= {"WideLoraLinear"}
+    for member, modules in zip(members, before):  # the very modules each held: no layer wrapped in place
+        assert dict(member.named_modules()).keys() == modules.keys()
+        assert all(member.get_submodule(path) is module for path, module in modules.items())
+    for i, member in enumerate(members):
+        got, want = wide.member(i).state_dict(), member.state_dict()
+        assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+
+
 def test_the_text_classification_pipeline_on_adapters(tmp_path):
     from hf_wide.pipelines import pipeline
 
