@@ -43,10 +43,13 @@ def _named_tensors(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
 
 def held_base_tensors(keys: Iterable[str], base: nn.Module) -> set[str]:
     """The names in ``base`` of its own tensors whose values an adapter file holds (``keys``, the file's names, as
-    PEFT writes them): the embedding layers a LoRA adapts, which PEFT saves whole (``save_embedding_layers``)."""
+    PEFT writes them): the base layers of the embeddings a LoRA adapts, which PEFT saves whole
+    (``save_embedding_layers``), as ``...embed_tokens.base_layer.weight``. Not the modules it saves whole
+    (``modules_to_save``): those load into copies of their own, and their names (``classifier.weight``) say nothing
+    of it; a file that does write into the base is refused as it loads (:func:`base_untouched`)."""
     names = {name for name, _ in _named_tensors(base)}
-    return {name for name in (key.removeprefix("base_model.model.").replace(".base_layer.", ".") for key in keys)
-            if name in names}
+    layers = (key.removeprefix("base_model.model.").replace(".base_layer.", ".") for key in keys if ".base_layer." in key)
+    return {name for name in layers if name in names}
 
 
 def adapter_view(base: nn.Module, config: dict, held: set[str] = frozenset()

@@ -407,6 +407,25 @@ def test_adapters_of_the_embedding_over_a_bfloat16_base_compute_as_peft_does(emb
             assert (error > 0).float().mean() < 0.05 and error.max() <= 2 ** -6 * max(1.0, want.abs().max().item())
 
 
+def test_only_the_tables_of_adapted_embeddings_are_copied_as_an_adapter_loads(embedding_adapters, tmp_path):
+    """An adapter's file names the embedding table it adapts and saves whole by its base layer; a module it saves
+    whole (``modules_to_save``) by names that read like the base's own (``classifier.weight``), but that loads
+    into a copy of its own: copying the base's tensors of those too would hold a second saved head (a whole
+    ``lm_head``, say) while each adapter loads, for nothing."""
+    from hf_wide.adapter_layers import held_base_tensors
+    from hf_wide.adapters import adapter_keys
+
+    base, adapters = embedding_adapters
+    llama = LLAMA.model_class.from_pretrained(base)
+    assert held_base_tensors(adapter_keys(Path(adapters[0])), llama) == {"model.embed_tokens.weight"}
+    assert held_base_tensors(adapter_keys(Path(adapters[1])), llama) == set()  # v_proj only
+    BERT.build(0).save_pretrained(tmp_path / "bert")
+    head = save_adapter(BERT, tmp_path / "bert", tmp_path / "head", 0, r=4, target_modules=["query"],
+                        modules_to_save=["classifier"])
+    assert "base_model.model.classifier.weight" in adapter_keys(Path(head))  # the head, saved whole
+    assert held_base_tensors(adapter_keys(Path(head)), BERT.model_class.from_pretrained(tmp_path / "bert")) == set()
+
+
 def test_an_adapter_whose_saved_table_differs_from_the_base_is_refused(embedding_adapters, tmp_path):
     from safetensors.torch import load_file, save_file
 
