@@ -130,7 +130,7 @@ def trained_bias_paths(model: nn.Module) -> set[str]:
 
 
 def pad_targets(model: nn.Module, paths: set[str], dtype: torch.dtype) -> list[str]:
-    """Wrap each ``nn.Linear`` (or GPT-2's ``Conv1D``, or an ``nn.Embedding``) at ``paths`` (relative to the PEFT
+    """Wrap each ``nn.Linear`` (or GPT-2's ``Conv1D``, or an embedding) at ``paths`` (relative to the PEFT
     model) that has no adapter in a LoRA layer whose update is exactly zero (rank 1, its B zero): then every member
     has the same structure; their weights are in ``dtype``, the adapters' (float32 over a half-precision base, as
     PEFT keeps them), so each layer's stacked updates have one dtype. Returns the paths wrapped."""
@@ -144,11 +144,12 @@ def pad_targets(model: nn.Module, paths: set[str], dtype: torch.dtype) -> list[s
         parent_path, _, child = path.rpartition(".")
         parent = model.get_submodule(parent_path)
         layer = getattr(parent, child)
-        if type(layer) not in (nn.Linear, Conv1D, nn.Embedding):
+        embedding = isinstance(layer, nn.Embedding)  # a scaled one too (Gemma's), as PEFT's own dispatch takes it
+        if type(layer) not in (nn.Linear, Conv1D) and not embedding:
             raise IncompatibleMembersError(f"{path} is a {type(layer).__name__}: hf-wide can give it no zero LoRA.")
         conv = type(layer) is Conv1D  # PEFT wraps it with fan_in_fan_out, as its own dispatch does
         config = peft.LoraConfig(r=1, lora_alpha=1, lora_dropout=0.0, target_modules=[], fan_in_fan_out=conv)
-        if type(layer) is nn.Embedding:
+        if embedding:
             lora = LoraEmbedding(layer, "default", config=config, r=1, lora_alpha=1)
             updates = (lora.lora_embedding_A, lora.lora_embedding_B)
         else:

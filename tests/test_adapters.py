@@ -407,6 +407,22 @@ def test_adapters_of_the_embedding_over_a_bfloat16_base_compute_as_peft_does(emb
             assert (error > 0).float().mean() < 0.05 and error.max() <= 2 ** -6 * max(1.0, want.abs().max().item())
 
 
+def test_adapters_of_a_scaled_embedding_beside_one_that_does_not_adapt_it(tmp_path):
+    """Gemma's embedding scales its lookup (an ``nn.Embedding`` subclass, which PEFT adapts as any embedding): the
+    adapter that does not adapt it was refused its zero update ("hf-wide can give it no zero LoRA"). Now it gets
+    one; the fused embedding runs each member's own code (the block declines a scaled table), exactly."""
+    gemma = CASES["gemma3-causallm"]
+    gemma.build(0).save_pretrained(tmp_path / "base")
+    adapters = [save_adapter(gemma, tmp_path / "base", tmp_path / f"a{seed}", seed, r=4, target_modules=targets)
+                for seed, targets in enumerate([["embed_tokens", "q_proj"], ["q_proj"]])]
+    wide = WideModel.from_pretrained(adapters)
+    references = [alone(gemma, tmp_path / "base", a) for a in adapters]
+    assert max_member_error(wide, references, gemma.inputs(3, padded=True)) <= TOLERANCE
+    for i, reference in enumerate(references):  # the zero update taken out again
+        member, want = wide.member(i).state_dict(), reference.state_dict()
+        assert member.keys() == want.keys() and all(torch.equal(member[k], want[k]) for k in want)
+
+
 def test_only_the_tables_of_adapted_embeddings_are_copied_as_an_adapter_loads(embedding_adapters, tmp_path):
     """An adapter's file names the embedding table it adapts and saves whole by its base layer; a module it saves
     whole (``modules_to_save``) by names that read like the base's own (``classifier.weight``), but that loads
