@@ -48,7 +48,8 @@ def held_base_tensors(keys: Iterable[str], base: nn.Module) -> set[str]:
     (``modules_to_save``): those load into copies of their own, and their names (``classifier.weight``) say nothing
     of it; a file that does write into the base is refused as it loads (:func:`base_untouched`)."""
     names = {name for name, _ in _named_tensors(base)}
-    layers = (key.removeprefix("base_model.model.").replace(".base_layer.", ".") for key in keys if ".base_layer." in key)
+    layers = (key.removeprefix("base_model.model.").replace(".base_layer.", ".") for key in keys
+              if ".base_layer." in key)
     return {name for name in layers if name in names}
 
 
