@@ -51,6 +51,8 @@ def lora_embedding_refusal(module: nn.Module) -> str | None:
         return f"its base layer is a {type(module.base_layer).__name__}, not an nn.Embedding"
     if module.base_layer.max_norm is not None:
         return "its base layer renormalises its table in place (max_norm)"
+    if module.base_layer.scale_grad_by_freq or module.base_layer.sparse:  # PEFT's lookup passes these to A's
+        return "its base layer scales its gradient by frequency or makes it sparse"
     if getattr(module, "input_fns", None) or getattr(module, "output_fns", None):
         return "it has tensor-parallel hooks"
     return None
@@ -112,6 +114,7 @@ class WideLoraEmbedding(WideBlock):
                                                      device=device))
         self.register_buffer("rank", torch.tensor(ranks), persistent=False)
         self.register_buffer("offsets", torch.arange(n, device=device).view(n, 1) * vocab, persistent=False)
+        self.padding_idx = bases[0].padding_idx  # the members' one vocabulary's (PEFT looks A up with it)
         object.__setattr__(self, "protos", meta_copies(mods, self.proto))  # each member's ranks and attributes
 
     def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:  # x: (N*B, ...) ids -> (N*B, ..., D)
@@ -122,6 +125,8 @@ class WideLoraEmbedding(WideBlock):
         a = self.lora_embedding_A
         # member m's ids index rows m*V.. of the (N*V, r) table: every member's low-rank rows in one lookup
         low = F.embedding(x.reshape(n, -1) + self.offsets, a.view(-1, a.shape[-1]))  # (N, M, r)
+        if self.padding_idx is not None and low.requires_grad:  # as PEFT's lookup: no gradient to the padding row
+            low = torch.where((x == self.padding_idx).reshape(n, -1, 1), low.detach(), low)
         scale = one_scale(self)
         if scale is None:  # the members' scalings differ: each member's on its (small) low-rank rows
             low = low * self.scaling.view(n, 1, 1)

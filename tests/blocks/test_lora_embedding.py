@@ -59,3 +59,20 @@ def test_an_embedding_with_dora_is_declined_and_runs_as_each_members_own_code():
     wide = WideModel.from_models(members)
     assert max_member_error(wide, members, LLAMA.inputs(2, padded=True)) <= TOLERANCE
     assert wide.plan.entries[EMBED].wide_class != "WideLoraEmbedding"
+
+
+def test_no_gradient_reaches_the_padding_row_of_a_members_table():
+    """PEFT looks the low-rank rows up with the base's ``padding_idx``, so training leaves A's row of the padding
+    token as it is; each member's gradient of A in the wide model is the PeftModel's (the padding row zero)."""
+    base, inputs = LLAMA.build(0), LLAMA.inputs(2, padded=True)
+    assert (inputs["input_ids"] == base.config.pad_token_id).any()  # the padding token is looked up
+    members = [adapted(base, seed, r=2 + 2 * seed, lora_alpha=8, target_modules=["embed_tokens"]) for seed in range(2)]
+    wide = WideModel.from_models(members, share_identical=False).train()
+    block = wide.model.get_submodule(EMBED)
+    wide(**inputs).logits.sum().backward()
+    for i, member in enumerate(members):
+        member.train()
+        member(**inputs).logits.sum().backward()
+        want = member.get_submodule(EMBED).lora_embedding_A["default"].grad  # (r_i, V)
+        got = block.lora_embedding_A.grad[i, :, : want.shape[0]].T
+        assert torch.allclose(got, want, atol=1e-5) and not want[:, base.config.pad_token_id].any()
