@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..primitives.base import kept, meta_copies
-from ..primitives.embedding import WideEmbedding
+from ..primitives.embedding import WideEmbedding, no_padding_gradient
 from ..registry import register_block
 from .base import WideBlock
 from .lora import equal_tensors, one_scale
@@ -124,9 +124,9 @@ class WideLoraEmbedding(WideBlock):
         result = self.base_layer(x)  # (N*B, ..., D)
         a = self.lora_embedding_A
         # member m's ids index rows m*V.. of the (N*V, r) table: every member's low-rank rows in one lookup
-        low = F.embedding(x.reshape(n, -1) + self.offsets, a.view(-1, a.shape[-1]))  # (N, M, r)
-        if self.padding_idx is not None and low.requires_grad:  # as PEFT's lookup: no gradient to the padding row
-            low = torch.where((x == self.padding_idx).reshape(n, -1, 1), low.detach(), low)
+        ids = x.reshape(n, -1)  # (N, M)
+        low = F.embedding(ids + self.offsets, a.view(-1, a.shape[-1]))  # (N, M, r)
+        low = no_padding_gradient(low, ids, self.padding_idx)  # PEFT looks A up with the base's padding_idx
         scale = one_scale(self)
         if scale is None:  # the members' scalings differ: each member's on its (small) low-rank rows
             low = low * self.scaling.view(n, 1, 1)

@@ -10,6 +10,15 @@ from ..registry import register_wide, transformers_classes
 from .base import WideModule
 
 
+def no_padding_gradient(out: torch.Tensor, ids: torch.Tensor, padding_idx: int | None) -> torch.Tensor:
+    """``out`` (the rows looked up for ``ids``, shaped as ``ids`` plus one dim) with no gradient through the rows of
+    the padding token, as ``F.embedding(..., padding_idx=p)`` gives none to row p: a lookup in members' tables laid end
+    to end, one padding row each, cannot say so itself. The values are unchanged."""
+    if padding_idx is None or not out.requires_grad:
+        return out
+    return torch.where((ids == padding_idx).unsqueeze(-1), out.detach(), out)
+
+
 @register_wide(nn.Embedding)
 class WideEmbedding(WideModule):
     """N ``nn.Embedding`` tables, ``weight``: (N, V, D). Member m's ids are offset by ``m*V`` into the
@@ -19,6 +28,7 @@ class WideEmbedding(WideModule):
         self.num_embeddings = proto.num_embeddings
         self.embedding_dim = proto.embedding_dim
         self.padding_idx = proto.padding_idx
+        self.scale_grad_by_freq = proto.scale_grad_by_freq
         if proto.max_norm is not None:
             raise NotImplementedError("WideEmbedding does not support max_norm (it renormalises in place).")
         offsets = torch.arange(self.num_members, device=self.weight.device) * self.num_embeddings
@@ -26,11 +36,14 @@ class WideEmbedding(WideModule):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:  # ids: (N*B, ...) or broadcast (1, ...)
         n = self.num_members
-        if ids.shape[0] == 1 and n > 1:  # broadcast (e.g. position ids): every member's rows, then expand
-            out = self.weight.index_select(1, ids.reshape(-1))  # (N, T, D): one gather over the (N, V, D) tables
+        broadcast = ids.shape[0] == 1 and n > 1  # (position ids): every member's rows, then expanded to the batch
+        flat = ids.reshape(1 if broadcast else n, -1)  # (N or 1, B*...)
+        # member m's ids index rows m*V.. of the (N*V, D) table; counted per member, for scale_grad_by_freq too
+        out = F.embedding(flat + self.offsets, self.weight.view(-1, self.embedding_dim),
+                          scale_grad_by_freq=self.scale_grad_by_freq)  # (N, B*..., D)
+        out = no_padding_gradient(out, flat, self.padding_idx)
+        if broadcast:
             return self.fold.merge(out.view(n, *ids.shape, self.embedding_dim))
-        flat = ids.reshape(n, -1) + self.offsets  # (N, B*...): member m's ids index rows m*V.. of the table
-        out = F.embedding(flat, self.weight.view(-1, self.embedding_dim))  # (N, B*..., D)
         return out.view(*ids.shape, self.embedding_dim)
 
 

@@ -25,6 +25,7 @@ PRIMITIVES = {
     "linear-falcon": (lambda: FalconLinear(6, 5), (B, 4, 6)),  # forward overridden, the same map: registered
     "conv1d-gpt2": (lambda: Conv1D(5, 6), (B, 4, 6)),
     "embedding": (lambda: nn.Embedding(11, 4, padding_idx=0), (B, 5)),
+    "embedding-freq": (lambda: nn.Embedding(11, 4, scale_grad_by_freq=True), (B, 5)),
     "embedding-gemma-scaled": (lambda: Gemma3TextScaledWordEmbedding(11, 4, padding_idx=0, embed_scale=2.0), (B, 5)),
     "embedding-bart-scaled": (lambda: BartScaledWordEmbedding(11, 4, padding_idx=0, embed_scale=2.0), (B, 5)),
     "layernorm": (lambda: nn.LayerNorm(6), (B, 4, 6)),
@@ -142,3 +143,27 @@ def test_meta_copies_are_shared_only_by_modules_alike():
     assert all(t.is_meta for c in copies for t in c.parameters())
     first = nn.Linear(4, 3).to("meta")
     assert meta_copies([a, b], first)[1] is first  # a copy of the first already made: taken
+
+
+@pytest.mark.parametrize("name", [name for name in PRIMITIVES if name.startswith("embedding")])
+@pytest.mark.parametrize("broadcast", [False, True], ids=["rows", "broadcast"])
+def test_each_members_gradient_is_its_own_with_none_at_the_padding_row(name, broadcast):
+    """``nn.Embedding(padding_idx=p)`` sends no gradient to row p; the wide table's rows p, V + p, ... neither (one
+    lookup in the members' tables laid end to end has no padding row of its own: training moved them). With
+    ``scale_grad_by_freq`` each member's rows are scaled by their counts in its own ids."""
+    factory, shape = PRIMITIVES[name]
+    mods = [randomised(factory, s) for s in range(N)]
+    fold = Fold(N)
+    wide = get_wide(type(mods[0])).from_modules(mods, fold)
+    x = sample(name, (1, *shape[1:]) if broadcast else shape)
+    x[0, :2] = 0 if mods[0].padding_idx is None else mods[0].padding_idx  # the padding token, twice
+    fold.anchor = torch.empty(N * B, 0)
+    folded = x if broadcast else x.repeat(N, *([1] * (x.dim() - 1)))
+    out = wide(folded)
+    grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(0))
+    out.backward(grad)
+    rows = grad.view(N, -1, *out.shape[1:])  # each member's cotangent, (N, B or 1, ...)
+    for i, mod in enumerate(mods):
+        mod(x).backward(rows[i] if not broadcast else rows[i].sum(0, keepdim=True))
+        assert torch.allclose(wide.weight.grad[i], mod.weight.grad, atol=1e-5)
+        assert mod.padding_idx is None or not mod.weight.grad[mod.padding_idx].any()
