@@ -160,11 +160,19 @@ class VectorisedFallback(nn.Module):
 
     def forward(self, *args, **kwargs):
         leaves, spec = pytree.tree_flatten((args, kwargs))
-        if self.loop or any(isinstance(t, Cache) for t in leaves):  # a cache: each member appends to its rows
+        grad = torch.is_grad_enabled()
+        if (self.loop or (grad and self.__dict__.get("loop_under_autograd"))
+                or any(isinstance(t, Cache) for t in leaves)):  # a cache: each member appends to its rows
             return self._loop(args, kwargs)
         try:
             return self._vmap(leaves, spec)
         except RuntimeError as exc:
+            if grad and "is not differentiable with respect to" in str(exc):
+                # Inside vmap a kernel was chosen that autograd cannot go through, where the member's own call picks
+                # one it can (CPU flash attention, not differentiable in a mask to train: T5's position bias). Under
+                # autograd, member by member from now on.
+                self.__dict__["loop_under_autograd"] = True
+                return self._loop(args, kwargs)
             if "vmap" not in str(exc):
                 raise
             # vmap refuses these inputs (data-dependent control flow on values that differ between members):
