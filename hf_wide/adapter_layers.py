@@ -221,8 +221,10 @@ def aligned_adapters(models: Sequence[nn.Module]) -> tuple[list[nn.Module], list
     each was given, for ``member(i)`` to take out (:func:`unpad`). Members that agree already, or that are not all
     PeftModels with one LoRA adapter named "default" (what the padding gives), come back as they are, with None."""
     peft = sys.modules.get("peft")  # not imported: no member is a PeftModel
-    if peft is None or not models or not all(isinstance(m, peft.PeftModel) and list(m.peft_config) == ["default"]
-                               and m.peft_config["default"].peft_type == peft.PeftType.LORA for m in models):
+    lora = peft is not None and bool(models) and all(
+        isinstance(m, peft.PeftModel) and list(m.peft_config) == ["default"]
+        and m.peft_config["default"].peft_type == peft.PeftType.LORA for m in models)
+    if not lora:
         return list(models), None
     union, saved, dtype = adapter_structure(models)
     if all(lora_paths(m) == union and saved_paths(m) == saved for m in models):
