@@ -229,8 +229,12 @@ def aligned_adapters(models: Sequence[nn.Module]) -> tuple[list[nn.Module], list
     union, saved, dtype = adapter_structure(models)
     if all(lora_paths(m) == union and saved_paths(m) == saved for m in models):
         return list(models), None
+    trainable = [(p, p.requires_grad) for m in models for p in m.parameters()]
     views = [shared_view(m) for m in models]
-    return views, [pad_saved_modules(view, saved) + pad_targets(view, union, dtype) for view in views]
+    padded = [pad_saved_modules(view, saved) + pad_targets(view, union, dtype) for view in views]
+    for p, flag in trainable:  # the wrappers froze the tensors they wrap, which are the models' own
+        p.requires_grad_(flag)
+    return views, padded
 
 
 def saved_paths(model: nn.Module) -> set[str]:

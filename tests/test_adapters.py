@@ -162,12 +162,14 @@ def test_peft_models_that_target_and_save_different_modules_fuse_with_from_model
             if name.endswith("bias"):
                 p.add_(0.1 * torch.randn(p.shape, generator=torch.Generator().manual_seed(len(name))))
     before = [dict(m.named_modules()) for m in members]
+    trainable = [{name: p.requires_grad for name, p in m.named_parameters()} for m in members]
     wide = WideModel.from_models(members)
     assert max_member_error(wide, members, inputs) <= TOLERANCE and not wide.plan.fallbacks
     assert {e.wide_class for e in wide.plan.entries.values()} >= {"WideLoraLinear"}
-    for member, modules in zip(members, before):  # the very modules each held: no layer wrapped in place
+    for member, modules, flags in zip(members, before, trainable):  # the very modules each held, as they were
         assert dict(member.named_modules()).keys() == modules.keys()
         assert all(member.get_submodule(path) is module for path, module in modules.items())
+        assert {name: p.requires_grad for name, p in member.named_parameters()} == flags  # bias="all": still trained
     for i, member in enumerate(members):
         got, want = wide.member(i).state_dict(), member.state_dict()
         assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
