@@ -93,10 +93,17 @@ def fuse_models(cls: type[WideModel], models: Sequence[nn.Module], sample_inputs
             m.train(training)
     if padded:  # the no-ops the views were given, which member(i) takes out
         wide.padded_targets = padded
+    wide.differently_trained = differently_trained(models)
     wide.train(was_training[0])
     if validate:
         wide.validate(models, args, kwargs, atol=atol)
     return wide
+
+
+def differently_trained(models: Sequence[nn.Module]) -> tuple[str, ...]:
+    """The names of the parameters that some of ``models`` train (``requires_grad``) and others keep fixed."""
+    flags = [dict((name, p.requires_grad) for name, p in m.named_parameters()) for m in models]
+    return tuple(name for name, flag in flags[0].items() if any(f.get(name, flag) != flag for f in flags[1:]))
 
 
 def _describe(failures: dict[str, str]) -> str:

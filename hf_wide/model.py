@@ -48,6 +48,8 @@ class WideModel(nn.Module):
     padded_targets: list[list[str]] | None = None  # per member held here: the no-ops it was given (adapter_layers)
     member_peft_configs: list[dict] | None = None  # each PeftModel member's own (the fused model holds member 0's)
     members_group = None  # a MemberGroup when the members are split over ranks (hf_wide.parallel)
+    # parameters some members train and others keep fixed: held stacked, each trained or not as member 0's is
+    differently_trained: tuple[str, ...] = ()
 
     def __init__(
         self,
@@ -260,6 +262,13 @@ class WideModel(nn.Module):
                 "tensor. Fuse with share_identical=False to train every member's copy independently."
             )
             self._warned_shared = True
+        if mode and self.differently_trained and not getattr(self, "_warned_trained", False):
+            warnings.warn(
+                f"Training a wide model whose members train different tensors: {list(self.differently_trained[:3])}"
+                "... are trained by some members and kept fixed by others. Each is one stacked tensor, trained (or "
+                "not) for every member as member 0 trains it."
+            )
+            self._warned_trained = True
         return super().train(mode)
 
     def compile(self, **compile_kwargs) -> "WideModel":

@@ -499,3 +499,21 @@ def test_adapters_over_a_bfloat16_base_compute_as_peft_does(llama_adapters):
     assert lora and not wide.plan.fallbacks and {m.lora_A.dtype for m in lora} == {torch.float32}
     assert wide.member(0).base_model.model.model.layers[0].self_attn.q_proj.lora_A["default"].weight.dtype == (
         torch.float32)
+
+
+def test_training_members_that_train_different_tensors_is_warned_of():
+    """PEFT's ``bias="lora_only"`` trains the adapted layers' biases, ``bias="none"`` keeps them fixed: stacked, a
+    tensor is trained or not as member 0's is, which ``train()`` says rather than letting one member's training
+    differ from its PeftModel's unseen."""
+    from lora_members import adapted
+
+    base = BERT.build(0)
+    members = [adapted(base, seed, r=4, target_modules=["query"], bias=bias)
+               for seed, bias in enumerate(["none", "lora_only"])]
+    wide = WideModel.from_models(members, share_identical=False)
+    assert wide.differently_trained and all(name.endswith("query.base_layer.bias") for name in wide.differently_trained)
+    with pytest.warns(UserWarning, match=r"train different tensors.*query\.base_layer\.bias.*as member 0"):
+        wide.train()
+    same = WideModel.from_models([adapted(base, seed, r=4, target_modules=["query"]) for seed in range(2)],
+                                 share_identical=False)
+    assert same.differently_trained == ()
