@@ -158,13 +158,20 @@ def pad_targets(model: nn.Module, paths: set[str], dtype: torch.dtype) -> list[s
             updates = (lora.lora_A, lora.lora_B)
         for adapter in updates:  # not the base layer inside: it stays the base's tensors
             adapter.to(layer.weight.device, dtype)
-        for tensor in updates[1].parameters():  # B, of the embedding or of the linear in the ModuleDict
-            nn.init.zeros_(tensor)
+        zero_update(lora)
         lora.requires_grad_(False)
         setattr(parent, child, lora.eval())
         wrapped.append(path)
     _list_targets(model)  # every member's are now the union
     return wrapped
+
+
+def zero_update(layer: nn.Module) -> None:
+    """Make a LoRA layer (PEFT's ``lora.Linear`` or ``lora.Embedding``) an exact no-op: its B zero, whatever its A
+    (PEFT starts A random)."""
+    for table in (layer.lora_B, layer.lora_embedding_B):  # a ModuleDict of linears, a ParameterDict
+        for tensor in table.parameters():
+            nn.init.zeros_(tensor)
 
 
 def stack_adapters(models: Sequence[nn.Module]) -> None:

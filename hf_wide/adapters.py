@@ -31,7 +31,7 @@ import transformers
 from torch import nn
 
 from .adapter_layers import (adapter_structure, adapter_view, base_untouched, held_base_tensors, lora_paths,
-                             pad_saved_modules, pad_targets, reshare, shared_view, stack_adapters)
+                             pad_saved_modules, pad_targets, reshare, shared_view, stack_adapters, zero_update)
 from .adapter_repos import AdapterSources
 from .compat import IncompatibleMembersError
 
@@ -258,7 +258,7 @@ def load_adapter_members(ids, folders, configs, *, base_model=None, base_revisio
             with peft_quietly():
                 model = peft.get_peft_model(model, copy.deepcopy(reference.peft_config["default"])).eval()
             for path in lora_paths(model):  # the fresh adapter's own random A: zero B keeps it a no-op
-                nn.init.zeros_(model.get_submodule(path).lora_B["default"].weight)
+                zero_update(model.get_submodule(path))
             model.requires_grad_(False)
             models[i] = model
         padded.append(pad_saved_modules(models[i], saved) + pad_targets(models[i], union, dtype))

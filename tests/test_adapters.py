@@ -425,6 +425,21 @@ def test_adapters_of_a_scaled_embedding_beside_one_that_does_not_adapt_it(tmp_pa
         assert member.keys() == want.keys() and all(torch.equal(member[k], want[k]) for k in want)
 
 
+def test_the_base_and_a_full_checkpoint_beside_an_adapter_of_the_embedding(embedding_adapters, tmp_path):
+    """A full member gets the adapters' structure with zero updates: for a LoRA embedding, a zero
+    ``lora_embedding_B`` (the loader reached for ``lora_B``, which a LoRA embedding leaves empty: KeyError)."""
+    base, adapters = embedding_adapters
+    LLAMA.build(5).save_pretrained(tmp_path / "full")
+    wide = WideModel.from_pretrained([str(base), adapters[0], str(tmp_path / "full")])
+    references = [LLAMA.model_class.from_pretrained(base).eval(), alone(LLAMA, base, adapters[0]),
+                  LLAMA.model_class.from_pretrained(tmp_path / "full").eval()]
+    assert max_member_error(wide, references, LLAMA.inputs(3, padded=True)) <= TOLERANCE
+    for i in (0, 2):  # the plain models again, each with its own weights
+        got, want = wide.member(i).state_dict(), references[i].state_dict()
+        assert type(wide.member(i)) is LLAMA.model_class and got.keys() == want.keys()
+        assert all(torch.equal(got[k], want[k]) for k in want)
+
+
 def test_only_the_tables_of_adapted_embeddings_are_copied_as_an_adapter_loads(embedding_adapters, tmp_path):
     """An adapter's file names the embedding table it adapts and saves whole by its base layer; a module it saves
     whole (``modules_to_save``) by names that read like the base's own (``classifier.weight``), but that loads
