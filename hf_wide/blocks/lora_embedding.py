@@ -150,14 +150,15 @@ class WideLoraEmbedding(WideBlock):
         base = self.base_layer
         state = {f"base_layer.{k}": t[i] if isinstance(base, WideEmbedding) else t
                  for k, t in base._parameters.items() if t is not None}
-        # PEFT's layout, (r_i, V), its own storage: safetensors saves no transposed view
-        state[f"lora_embedding_A.{self.adapter}"] = self.lora_embedding_A[i, :, :rank].T.contiguous()
+        state[f"lora_embedding_A.{self.adapter}"] = self.lora_embedding_A[i, :, :rank].T  # PEFT's (r_i, V): a view
         state[f"lora_embedding_B.{self.adapter}"] = self.lora_embedding_B[i, :, :rank]
         return state
 
     def to_module(self, i: int, share: bool = False) -> nn.Module:
         mod = copy.deepcopy(self.protos[i])  # member i's own rank, scaling and the rest
-        state = {k: v.detach() if share else v.detach().clone() for k, v in self.member_state_dict(i).items()}
+        # copies laid out as PEFT's own (safetensors saves no transposed view); with share, the views themselves
+        state = {k: v.detach() if share else v.detach().clone(memory_format=torch.contiguous_format)
+                 for k, v in self.member_state_dict(i).items()}
         mod.load_state_dict(state, strict=True, assign=True)
         return mod
 

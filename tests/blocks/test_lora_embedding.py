@@ -33,6 +33,8 @@ def test_ranks_alphas_and_rslora_that_differ_are_one_lookup_in_the_base_table():
     assert wide.model.get_submodule("base_model.model.lm_head").weight is block.base_layer.weight
     assert block.lora_embedding_A.shape == (3, LLAMA.build(0).config.vocab_size, 8)
     assert block.scaling.tolist() == pytest.approx([2.0, 0.5, 8 / 2 ** 0.5])
+    shared = wide.member(1, share=True).get_submodule(EMBED).lora_embedding_A["default"]  # a view, held once
+    assert shared.untyped_storage().data_ptr() == block.lora_embedding_A.untyped_storage().data_ptr()
     tokens = wide.generate(**inputs, max_new_tokens=4, do_sample=False)
     for i, member in enumerate(members):
         assert torch.equal(tokens[i], member.generate(**inputs, max_new_tokens=4, do_sample=False))
