@@ -221,27 +221,46 @@ def adapter_structure(models: Sequence[nn.Module]) -> tuple[set[str], set[str], 
     return union, saved, dtype
 
 
-def aligned_adapters(models: Sequence[nn.Module]) -> tuple[list[nn.Module], list[list[str]] | None]:
+def as_adapter(model: nn.Module, reference: nn.Module) -> nn.Module:
+    """A full member among adapters (their base itself, or a model of its architecture): ``model`` wrapped as the
+    adapter ``reference`` is (its config), every update an exact no-op (zero B) and frozen, so that all members have
+    one structure and this one computes with its own weights alone (``unload()`` gives it back)."""
+    import peft
+
+    from .adapters import peft_quietly
+
+    with peft_quietly():
+        model = peft.get_peft_model(model, copy.deepcopy(reference.peft_config["default"])).eval()
+    for path in lora_paths(model):  # the fresh adapter's own random A: zero B keeps it a no-op
+        zero_update(model.get_submodule(path))
+    model.requires_grad_(False)
+    return model
+
+
+def aligned_adapters(models: Sequence[nn.Module]) -> tuple[list[nn.Module], list[list[str]] | None, frozenset[int]]:
     """LoRA members given as PeftModels (``WideModel.from_models``) whose adapters target, or save whole, different
-    modules: views of them (:func:`shared_view`, their very tensors: the models themselves are left as they are),
-    each padded as adapters loaded from folders are (:func:`pad_saved_modules`, :func:`pad_targets`), and the paths
-    each was given, for ``member(i)`` to take out (:func:`unpad`). Members that agree already, or that are not all
-    PeftModels with one LoRA adapter named "default" (what the padding gives), come back as they are, with None."""
+    modules, or beside plain models of their base's class: views of them (:func:`shared_view`, their very tensors:
+    the models themselves are left as they are), each plain one wrapped as the adapters are (:func:`as_adapter`),
+    each padded as adapters loaded from folders are (:func:`pad_saved_modules`, :func:`pad_targets`); the paths each
+    was given, for ``member(i)`` to take out (:func:`unpad`), and which members were plain models. Members that agree
+    already, or whose PeftModels do not all hold one LoRA adapter named "default" (what the padding gives), come back
+    as they are, with None."""
     peft = sys.modules.get("peft")  # not imported: no member is a PeftModel
-    lora = peft is not None and bool(models) and all(
-        isinstance(m, peft.PeftModel) and list(m.peft_config) == ["default"]
-        and m.peft_config["default"].peft_type == peft.PeftType.LORA for m in models)
-    if not lora:
-        return list(models), None
+    adapters = [m for m in models if peft is not None and isinstance(m, peft.PeftModel)]
+    full = frozenset(i for i, m in enumerate(models) if adapters and not isinstance(m, peft.PeftModel))
+    lora = bool(adapters) and all(list(m.peft_config) == ["default"] and m.peft_config["default"].peft_type
+                                  == peft.PeftType.LORA for m in adapters)
+    if not lora or any(type(models[i]) is not type(adapters[0].get_base_model()) for i in full):
+        return list(models), None, frozenset()  # (members of other classes are refused as such)
     union, saved, dtype = adapter_structure(models)
-    if all(lora_paths(m) == union and saved_paths(m) == saved for m in models):
-        return list(models), None
+    if not full and all(lora_paths(m) == union and saved_paths(m) == saved for m in models):
+        return list(models), None, frozenset()
     trainable = [(p, p.requires_grad) for m in models for p in m.parameters()]
-    views = [shared_view(m) for m in models]
+    views = [as_adapter(shared_view(m), adapters[0]) if i in full else shared_view(m) for i, m in enumerate(models)]
     padded = [pad_saved_modules(view, saved) + pad_targets(view, union, dtype) for view in views]
     for p, flag in trainable:  # the wrappers froze the tensors they wrap, which are the models' own
         p.requires_grad_(flag)
-    return views, padded
+    return views, padded, full
 
 
 def saved_paths(model: nn.Module) -> set[str]:

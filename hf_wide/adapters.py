@@ -30,8 +30,8 @@ import torch
 import transformers
 from torch import nn
 
-from .adapter_layers import (adapter_structure, adapter_view, base_untouched, held_base_tensors, lora_paths,
-                             pad_saved_modules, pad_targets, reshare, shared_view, stack_adapters, zero_update)
+from .adapter_layers import (adapter_structure, adapter_view, as_adapter, base_untouched, held_base_tensors,
+                             pad_saved_modules, pad_targets, reshare, shared_view, stack_adapters)
 from .adapter_repos import AdapterSources
 from .compat import IncompatibleMembersError
 
@@ -255,12 +255,7 @@ def load_adapter_members(ids, folders, configs, *, base_model=None, base_revisio
     padded = []
     for i, model in enumerate(models):
         if not isinstance(model, peft.PeftModel):  # a full member: the adapters' structure, with zero updates
-            with peft_quietly():
-                model = peft.get_peft_model(model, copy.deepcopy(reference.peft_config["default"])).eval()
-            for path in lora_paths(model):  # the fresh adapter's own random A: zero B keeps it a no-op
-                zero_update(model.get_submodule(path))
-            model.requires_grad_(False)
-            models[i] = model
+            models[i] = as_adapter(model, reference)
         padded.append(pad_saved_modules(models[i], saved) + pad_targets(models[i], union, dtype))
     stack_adapters(models)
     full = any(c is None and str(i) != str(base_id) for c, i in zip(configs, ids))  # a full checkpoint, not the base

@@ -40,7 +40,7 @@ def fuse_models(cls: type[WideModel], models: Sequence[nn.Module], sample_inputs
                 share_identical: bool = True, verify: bool = True, atol: float = 1e-4,
                 copy_shared: bool = True) -> WideModel:
     """``cls.from_models(models, ...)``: see :meth:`WideModel.from_models` for the options."""
-    models, padded = aligned_adapters(models)  # LoRA members with different targets: views, given zero updates
+    models, padded, full = aligned_adapters(models)  # LoRA members that differ, or beside plain models: views
     check_compatible(models, member_ids, allow_label_mismatch)
     template = models[0]
     args, kwargs = _as_args_kwargs(sample_inputs if sample_inputs is not None else build_sample_inputs(template))
@@ -92,7 +92,7 @@ def fuse_models(cls: type[WideModel], models: Sequence[nn.Module], sample_inputs
         for m, training in zip(models, was_training):
             m.train(training)
     if padded:  # the no-ops the views were given, which member(i) takes out
-        wide.padded_targets = padded
+        wide.padded_targets, wide.full_members = padded, full
     wide.differently_trained = differently_trained(models)
     wide.train(was_training[0])
     if validate:

@@ -175,6 +175,26 @@ def test_peft_models_that_target_and_save_different_modules_fuse_with_from_model
         assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
 
 
+def test_peft_models_beside_plain_models_of_their_base_fuse_with_from_models():
+    """``from_models`` took PeftModels or plain models, not both ("all members must be the same model class"), where
+    ``from_pretrained`` takes the base and full checkpoints beside adapters: a view of each plain model is wrapped as
+    the adapters are, with zero updates, and ``member(i)`` is that plain model again; the models given stay as they
+    were."""
+    from lora_members import adapted
+
+    base, other, inputs = BERT.build(0), BERT.build(5), BERT.inputs(3, padded=True)
+    members = [base, adapted(base, 1, r=4, target_modules=["query"], modules_to_save=["classifier"]), other]
+    trainable = [{name: p.requires_grad for name, p in m.named_parameters()} for m in members]
+    wide = WideModel.from_models(members)
+    assert max_member_error(wide, members, inputs) <= TOLERANCE and not wide.plan.fallbacks
+    for i in (0, 2):
+        got, want = wide.member(i).state_dict(), members[i].state_dict()
+        assert type(wide.member(i)) is BERT.model_class and got.keys() == want.keys()
+        assert all(torch.equal(got[k], want[k]) for k in want)
+    assert [type(m) for m in members[::2]] == [BERT.model_class] * 2  # not wrapped in place
+    assert [{name: p.requires_grad for name, p in m.named_parameters()} for m in members] == trainable
+
+
 def test_the_text_classification_pipeline_on_adapters(tmp_path):
     from hf_wide.pipelines import pipeline
 
