@@ -102,7 +102,7 @@ def fuse_models(cls: type[WideModel], models: Sequence[nn.Module], sample_inputs
 
 def differently_trained(models: Sequence[nn.Module]) -> tuple[str, ...]:
     """The names of the parameters that some of ``models`` train (``requires_grad``) and others keep fixed."""
-    flags = [dict((name, p.requires_grad) for name, p in m.named_parameters()) for m in models]
+    flags = [{name: p.requires_grad for name, p in m.named_parameters()} for m in models]
     return tuple(name for name, flag in flags[0].items() if any(f.get(name, flag) != flag for f in flags[1:]))
 
 
