@@ -244,7 +244,7 @@ def aligned_adapters(models: Sequence[nn.Module]) -> tuple[list[nn.Module], list
     each padded as adapters loaded from folders are (:func:`pad_saved_modules`, :func:`pad_targets`); the paths each
     was given, for ``member(i)`` to take out (:func:`unpad`), and which members were plain models. Members that agree
     already, or whose PeftModels do not all hold one LoRA adapter named "default" (what the padding gives), come back
-    as they are, with None."""
+    as they are, with None and no plain members."""
     peft = sys.modules.get("peft")  # not imported: no member is a PeftModel
     adapters = [m for m in models if peft is not None and isinstance(m, peft.PeftModel)]
     full = frozenset(i for i, m in enumerate(models) if adapters and not isinstance(m, peft.PeftModel))
