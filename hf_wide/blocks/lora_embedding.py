@@ -11,9 +11,9 @@ equal (adapters of one base) and a :class:`~hf_wide.primitives.embedding.WideEmb
 ranks are zero-padded to the largest, and each member has its own scaling. PEFT saves the table whole with an
 adapter that targets it (``save_embedding_layers``): :func:`hf_wide.adapter_layers.reshare` holds it once again.
 
-Only vanilla LoRA with one adapter, active, unmerged, over an exact ``nn.Embedding`` without ``max_norm``, ``scale_grad_by_freq`` or ``sparse`` is taken
-(PEFT's DoRA and MiCA variants, a scaled embedding such as Gemma's, tensor-parallel hooks are declined: the
-module then runs as each member's own code). PEFT's embedding applies no dropout, and neither does this.
+Only vanilla LoRA with one adapter, active, unmerged, over an exact ``nn.Embedding`` without ``max_norm``,
+``scale_grad_by_freq`` or ``sparse`` is taken (PEFT's DoRA and MiCA variants, a scaled embedding such as Gemma's,
+tensor-parallel hooks are declined: the module then runs as each member's own code). PEFT's embedding applies no dropout, and neither does this.
 """
 
 from __future__ import annotations
