@@ -51,8 +51,11 @@ def check_own_dropouts(wide, members, inputs, tolerance: float) -> None:
 
 
 def save_adapter(case, base_dir, folder, seed: int, base_name: str | None = None, **config):
-    """An adapter of the base saved at ``base_dir``, with random A and B, saved to ``folder``."""
-    model = peft.get_peft_model(case.model_class.from_pretrained(base_dir), peft.LoraConfig(**config))
+    """An adapter of the base saved at ``base_dir``, with random A and B, saved to ``folder``: the same for the same
+    ``seed`` whatever ran before (PEFT draws its A from the global generator)."""
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        model = peft.get_peft_model(case.model_class.from_pretrained(base_dir), peft.LoraConfig(**config))
     gen = torch.Generator().manual_seed(seed)
     trains_biases = config.get("bias", "none") != "none"  # PEFT's bias="all" or "lora_only": saved with the adapter
     with torch.no_grad():

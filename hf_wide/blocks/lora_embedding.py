@@ -128,14 +128,18 @@ class WideLoraEmbedding(WideBlock):
         low = F.embedding(ids + self.offsets, a.view(-1, a.shape[-1]))  # (N, M, r)
         low = no_padding_gradient(low, ids, self.padding_idx)  # PEFT looks A up with the base's padding_idx
         scale = one_scale(self)
+        b = self.lora_embedding_B.transpose(1, 2)  # (N, r, D)
+        if result.dtype != a.dtype:
+            # Adapters kept in float32 over a half-precision base (PEFT's autocast_adapter_dtype): PEFT's own order,
+            # the product, then the scale, added to the lookup in float32 and rounded once. Its roundings, so a sum
+            # that falls near a half-precision step rounds as the member's does (that step moved whole logits).
+            update = torch.bmm(low, b) * (self.scaling.view(n, 1, 1) if scale is None else scale)  # (N, M, D)
+            return (result.to(a.dtype).view_as(update) + update).view(result.shape).to(result.dtype)
         if scale is None:  # the members' scalings differ: each member's on its (small) low-rank rows
             low = low * self.scaling.view(n, 1, 1)
             scale = 1.0
-        # Adapters kept in float32 over a half-precision base (PEFT's autocast_adapter_dtype): the update in
-        # float32, added to the base's lookup in float32 and rounded once, as PEFT does.
-        out = result if result.dtype == a.dtype else result.to(a.dtype)
-        out.view(n, -1, result.shape[-1]).baddbmm_(low, self.lora_embedding_B.transpose(1, 2), alpha=scale)
-        return out if out is result else out.to(result.dtype)
+        result.view(n, -1, result.shape[-1]).baddbmm_(low, b, alpha=scale)
+        return result
 
     @property
     def weight(self) -> torch.Tensor:
