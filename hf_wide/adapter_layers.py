@@ -213,12 +213,44 @@ def adapter_structure(models: Sequence[nn.Module]) -> tuple[set[str], set[str], 
     import peft
 
     adapters = [m for m in models if isinstance(m, peft.PeftModel)]
+    _require_alike_tokens(models)
     union, saved = set().union(*map(lora_paths, adapters)), set().union(*map(saved_paths, adapters))
     if any(getattr(config, "bias", "none") == "all" for m in adapters for config in m.peft_config.values()):
         biases = set().union(*map(trained_bias_paths, adapters))  # but in a module saved whole: its bias with it
         union |= {path for path in biases if not any(path == p or path.startswith(f"{p}.") for p in saved)}
     dtype = next(p.dtype for m in adapters for name, p in m.named_parameters() if ".lora_" in name)
     return union, saved, dtype
+
+
+def trained_tokens(model: nn.Module) -> dict[str, int]:
+    """How many rows of each embedding ``model`` (a PEFT model) trains with PEFT's ``trainable_token_indices``, by
+    path in its transformers model (a tied output layer's rows are the embedding's)."""
+    from peft.tuners.trainable_tokens.layer import TrainableTokensLayer
+
+    return {path.removeprefix("base_model.model.").removesuffix(".token_adapter"):
+            sum(map(len, m.token_indices.values()))
+            for path, m in model.named_modules() if isinstance(m, TrainableTokensLayer) and m.tied_adapter is None}
+
+
+def _require_alike_tokens(models: Sequence[nn.Module]) -> None:
+    """Refuse PEFT models that train different numbers of tokens (``trainable_token_indices``), or of different
+    embeddings: their layers would differ in shape. (Which tokens may differ; a plain model beside them gets the
+    adapters' trainable tokens at their base values, :func:`as_adapter`.)"""
+    import peft
+
+    tokens = [(i, trained_tokens(m)) for i, m in enumerate(models) if isinstance(m, peft.PeftModel)]
+    first, theirs = tokens[0]
+    for i, ours in tokens[1:]:
+        if ours != theirs:
+            raise IncompatibleMembersError(
+                f"member {i} trains {_tokens(ours)} (PEFT's trainable_token_indices) and member {first} "
+                f"{_tokens(theirs)}: hf-wide fuses adapters that train as many tokens of the same embeddings. Merge "
+                "each adapter into its own copy of the base instead (from_pretrained(..., merge=True), or each "
+                "PeftModel's merge_and_unload()): exact, N full weight sets.")
+
+
+def _tokens(counts: dict[str, int]) -> str:
+    return ", ".join(f"{n} token{'s' * (n != 1)} of {path}" for path, n in sorted(counts.items())) or "no tokens"
 
 
 def as_adapter(model: nn.Module, reference: nn.Module) -> nn.Module:

@@ -341,31 +341,6 @@ def test_an_adapter_that_holds_a_base_weight_is_refused_and_merge_is_the_way_out
     assert max_member_error(wide, references, LLAMA.inputs(2, padded=True)) <= 1e-4  # merged weights round
 
 
-def test_adapters_with_trainable_tokens(tmp_path):
-    """PEFT's ``trainable_token_indices``: each member's own rows of the (tied) embedding and output layer, run as
-    each member's code, the LoRA layers fused. The inputs hold the trained tokens."""
-    LLAMA.build(0).save_pretrained(tmp_path / "base")
-    adapters = []
-    for seed in range(2):
-        model = peft.get_peft_model(LLAMA.model_class.from_pretrained(tmp_path / "base"), peft.LoraConfig(
-            r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], trainable_token_indices=[5, 7],
-            task_type="CAUSAL_LM"))
-        gen = torch.Generator().manual_seed(seed)
-        with torch.no_grad():
-            for name, p in model.named_parameters():
-                if "lora_" in name or "trainable_tokens_delta" in name:
-                    p.add_(0.1 * torch.randn(p.shape, generator=gen))
-        model.save_pretrained(tmp_path / f"a{seed}")
-        adapters.append(str(tmp_path / f"a{seed}"))
-    wide = WideModel.from_pretrained(adapters)
-    references = [alone(LLAMA, tmp_path / "base", a) for a in adapters]
-    inputs = LLAMA.inputs(2, padded=True)
-    inputs["input_ids"][:, 1:3] = torch.tensor([5, 7])
-    assert max_member_error(wide, references, inputs) <= TOLERANCE
-    lora = [e for e in wide.plan.entries.values() if e.wide_class == "WideLoraLinear"]
-    assert len(lora) == 2 * 2  # not one fallback of the whole model (the trace names its layers by a slice)
-
-
 @pytest.fixture(scope="module")
 def embedding_adapters(tmp_path_factory):
     """A Llama base (its output layer tied to the embedding) and three adapters: LoRA on the embedding and q, on v

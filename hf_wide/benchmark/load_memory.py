@@ -10,7 +10,12 @@ to a temporary folder, then loads them in fresh subprocesses:
   replaced), for comparison;
 - ``adapters``: ``WideModel.from_pretrained(adapter folders)``: N LoRA adapters (rank 8 on every linear of the
   layers, the classifier saved whole) of one such base, whose cost is measured against the base plus the
-  adapters (their files' bytes) rather than the fused model.
+  adapters (their files' bytes) rather than the fused model;
+- ``unverified``: the same, ``verify=False`` (what hf-wide's check of every fused module against its members
+  adds to the peak);
+- ``peft``: the same adapters as PEFT itself holds them, for reference: one ``PeftModel`` with the N adapters
+  loaded by name, each run once on the sample inputs hf-wide verifies with (no trace, no fusion, no member
+  models; what a load that only reads the files and runs each adapter costs, :func:`load_with_peft`).
 
 Each child reads its peak resident memory (``VmHWM``). A load's cost is its peak minus the baseline's, as a
 multiple of the fused model's size (the bytes of its parameters and buffers). Loading pulls in libraries the
@@ -36,26 +41,33 @@ import threading
 import time
 from pathlib import Path
 
+ADAPTER_MODES = {"adapters", "unverified", "peft"}  # measured against the base and the adapters
+
 CHILD = r"""
 import gc, json, os, sys
 import torch, transformers
 import hf_wide, hf_wide.hub
 from hf_wide import WideModel
-from hf_wide.benchmark.load_memory import HeldPeak
+from hf_wide.benchmark.load_memory import ADAPTER_MODES, HeldPeak
 from hf_wide.cpu import peak_rss as peak
 mode, warmup, root, paths = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4:]
 result = {"imports": peak()}
 if warmup != "-":  # for adapters, peft's imports and the adapter path too: on tiny adapters
-    tiny = "tiny-lora" if mode == "adapters" else "tiny"
+    tiny = "tiny-lora" if mode in ADAPTER_MODES else "tiny"
     WideModel.from_pretrained([os.path.join(warmup, f"{tiny}-0"), os.path.join(warmup, f"{tiny}-1")])
     gc.collect()  # the tiny model's mapped files with it
 result["warm"] = peak()
 with HeldPeak(root) as held:
     if mode in ("members", "fused", "adapters"):
         wide = WideModel.from_pretrained(paths)
+    elif mode == "unverified":
+        wide = WideModel.from_pretrained(paths, verify=False)
     elif mode == "whole":
         from hf_wide.hub import load_members
         wide = WideModel.from_models(load_members(paths)[0])
+    elif mode == "peft":
+        from hf_wide.benchmark.load_memory import load_with_peft
+        wide = load_with_peft(paths)
 if mode != "baseline":
     result["fused_bytes"] = sum(t.numel() * t.element_size() for t in (*wide.parameters(), *wide.buffers()))
 result["peak"] = peak()
@@ -158,13 +170,16 @@ def write_adapters(folder: Path, num_members: int, hidden: int, layers: int, voc
     import torch
     from transformers import BertForSequenceClassification
 
-    def adapters(base_dir: Path, name: str, n: int, config) -> list[str]:
+    from ..adapters import peft_quietly
+
+    def adapters(base_dir: Path, name: str, n: int) -> list[str]:
         paths = []
         for i in range(n):
             torch.manual_seed(i)
-            model = peft.get_peft_model(BertForSequenceClassification.from_pretrained(base_dir), peft.LoraConfig(
-                r=8, lora_alpha=16, target_modules=["query", "key", "value", "dense"], modules_to_save=["classifier"],
-                task_type="SEQ_CLS", init_lora_weights=False))
+            with peft_quietly():
+                model = peft.get_peft_model(BertForSequenceClassification.from_pretrained(base_dir), peft.LoraConfig(
+                    r=8, lora_alpha=16, target_modules=["query", "key", "value", "dense"],
+                    modules_to_save=["classifier"], task_type="SEQ_CLS", init_lora_weights=False))
             model.save_pretrained(folder / f"{name}-{i}")
             paths.append(str(folder / f"{name}-{i}"))
         return paths
@@ -172,11 +187,35 @@ def write_adapters(folder: Path, num_members: int, hidden: int, layers: int, voc
     torch.manual_seed(0)
     BertForSequenceClassification(_bert_config(hidden, layers, vocab)).save_pretrained(folder / "base")
     BertForSequenceClassification(_bert_config(32, 1, 100)).save_pretrained(folder / "tiny-base")
-    adapters(folder / "tiny-base", "tiny-lora", 2, None)
-    paths = adapters(folder / "base", "lora", num_members, None)
+    adapters(folder / "tiny-base", "tiny-lora", 2)
+    paths = adapters(folder / "base", "lora", num_members)
     size = sum(p.stat().st_size for p in [folder / "base" / "model.safetensors",
                                          *(Path(p) / "adapter_model.safetensors" for p in paths)])
     return paths, size
+
+
+def load_with_peft(paths: list[str]):
+    """The adapters at ``paths`` as PEFT holds several: one ``PeftModel`` over their base, each adapter loaded under
+    its own name and run once (no gradients) on :func:`hf_wide.samples.sample_inputs` of the model."""
+    import peft
+    import torch
+    from transformers import BertForSequenceClassification
+
+    from ..adapters import peft_quietly
+    from ..samples import sample_inputs
+
+    base = json.loads((Path(paths[0]) / "adapter_config.json").read_text())["base_model_name_or_path"]
+    with peft_quietly():
+        model = peft.PeftModel.from_pretrained(BertForSequenceClassification.from_pretrained(base), paths[0],
+                                               adapter_name="0").eval()
+        for i, path in enumerate(paths[1:], 1):
+            model.load_adapter(path, adapter_name=str(i))
+    inputs = sample_inputs(model)
+    with torch.no_grad():
+        for i in range(len(paths)):
+            model.set_adapter(str(i))
+            model(**inputs)
+    return model
 
 
 def _run_child(mode: str, warmup: str, root: Path, paths: list[str]) -> dict:
@@ -193,18 +232,18 @@ def measure_load_memory(num_members: int = 4, hidden: int = 256, layers: int = 4
     each way in ``modes``. Checkpoints are written to ``folder`` (a temporary one if None)."""
     with tempfile.TemporaryDirectory(prefix="hf-wide-mem-") as tmp:
         root = Path(folder or tmp)
-        full = [mode for mode in modes if mode != "adapters"]
+        full = [mode for mode in modes if mode not in ADAPTER_MODES]
         paths = write_members(root, num_members, hidden, layers, vocab) if full else []
         adapter_paths, adapter_bytes = write_adapters(root, num_members, hidden, layers, vocab) if (
-            "adapters" in modes) else ([], None)
+            set(modes) & ADAPTER_MODES) else ([], None)
         baseline = _run_child("baseline", "-", root, [])
         report = {"num_members": num_members, "hidden": hidden, "layers": layers, "vocab": vocab,
                   "baseline_peak": baseline["peak"], "loads": {}}
         for mode in modes:
-            sources = {"fused": [str(root / "fused")], "adapters": adapter_paths}.get(mode, paths)
+            sources = adapter_paths if mode in ADAPTER_MODES else [str(root / "fused")] if mode == "fused" else paths
             cold, warm = _run_child(mode, "-", root, sources), _run_child(mode, str(root), root, sources)
-            size = adapter_bytes if mode == "adapters" else cold["fused_bytes"]
-            if mode != "adapters":
+            size = adapter_bytes if mode in ADAPTER_MODES else cold["fused_bytes"]
+            if mode not in ADAPTER_MODES:
                 report["fused_bytes"] = size
             else:
                 report["base_and_adapters_bytes"] = size
@@ -228,14 +267,15 @@ def _format(report: dict) -> str:
     lines = [
         f"{report['num_members']} x BERT (hidden {report['hidden']}, {report['layers']} layers, vocab "
         f"{report['vocab']}): {fused}baseline process (imports) {report['baseline_peak'] / mb:.1f} MiB",
-        f"{'load':<8} {'peak MiB':>9} {'- baseline':>11} {'x size':>8} {'- warm':>8} {'x size':>8} "
+        f"{'load':<10} {'peak MiB':>9} {'- baseline':>11} {'x size':>8} {'- warm':>8} {'x size':>8} "
         f"{'anon. MiB':>10} {'held MiB':>9} {'x size':>8}",
     ]
     if "base_and_adapters_bytes" in report:
-        lines.insert(1, f"adapters: the base and {report['num_members']} LoRA adapters, "
-                        f"{report['base_and_adapters_bytes'] / mb:.1f} MiB (the size its x is of; the others', the fused model)")
+        lines.insert(1, f"{', '.join(sorted(ADAPTER_MODES & report['loads'].keys()))}: the base and {report['num_members']} LoRA adapters, "
+                        f"{report['base_and_adapters_bytes'] / mb:.1f} MiB (the size their x is of; the others', "
+                        "the fused model)")
     for mode, r in report["loads"].items():
-        lines.append(f"{mode:<8} {r['peak'] / mb:>9.1f} {r['over_baseline'] / mb:>11.1f} {r['ratio']:>8.2f} "
+        lines.append(f"{mode:<10} {r['peak'] / mb:>9.1f} {r['over_baseline'] / mb:>11.1f} {r['ratio']:>8.2f} "
                      f"{r['over_warm'] / mb:>8.1f} {r['ratio_over_warm']:>8.2f} {r['anonymous'] / mb:>10.1f} "
                      f"{r['held'] / mb:>9.1f} {r['ratio_held']:>8.2f}")
     return "\n".join(lines)
@@ -248,7 +288,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--vocab", type=int, default=30_000)
     parser.add_argument("--modes", nargs="+", default=["members", "fused", "whole", "adapters"],
-                        choices=["members", "fused", "whole", "adapters"])
+                        choices=["members", "fused", "whole", "adapters", "unverified", "peft"])
     parser.add_argument("--json", help="also write the figures to this file")
     args = parser.parse_args(argv)
     report = measure_load_memory(args.members, args.hidden, args.layers, args.vocab, tuple(args.modes))
