@@ -239,7 +239,7 @@ def _require_alike_tokens(models: Sequence[nn.Module]) -> None:
     import peft
 
     tokens = [(i, trained_tokens(m)) for i, m in enumerate(models) if isinstance(m, peft.PeftModel)]
-    first, theirs = tokens[0]
+    first, theirs = tokens[0] if tokens else (None, {})
     for i, ours in tokens[1:]:
         if ours != theirs:
             raise IncompatibleMembersError(

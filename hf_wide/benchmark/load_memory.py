@@ -271,7 +271,8 @@ def _format(report: dict) -> str:
         f"{'anon. MiB':>10} {'held MiB':>9} {'x size':>8}",
     ]
     if "base_and_adapters_bytes" in report:
-        lines.insert(1, f"{', '.join(sorted(ADAPTER_MODES & report['loads'].keys()))}: the base and {report['num_members']} LoRA adapters, "
+        modes = ", ".join(sorted(ADAPTER_MODES & report["loads"].keys()))
+        lines.insert(1, f"{modes}: the base and {report['num_members']} LoRA adapters, "
                         f"{report['base_and_adapters_bytes'] / mb:.1f} MiB (the size their x is of; the others', "
                         "the fused model)")
     for mode, r in report["loads"].items():
