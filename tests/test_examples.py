@@ -49,6 +49,20 @@ def causal_lm_members(tmp_path_factory):
     return paths
 
 
+def test_lora_ensemble(digit_members, tmp_path, capsys):
+    """Fine-tunes two adapters of a digit classifier, fuses them (member 0 against its adapter run alone by PEFT),
+    then classifies a drawing with the adapters it saved, given back by folder."""
+    result = example("lora_ensemble")(["--base", digit_members[0], "--members", "2", "--out", str(tmp_path)])
+    assert len(result["members"]) == 2 and 0 <= result["ensemble"]["accuracy"] <= 1 and result["difference"] <= 1e-4
+    assert "ensemble" in capsys.readouterr().out
+
+    _, (images, _) = load_digits_split()
+    digit_drawing(images[0]).save(tmp_path / "drawn.png")
+    adapters = [str(tmp_path / f"lora-{seed}") for seed in range(2)]
+    answer = example("lora_ensemble")([*adapters, "--image", str(tmp_path / "drawn.png")])["result"]
+    assert answer["label"] in [str(digit) for digit in range(10)] and len(answer["members"]) == 2
+
+
 def test_fuse_and_classify(digit_members, tmp_path, capsys):
     result = example("fuse_and_classify")(digit_members)
     assert len(result["members"]) == 3 and 0 <= result["score"] <= 1

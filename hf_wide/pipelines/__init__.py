@@ -18,7 +18,7 @@ from .calibration import calibrate
 from .classification import ImageClassificationPipeline, TextClassificationPipeline
 from .combine import Combine
 from .feature_extraction import FeatureExtractionPipeline
-from .loading import load_preprocessors
+from .loading import load_preprocessors, preprocessor_sources
 from .text_generation import TextGenerationPipeline
 from .token_classification import TokenClassificationPipeline
 
@@ -60,14 +60,13 @@ def pipeline(
         sources, revision=revision, token=token, dtype=dtype if dtype is not None else torch_dtype,
         **(model_kwargs or {})
     )
-    if sources is None:
-        sources = list(wide.member_ids)
     pipeline_class = TASKS[task]
-    needs_text = task != "image-classification"
-    if needs_text and tokenizer is None:
-        tokenizer = load_preprocessors(sources, "tokenizer", token=token)
-    if not needs_text and image_processor is None:
-        image_processor = load_preprocessors(sources, "image_processor", token=token)
+    kind = "tokenizer" if task != "image-classification" else "image_processor"
+    if (tokenizer if kind == "tokenizer" else image_processor) is None:
+        # a fused repo by its id: its own files; else each member's own (an adapter's base's, where it has none)
+        found = load_preprocessors([(model, revision)] if isinstance(model, str) else
+                                   preprocessor_sources(wide, kind, token=token), kind, token=token)
+        tokenizer, image_processor = (found, None) if kind == "tokenizer" else (None, found)
     return pipeline_class(wide, tokenizer=tokenizer, image_processor=image_processor, **kwargs)
 
 

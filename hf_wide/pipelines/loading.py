@@ -34,29 +34,70 @@ def _refuse_if_empty(tokenizer, vocab: dict, name: str) -> None:
         )
 
 
-def load_preprocessors(sources: Sequence[str], kind: str, token=None):
-    """The one tokenizer (``kind="tokenizer"``) or image processor the members share. Members whose
-    vocabularies or settings differ are refused with a message naming them: pass ``tokenizer=`` (or
-    ``image_processor=``) yourself to use one for all. So is a tokenizer with no vocabulary (no tokenizer files)."""
+# The files a saved tokenizer or image processor writes: a repo with none of them has none of its own.
+PREPROCESSOR_FILES = {"tokenizer": ("tokenizer_config.json", "tokenizer.json"),
+                      "image_processor": ("preprocessor_config.json",)}
+
+
+def preprocessor_sources(wide, kind: str, token=None) -> list[tuple[str, str | None]]:
+    """(repo id or folder, revision) to load each member's tokenizer or image processor from: the member's own, at
+    the commit its weights came from; for an adapter that ships none (PEFT saves the adapter alone), its base's,
+    at the base's commit, which is what it was trained with."""
+    adapters = getattr(wide, "adapter_sources", None)
+    sources = []
+    for i, (source, revision) in enumerate(zip(wide.member_ids, wide.member_revisions)):
+        if adapters is not None and adapters.configs[i] is not None and not any(
+                _has_file(source, name, revision, token) is not False for name in PREPROCESSOR_FILES[kind]):
+            source, revision = adapters.base_model, adapters.base_revision
+        sources.append((str(source), revision))
+    return sources
+
+
+def _has_file(source: str, filename: str, revision: str | None, token=None) -> bool | None:
+    """Whether the folder or Hub repo ``source`` holds ``filename`` at ``revision``: from the folder, the local
+    cache, or the Hub; None where none of them can tell (offline, and not in the default cache)."""
+    import os
+
+    from huggingface_hub import file_exists, try_to_load_from_cache
+    from huggingface_hub.file_download import _CACHED_NO_EXIST
+
+    if os.path.isdir(source):
+        return os.path.isfile(os.path.join(source, filename))
+    cached = try_to_load_from_cache(source, filename, revision=revision)
+    if cached is not None:
+        return cached is not _CACHED_NO_EXIST
+    try:
+        return file_exists(source, filename, revision=revision, token=token)
+    except Exception:  # offline, or the Hub unreachable: nothing known
+        return None
+
+
+def load_preprocessors(sources: Sequence[str | tuple[str, str | None]], kind: str, token=None):
+    """The one tokenizer (``kind="tokenizer"``) or image processor the members share, from ``sources`` (repo ids
+    or folders, or (id, revision) pairs). Members whose vocabularies or settings differ are refused with a message
+    naming them: pass ``tokenizer=`` (or ``image_processor=``) yourself to use one for all. So is a tokenizer with
+    no vocabulary (no tokenizer files)."""
     from transformers import AutoImageProcessor, AutoTokenizer
 
     auto = AutoTokenizer if kind == "tokenizer" else AutoImageProcessor
+    pairs = [source if isinstance(source, tuple) else (source, None) for source in sources]
+    names = [source if revision is None else f"{source} at {revision}" for source, revision in pairs]
     loaded = []
-    for i, source in enumerate(sources):
+    for i, ((source, revision), name) in enumerate(zip(pairs, names)):
         try:
-            loaded.append(auto.from_pretrained(source, token=token))
+            loaded.append(auto.from_pretrained(source, revision=revision, token=token))
         except (OSError, ValueError) as exc:
             raise ValueError(
-                f"Could not load {'an' if kind == 'image_processor' else 'a'} {kind} for member {i} ({source}): {exc}. "
+                f"Could not load {'an' if kind == 'image_processor' else 'a'} {kind} for member {i} ({name}): {exc}. "
                 f"Pass {kind}= explicitly."
             ) from exc
     fingerprints = [_fingerprint(obj, kind) for obj in loaded]  # a tokenizer's: (vocabulary, settings)
-    for i, (source, obj, fingerprint) in enumerate(zip(sources, loaded, fingerprints)):
+    for i, (name, obj, fingerprint) in enumerate(zip(names, loaded, fingerprints)):
         if kind == "tokenizer":
-            _refuse_if_empty(obj, fingerprint[0], f"member {i} ({source})")
+            _refuse_if_empty(obj, fingerprint[0], f"member {i} ({name})")
         if fingerprint != fingerprints[0]:
             raise ValueError(
-                f"Member {i} ({source}) has a different {kind} from member 0 ({sources[0]}): they would "
+                f"Member {i} ({name}) has a different {kind} from member 0 ({names[0]}): they would "
                 f"read the same input differently. Pass {kind}= to use one for all members."
             )
     return loaded[0]

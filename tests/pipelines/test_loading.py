@@ -85,3 +85,48 @@ def test_feature_extraction_takes_any_head_and_lora_members_are_known_by_their_b
     with pytest.raises(ValueError, match="token-classification runs members with a token-classification head.*"
                                          "these are BertForSequenceClassification"):
         pipeline("token-classification", model=lora, tokenizer=tokenizer)
+
+
+def test_adapters_without_tokenizer_files_read_with_their_bases_tokenizer(tmp_path, hub):
+    """PEFT saves an adapter alone (was: "Could not load a tokenizer for member 0"): the pipeline reads with its
+    base's tokenizer, at the base's commit; an adapter that ships a tokenizer reads with its own."""
+    from lora_members import save_adapter
+
+    bert = CASES["bert-seqcls"]
+    tokenizer = bert_tokenizer(tmp_path / "tok")
+    other = transformers.BertTokenizer(str(tmp_path / "tok" / "vocab.txt"), do_lower_case=False)  # another setting
+    bert.build(0).save_pretrained(tmp_path / "base")
+    tokenizer.save_pretrained(tmp_path / "base")
+    other.save_pretrained(tmp_path / "other")
+    options = dict(r=4, target_modules=["query", "value"], task_type="SEQ_CLS")
+    adapters = [save_adapter(bert, tmp_path / "base", tmp_path / f"a{s}", s, **options) for s in range(2)]
+    expected = pipeline("text-classification", model=adapters, tokenizer=tokenizer)(TEXTS)
+    pipe = pipeline("text-classification", model=adapters)
+    assert pipe.tokenizer.init_kwargs["do_lower_case"] and pipe(TEXTS) == expected
+
+    # on the Hub, the base since given another tokenizer: the adapters' pinned base, with its own
+    pinned = hub.publish("alice/base", tmp_path / "base")
+    hub.publish("alice/base", tmp_path / "other")
+    for s in range(2):
+        hub.publish(f"alice/a{s}", save_adapter(bert, tmp_path / "base", tmp_path / f"hub-a{s}", s,
+                                                base_name="alice/base", **options))
+    pipe = pipeline("text-classification", model=["alice/a0", "alice/a1"], model_kwargs={"base_revision": pinned})
+    assert pipe.tokenizer.init_kwargs["do_lower_case"] and pipe(TEXTS) == expected
+
+    for adapter in adapters:  # adapters with tokenizers of their own
+        other.save_pretrained(adapter)
+    assert pipeline("text-classification", model=adapters).tokenizer.init_kwargs["do_lower_case"] is False
+
+
+def test_members_pinned_at_a_revision_read_with_that_revisions_tokenizer(members, tmp_path, hub):
+    """The tokenizer came from each repo's main branch whatever revision the weights were pinned at."""
+    paths = save_members(tmp_path, members, bert_tokenizer(tmp_path / "tok"))
+    pinned = [hub.publish(f"alice/m{i}", path) for i, path in enumerate(paths)]
+    transformers.BertTokenizer(str(tmp_path / "tok" / "vocab.txt"), do_lower_case=False).save_pretrained(
+        tmp_path / "other")
+    for i in range(2):
+        hub.publish(f"alice/m{i}", tmp_path / "other")
+    pipe = pipeline("text-classification", model=["alice/m0", "alice/m1"], revision=pinned)
+    assert pipe.tokenizer.init_kwargs["do_lower_case"]
+    assert pipeline("text-classification", model=["alice/m0", "alice/m1"]).tokenizer.init_kwargs[
+        "do_lower_case"] is False
