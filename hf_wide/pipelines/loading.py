@@ -1,8 +1,11 @@
-"""Loading the members' tokenizer or image processor once, when they share it."""
+"""Loading the members' tokenizer or image processor once, when they share it (an adapter's base's, where it ships none)."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
+
+from huggingface_hub import _CACHED_NO_EXIST, file_exists, try_to_load_from_cache
 
 
 # What a tokenizer's init_kwargs record of where and how it was loaded, not of how it reads text: a member from a
@@ -56,11 +59,6 @@ def preprocessor_sources(wide, kind: str, token=None) -> list[tuple[str, str | N
 def _has_file(source: str, filename: str, revision: str | None, token=None) -> bool | None:
     """Whether the folder or Hub repo ``source`` holds ``filename`` at ``revision``: from the folder, the local
     cache, or the Hub; None where none of them can tell (offline, and not in the default cache)."""
-    import os
-
-    from huggingface_hub import file_exists, try_to_load_from_cache
-    from huggingface_hub.file_download import _CACHED_NO_EXIST
-
     if os.path.isdir(source):
         return os.path.isfile(os.path.join(source, filename))
     cached = try_to_load_from_cache(source, filename, revision=revision)
