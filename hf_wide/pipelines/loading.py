@@ -1,4 +1,5 @@
-"""Loading the members' tokenizer or image processor once, when they share it (an adapter's base's, where it ships none)."""
+"""Loading the members' tokenizer or image processor once, when they share it (an adapter's base's, where it ships
+none)."""
 
 from __future__ import annotations
 
