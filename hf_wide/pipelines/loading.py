@@ -6,7 +6,8 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 
-from huggingface_hub import _CACHED_NO_EXIST, file_exists, try_to_load_from_cache
+from huggingface_hub import _CACHED_NO_EXIST, hf_hub_download, try_to_load_from_cache
+from huggingface_hub.errors import EntryNotFoundError
 
 
 # What a tokenizer's init_kwargs record of where and how it was loaded, not of how it reads text: a member from a
@@ -59,14 +60,19 @@ def preprocessor_sources(wide, kind: str, token=None) -> list[tuple[str, str | N
 
 def _has_file(source: str, filename: str, revision: str | None, token=None) -> bool | None:
     """Whether the folder or Hub repo ``source`` holds ``filename`` at ``revision``: from the folder, the local
-    cache, or the Hub; None where none of them can tell (offline, and not in the default cache)."""
+    cache, or the Hub; None where none of them can tell (offline, and not in the default cache). Asked of the Hub
+    by downloading it, so that the client caches the answer either way (the file, or its absence at that commit)
+    for offline use."""
     if os.path.isdir(source):
         return os.path.isfile(os.path.join(source, filename))
     cached = try_to_load_from_cache(source, filename, revision=revision)
     if cached is not None:
         return cached is not _CACHED_NO_EXIST
     try:
-        return file_exists(source, filename, revision=revision, token=token)
+        hf_hub_download(source, filename, revision=revision, token=token)
+        return True
+    except EntryNotFoundError:
+        return False
     except Exception:  # offline, or the Hub unreachable: nothing known
         return None
 

@@ -87,9 +87,10 @@ def test_feature_extraction_takes_any_head_and_lora_members_are_known_by_their_b
         pipeline("token-classification", model=lora, tokenizer=tokenizer)
 
 
-def test_adapters_without_tokenizer_files_read_with_their_bases_tokenizer(tmp_path, hub):
+def test_adapters_without_tokenizer_files_read_with_their_bases_tokenizer(tmp_path, hub, monkeypatch):
     """PEFT saves an adapter alone (was: "Could not load a tokenizer for member 0"): the pipeline reads with its
     base's tokenizer, at the base's commit; an adapter that ships a tokenizer reads with its own."""
+    from huggingface_hub import constants
     from lora_members import save_adapter
 
     bert = CASES["bert-seqcls"]
@@ -112,6 +113,12 @@ def test_adapters_without_tokenizer_files_read_with_their_bases_tokenizer(tmp_pa
                                                 base_name="alice/base", **options))
     pipe = pipeline("text-classification", model=["alice/a0", "alice/a1"], model_kwargs={"base_revision": pinned})
     assert pipe.tokenizer.init_kwargs["do_lower_case"] and pipe(TEXTS) == expected
+    with monkeypatch.context() as offline:  # and offline, from what the cache learnt online
+        offline.setattr(constants, "HF_HUB_OFFLINE", True)
+        offline.setenv("HF_HUB_OFFLINE", "1")
+        seen = len(hub.requests)
+        pipe = pipeline("text-classification", model=["alice/a0", "alice/a1"], model_kwargs={"base_revision": pinned})
+        assert pipe(TEXTS) == expected and len(hub.requests) == seen
 
     for adapter in adapters:  # adapters with tokenizers of their own
         other.save_pretrained(adapter)
