@@ -87,10 +87,12 @@ def load_preprocessors(sources: Sequence[str | tuple[str, str | None]], kind: st
     auto = AutoTokenizer if kind == "tokenizer" else AutoImageProcessor
     pairs = [source if isinstance(source, tuple) else (source, None) for source in sources]
     names = [source if revision is None else f"{source} at {revision}" for source, revision in pairs]
-    loaded = []
+    loaded, once = [], {}  # adapters that ship none all read their base's: loaded once
     for i, ((source, revision), name) in enumerate(zip(pairs, names)):
         try:
-            loaded.append(auto.from_pretrained(source, revision=revision, token=token))
+            if (source, revision) not in once:
+                once[source, revision] = auto.from_pretrained(source, revision=revision, token=token)
+            loaded.append(once[source, revision])
         except (OSError, ValueError) as exc:
             raise ValueError(
                 f"Could not load {'an' if kind == 'image_processor' else 'a'} {kind} for member {i} ({name}): {exc}. "
