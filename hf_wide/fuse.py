@@ -29,7 +29,7 @@ from .primitives.base import keeping_storage
 from .samples import sample_inputs as build_sample_inputs
 from .structure import opaque_modules
 from .swap import build_wide
-from .verify import diagnose, record_members, wide_paths
+from .verify import diagnose, record_members
 from .verify_cache import require_cache_agrees
 
 MAX_VERIFY_ROUNDS = 16  # each round moves every module that disagreed one strategy down
@@ -57,8 +57,8 @@ def fuse_models(cls: type[WideModel], models: Sequence[nn.Module], sample_inputs
         for _ in range(MAX_VERIFY_ROUNDS):
             plan = make_plan(models, *traced, share_identical=share_identical, demotions=demotions, opaque=opaque)
             fold = Fold(len(models))
-            if verify and recorded is None:  # before the build, which may take the members' tensors
-                recorded = record_members(models, wide_paths(plan), args, kwargs, inputs=False)
+            if verify and recorded is None:  # the whole outputs, before the build shares the members' tensors
+                recorded = record_members(models, (), args, kwargs, inputs=False)
                 release_freed_memory()
             with contextlib.nullcontext() if copy_shared else keeping_storage():
                 folded = build_wide(models, plan, fold)

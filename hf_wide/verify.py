@@ -12,8 +12,10 @@ inputs, not the wide forward's. A module that disagrees is reported with its err
 rung down the ladder (a block to its parts, a primitive to a fallback) and verifies again.
 
 The cost, where everything agrees: one forward of the sample input per member, keeping each module's output, and
-one wide forward, whose output is also the whole model's check (:func:`diagnose`); the members run again, to
-record their inputs, only for modules that disagreed there.
+a wide forward per group of members whose outputs are held at once (one group, unless N members' outputs would
+outweigh :data:`RECORD_SHARE` of the wide model, as over adapters of one base; :data:`MAX_GROUPS` at most), whose
+output is also the whole model's check (:func:`diagnose`); the members run again, to record their inputs, only for
+modules that disagreed there.
 """
 
 from __future__ import annotations
@@ -24,17 +26,12 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
+from .compare import UNCHECKED, compare_outputs, equal
 from .fold import Fold
 from .plan import STACKED_LOOP, Kind, WidePlan
 from .samples import sample_kwargs
 
 CHECKED = (Kind.BLOCK, Kind.PRIMITIVE, Kind.VECTORISED)  # and loops over stacked tensors: member 0's code
-
-
-def tolerance(reference: torch.Tensor) -> float:
-    """The largest difference accepted against ``reference``: relative to its scale, by its dtype's precision."""
-    rel = 1e-4 if reference.dtype in (torch.float32, torch.float64) else 2e-2
-    return rel * max(1.0, reference.detach().abs().max().item()) if reference.numel() else 0.0
 
 
 _AGREED = object()  # a wide module's call that agreed with its members there and then: nothing kept
@@ -106,7 +103,7 @@ def _fold_leaf(wide, parts: list):
     """The wide module's input from the members' ``parts``, laid out as the wide forward gave it ``wide``."""
     first, n = parts[0], len(parts)
     if not isinstance(first, torch.Tensor):
-        return first if all(_equal(p, first) for p in parts) else _NOT_FOLDABLE
+        return first if all(equal(p, first) for p in parts) else _NOT_FOLDABLE
     if not isinstance(wide, torch.Tensor) or any(p.shape != first.shape for p in parts):
         return _NOT_FOLDABLE
     if first.dim() and wide.shape == (n * first.shape[0], *first.shape[1:]):
@@ -119,42 +116,6 @@ def _fold_leaf(wide, parts: list):
 
 
 _NOT_FOLDABLE = object()
-
-
-def _equal(a, b) -> bool:
-    try:
-        return a is b or bool(a == b)
-    except Exception:
-        return False
-
-
-def _member_error(out, refs: list, rows: int) -> float:
-    """The largest error of the wide output ``out`` against the members' ``refs``, in units of the tolerance
-    (> 1 fails); inf where the layouts cannot be matched."""
-    first, n = refs[0], len(refs)
-    if not isinstance(first, torch.Tensor):
-        return 0.0 if all(_equal(out, r) for r in refs) or out is first else float("inf")
-    if not isinstance(out, torch.Tensor):
-        return float("inf")
-    if first.dim() and out.shape == (n * first.shape[0], *first.shape[1:]):
-        views = out.view(n, first.shape[0], *first.shape[1:])
-    elif first.dim() and first.shape[0] == 1 and out.shape == (rows, *first.shape[1:]):  # broadcast, expanded
-        views = out.view(n, rows // n, *first.shape[1:])
-    elif out.shape == (n, *first.shape):
-        views = out
-    elif out.shape == first.shape:
-        views = [out] * n
-    else:
-        return float("inf")
-    worst = 0.0
-    for view, ref in zip(views, refs):
-        if not ref.is_floating_point():
-            worst = max(worst, 0.0 if torch.equal(view.expand_as(ref) if view.shape != ref.shape else view, ref)
-                        else float("inf"))
-            continue
-        diff = (view.float() - ref.float()).abs().max().item() if ref.numel() else 0.0
-        worst = max(worst, diff / tolerance(ref) if diff else 0.0)
-    return worst
 
 
 def check_module(module: nn.Module, fold: Fold, wide_call: tuple, member_calls: list[tuple], rows: int) -> str | None:
@@ -188,60 +149,88 @@ def leaves_anchor(leaves: list, rows: int) -> torch.Tensor:
     return torch.empty(rows, 0) if tensor is None else tensor.new_empty(rows, 0)
 
 
-def compare_outputs(output, member_outputs: list, rows: int) -> str | None:
-    """None if ``output`` (the wide module's) holds every member's output; else what differs."""
-    out_leaves, out_spec = pytree.tree_flatten(output)
-    ref_flat = [pytree.tree_flatten(o) for o in member_outputs]
-    if any(spec != out_spec for _, spec in ref_flat):
-        return "returned outputs of another structure than its members'"
-    for k, (out, *refs) in enumerate(zip(out_leaves, *(leaves for leaves, _ in ref_flat))):
-        error = _member_error(out, refs, rows)
-        if error > 1:
-            what = "a layout that matches no member's" if error == float("inf") else f"{error:.3g}x the tolerance"
-            return f"disagreed with its members (output {k}: {what})"
-    return None
+RECORD_SHARE = 0.02  # the members' recorded module outputs held at once: at most this share of the wide model's bytes
+MAX_GROUPS = 4  # ... unless that takes more wide forwards than this: each costs about what all N members' forwards do
 
 
 def verify_modules(wide, paths: Sequence[str], references: Sequence[nn.Module], args: tuple, kwargs: dict,
                    recorded: list[dict] | None = None) -> tuple[dict[str, str], list[dict], object]:
     """Check the modules at ``paths`` of ``wide`` (a :class:`~hf_wide.WideModel`) against ``references``
     (member i's model, or a view of it) on the sample inputs. Returns ({fqn: what went wrong}, the members'
-    recorded calls, to pass back in when verifying a re-planned model, and the wide model's output)."""
+    recorded calls, to pass back in when verifying a re-planned model, and the wide model's output).
+
+    The members' module outputs are recorded a group of members at a time, as many as fit in
+    :data:`RECORD_SHARE` of the wide model's bytes (one at least, and a :data:`MAX_GROUPS` th of the members at
+    least), and each group is checked in a wide forward of its own: over adapters of one base, whose wide model is
+    hardly larger than one member, N members' outputs at once would outweigh the check's other costs (20 MiB for
+    four adapters of a BERT-base). Kept for the caller: each member's whole output and the calls of modules that
+    disagreed; a module's verdict is its verdict in every group."""
     recorded = recorded if recorded is not None else [{} for _ in references]
-    missing = [p for p in paths if p not in recorded[0]]
-    if missing or None not in recorded[0]:
-        for calls, new in zip(recorded, record_members(references, missing, args, kwargs, inputs=False)):
-            calls.update({k: v for k, v in new.items() if k not in calls})
     modules = dict(wide.model.named_modules())
-    for path in paths:  # a vectorised module notes where vmap refused it: in this forward, not an earlier one
-        if path in modules:
-            modules[path].__dict__.pop("vmap_refused", None)
     rows = wide.num_members * _sample_batch(args, kwargs)
+    budget = RECORD_SHARE * held_bytes(wide.model)
+    suspects: dict[str, tuple] = {}  # path -> the wide module's call, from the first group it disagreed with
+    output, start, n = None, 0, len(references)
+    while start < n:
+        group = {start: _recorded(references[start], recorded[start], paths, args, kwargs)}
+        size = max(1, int(budget // max(1, _bytes(group[start]))), -(-n // MAX_GROUPS))
+        for i in range(start + 1, min(n, start + size)):
+            group[i] = _recorded(references[i], recorded[i], paths, args, kwargs)
+        for i, calls in group.items():
+            recorded[i].setdefault(None, calls[None])
+        for path in paths:  # a vectorised module notes where vmap refused it: in this forward, not an earlier one
+            if path in modules:
+                modules[path].__dict__.pop("vmap_refused", None)
 
-    def agrees(path: str, output) -> bool:  # in the wide forward itself, on the wide model's own inputs
-        return path not in recorded[0] or (modules[path].__dict__.get("vmap_refused") is None and compare_outputs(
-            output, [r[path][2] for r in recorded], rows) is None)
+        def agrees(path: str, output) -> bool:  # in the wide forward itself, on the wide model's own inputs
+            return path not in group[start] or (modules[path].__dict__.get("vmap_refused") is None and compare_outputs(
+                output, [group[i][path][2] if i in group else UNCHECKED for i in range(n)], rows) is None)
 
-    with _Recorder(wide.model, paths, agrees=agrees) as recorder, torch.no_grad():
-        try:
-            output = wide(*args, **sample_kwargs(wide.model, kwargs))
-        except Exception as exc:  # the innermost checked module it was raised in disagrees with its members
-            if not recorder.running:
-                raise
-            failure = {recorder.running[-1]: f"raised {type(exc).__name__}: {str(exc).splitlines()[0][:160]}"}
-            return failure, recorded, None
-    suspects = [p for p, call in recorder.calls.items() if call is not _AGREED and p in recorded[0]]
-    unrecorded = [p for p in suspects if recorded[0][p][0] is _NO_INPUTS]
+        with _Recorder(wide.model, paths, agrees=agrees) as recorder, torch.no_grad():
+            try:
+                output = wide(*args, **sample_kwargs(wide.model, kwargs))
+            except Exception as exc:  # the innermost checked module it was raised in disagrees with its members
+                if not recorder.running:
+                    raise
+                failure = {recorder.running[-1]: f"raised {type(exc).__name__}: {str(exc).splitlines()[0][:160]}"}
+                return failure, recorded, None
+        for path, call in recorder.calls.items():
+            if call is not _AGREED and path in group[start]:
+                suspects.setdefault(path, call)
+        start += len(group)
+        del group  # before the next group's are recorded
+    unrecorded = [p for p in suspects if recorded[0].get(p, (_NO_INPUTS,))[0] is _NO_INPUTS]
     if unrecorded:  # the members' inputs of the modules to check on them
         for calls, new in zip(recorded, record_members(references, unrecorded, args, kwargs)):
             calls.update({p: new[p] for p in unrecorded if p in new})
     failures = {}
-    for path in suspects:  # on its members' inputs: an error upstream is not this module's
+    for path, call in suspects.items():  # on its members' inputs: an error upstream is not this module's
         reason = modules[path].__dict__.get("vmap_refused") or check_module(
-            modules[path], wide.fold, recorder.calls[path], [r[path] for r in recorded], rows)
+            modules[path], wide.fold, call, [r[path] for r in recorded], rows)
         if reason is not None:
             failures[path] = reason
     return failures, recorded, output
+
+
+def _recorded(reference: nn.Module, calls: dict, paths: Sequence[str], args: tuple, kwargs: dict) -> dict:
+    """``calls`` (a member's recorded calls) with the outputs of the modules at ``paths`` it lacks, and its whole
+    output, recorded on the sample."""
+    missing = [p for p in paths if p not in calls]
+    if not missing and None in calls:
+        return calls
+    (new,) = record_members([reference], missing, args, kwargs, inputs=False)
+    return {**new, **calls}
+
+
+def _bytes(tree) -> int:
+    return sum(t.numel() * t.element_size() for t in pytree.tree_leaves(tree) if isinstance(t, torch.Tensor))
+
+
+def held_bytes(model: nn.Module) -> int:
+    """The bytes of ``model``'s parameters and buffers, a tensor shared by several modules counted once."""
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                for t in (*model.parameters(), *model.buffers()) if t.device.type != "meta"}
+    return sum(storages.values())
 
 
 def wide_paths(plan: WidePlan) -> list[str]:

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from .model import WideValidationError, first_tensor
-from .verify import tolerance
+from .compare import tolerance
 from .versions import CACHE_NAMES
 
 

@@ -222,3 +222,65 @@ def test_unverified_wrong_builders_give_wrong_numbers(nets):
     x = torch.randn(5, 4)
     with torch.no_grad():
         assert (wide(x)[1] - nets[1](x)).abs().max() > 1e-3
+
+
+# ---------------------------------------------------------------- members checked a group at a time
+class Tilt(nn.Module):
+    def __init__(self, dim):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(dim))
+
+    def forward(self, x):
+        return x * self.weight
+
+
+@register_wide(Tilt)
+class LastMemberForgotten(WideModule):
+    """Wrong on purpose, for the last member only: its rows come back untilted."""
+
+    def forward(self, x):  # (N*B, D)
+        n = self.num_members
+        weight = torch.cat([self.weight[:-1], torch.ones_like(self.weight[-1:])])  # (N, D)
+        return (x.view(n, -1, x.shape[-1]) * weight.unsqueeze(1)).reshape(x.shape)
+
+
+@pytest.mark.parametrize("share", [0.0, 1e9], ids=["one-member-a-forward", "all-at-once"])
+def test_a_builder_wrong_for_one_member_is_found_in_its_group(monkeypatch, share):
+    from hf_wide import verify
+
+    monkeypatch.setattr(verify, "RECORD_SHARE", share)
+    torch.manual_seed(0)
+    members = [nn.Sequential(nn.Linear(4, 4), Tilt(4), nn.Linear(4, 2)).eval() for _ in range(3)]
+    wide = WideModel.from_models(members, torch.randn(2, 4))
+    assert "LastMemberForgotten disagreed" in wide.plan.entries["1"].reason
+    x = torch.randn(5, 4)
+    with torch.no_grad():
+        assert max((wide(x)[i] - m(x)).abs().max().item() for i, m in enumerate(members)) <= TOLERANCE
+
+
+@pytest.mark.parametrize("share, expected", [(0.0, [0, "wide", 1, "wide", 2, "wide"]), (1e9, [0, 1, 2, "wide"])],
+                         ids=["one-member-a-forward", "all-at-once"])
+def test_members_outputs_are_recorded_a_group_at_a_time(monkeypatch, share, expected):
+    """As many members' module outputs as fit in RECORD_SHARE of the wide model's bytes are held at once, each
+    group checked in a wide forward of its own."""
+    from hf_wide import verify
+
+    torch.manual_seed(0)
+    members = [nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2)).eval() for _ in range(3)]
+    index, events = {id(m): i for i, m in enumerate(members)}, []
+    recorded, forward = verify._recorded, WideModel.forward
+
+    def spy_recorded(reference, *args):
+        events.append(index[id(reference)])
+        return recorded(reference, *args)
+
+    def spy_forward(self, *args, **kwargs):
+        events.append("wide")
+        return forward(self, *args, **kwargs)
+
+    monkeypatch.setattr(verify, "RECORD_SHARE", share)
+    monkeypatch.setattr(verify, "_recorded", spy_recorded)
+    monkeypatch.setattr(WideModel, "forward", spy_forward)
+    wide = WideModel.from_models(members, torch.randn(2, 4))
+    assert events == expected
+    assert not wide.plan.fallbacks

@@ -31,7 +31,7 @@ from ..primitives.linear import WideLinear
 from ..primitives.norm import WideDebertaLayerNorm, WideLayerNorm
 from ..registry import transformers_classes
 from ..rewrites import WideMPNetEncoder
-from ..verify import tolerance
+from ..compare import tolerance
 
 logger = logging.getLogger(__name__)
 _LOCK = threading.RLock()  # one probe and one set of hooks per model, whichever pipeline asks first

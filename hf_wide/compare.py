@@ -1,0 +1,70 @@
+"""How a wide module's output is held against its members' outputs: the tolerance, by dtype and scale, and the
+layouts a wide output may take (``(N*B, ...)``: the folded rows, member-major; ``(N, ...)``: one per member; a
+broadcast, ``(1, ...)`` expanded to the rows; or the member's very shape, the same for every member)."""
+
+from __future__ import annotations
+
+import torch
+from torch.utils import _pytree as pytree
+
+UNCHECKED = object()  # in place of a member's output: that member is not checked in this comparison
+
+
+def tolerance(reference: torch.Tensor) -> float:
+    """The largest difference accepted against ``reference``: relative to its scale, by its dtype's precision."""
+    rel = 1e-4 if reference.dtype in (torch.float32, torch.float64) else 2e-2
+    return rel * max(1.0, reference.detach().abs().max().item()) if reference.numel() else 0.0
+
+
+def equal(a, b) -> bool:
+    try:
+        return a is b or bool(a == b)
+    except Exception:
+        return False
+
+
+def member_error(out, refs: list, rows: int) -> float:
+    """The largest error of the wide output ``out`` against the members' ``refs`` (:data:`UNCHECKED` for a member
+    not checked here), in units of the tolerance (> 1 fails); inf where the layouts cannot be matched."""
+    first, n = next(r for r in refs if r is not UNCHECKED), len(refs)
+    if not isinstance(first, torch.Tensor):
+        return 0.0 if all(equal(out, r) for r in refs if r is not UNCHECKED) or out is first else float("inf")
+    if not isinstance(out, torch.Tensor):
+        return float("inf")
+    if first.dim() and out.shape == (n * first.shape[0], *first.shape[1:]):
+        views = out.view(n, first.shape[0], *first.shape[1:])
+    elif first.dim() and first.shape[0] == 1 and out.shape == (rows, *first.shape[1:]):  # broadcast, expanded
+        views = out.view(n, rows // n, *first.shape[1:])
+    elif out.shape == (n, *first.shape):
+        views = out
+    elif out.shape == first.shape:
+        views = [out] * n
+    else:
+        return float("inf")
+    worst = 0.0
+    for view, ref in zip(views, refs):
+        if ref is UNCHECKED:
+            continue
+        if not ref.is_floating_point():
+            worst = max(worst, 0.0 if torch.equal(view.expand_as(ref) if view.shape != ref.shape else view, ref)
+                        else float("inf"))
+            continue
+        diff = (view.float() - ref.float()).abs().max().item() if ref.numel() else 0.0
+        worst = max(worst, diff / tolerance(ref) if diff else 0.0)
+    return worst
+
+
+def compare_outputs(output, member_outputs: list, rows: int) -> str | None:
+    """None if ``output`` (the wide module's) holds every member's output (but those :data:`UNCHECKED`); else what
+    differs."""
+    out_leaves, out_spec = pytree.tree_flatten(output)
+    ref_flat = [None if o is UNCHECKED else pytree.tree_flatten(o) for o in member_outputs]
+    if any(flat is not None and flat[1] != out_spec for flat in ref_flat):
+        return "returned outputs of another structure than its members'"
+    columns = [[UNCHECKED] * len(out_leaves) if flat is None else flat[0] for flat in ref_flat]
+    for k, (out, *refs) in enumerate(zip(out_leaves, *columns)):
+        error = member_error(out, refs, rows)
+        if error > 1:
+            what = "a layout that matches no member's" if error == float("inf") else f"{error:.3g}x the tolerance"
+            return f"disagreed with its members (output {k}: {what})"
+    return None
