@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from .compat import IncompatibleMembersError
+from .cpu import release_freed_memory
 from .primitives.base import same_value
 
 
@@ -179,7 +180,8 @@ def stack_adapters(models: Sequence[nn.Module]) -> None:
     ``lora_A`` and ``lora_B`` are copied into one ``(N, r, D_in)`` and one ``(N, D_out, r)`` tensor (ranks
     zero-padded to the largest) and theirs become views of them, which ``WideLoraLinear`` then takes as they are.
     Done as the adapters are loaded, before the trace: PEFT's own copies are freed then, rather than staying
-    beside the stacked ones until the fused model is built (4 adapters of a 727 MiB BERT: 27 MiB)."""
+    beside the stacked ones until the fused model is built (4 adapters of a 727 MiB BERT: 27 MiB), and given back to
+    the system layer by layer (16 adapters of a BERT-base: the stacking peaked 58 MiB higher, 75 ms sooner)."""
     from peft.tuners.lora import Linear as LoraLinear
 
     layers = [dict(m.named_modules()) for m in models]
@@ -203,6 +205,7 @@ def stack_adapters(models: Sequence[nn.Module]) -> None:
                 stacked_b[i, :, :rank] = lb.weight
                 la.weight = nn.Parameter(stacked_a[i, :rank], requires_grad=la.weight.requires_grad)
                 lb.weight = nn.Parameter(stacked_b[i, :, :rank], requires_grad=lb.weight.requires_grad)
+        release_freed_memory()  # the layer's old weights, small blocks the larger stacked ones cannot reuse
 
 
 def adapter_structure(models: Sequence[nn.Module]) -> tuple[set[str], set[str], torch.dtype]:
