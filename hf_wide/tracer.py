@@ -16,10 +16,12 @@ and with ``torch.utils.flop_counter`` the FLOPs of every module. :func:`make_pla
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import re
 from collections import defaultdict
+from collections.abc import Iterator
 
 import torch
 from torch import nn
@@ -134,6 +136,20 @@ def _release_export_graph() -> None:
         nodes.clear()
 
 
+@contextlib.contextmanager
+def _no_stack_traces() -> Iterator[None]:
+    """torch.fx keeps the Python stack of every node it records (``node.meta["stack_trace"]``, extracted and
+    symbolized), unless ``torch.fx.config.do_not_emit_stack_traces`` says not to. The plan reads none of them."""
+    import torch.fx.config
+
+    before = torch.fx.config.do_not_emit_stack_traces
+    torch.fx.config.do_not_emit_stack_traces = True
+    try:
+        yield
+    finally:
+        torch.fx.config.do_not_emit_stack_traces = before
+
+
 def trace(model: nn.Module, args: tuple = (), kwargs: dict | None = None) -> Trace:
     """Export ``model`` (batch dim dynamic if it can be) and read parameter users and row mixing."""
     kwargs = sample_kwargs(model, kwargs or {})  # no cache: a DynamicCache in the output is not a pytree
@@ -149,7 +165,8 @@ def trace(model: nn.Module, args: tuple = (), kwargs: dict | None = None) -> Tra
     for method, shapes in attempts:
         try:
             wrapper = _KwargsWrapper(model)
-            program = torch.export.export(wrapper, (args, kwargs), dynamic_shapes=shapes, strict=False)
+            with _no_stack_traces():
+                program = torch.export.export(wrapper, (args, kwargs), dynamic_shapes=shapes, strict=False)
             break
         except Exception as exc:  # export raises many types; we report and try the next way
             notes.append(f"{method} failed: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}")
