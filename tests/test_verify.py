@@ -225,13 +225,8 @@ def test_unverified_wrong_builders_give_wrong_numbers(nets):
 
 
 # ---------------------------------------------------------------- members checked a group at a time
-class Tilt(nn.Module):
-    def __init__(self, dim):
-        super().__init__()
-        self.weight = nn.Parameter(torch.randn(dim))
-
-    def forward(self, x):
-        return x * self.weight
+class Tilt(Gain):
+    """A gain with a (wrong) wide class of its own."""
 
 
 @register_wide(Tilt)
