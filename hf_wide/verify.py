@@ -160,8 +160,8 @@ def verify_modules(wide, paths: Sequence[str], references: Sequence[nn.Module], 
     recorded calls, to pass back in when verifying a re-planned model, and the wide model's output).
 
     The members' module outputs are recorded a group of members at a time, as many as fit in
-    :data:`RECORD_SHARE` of the wide model's bytes (one at least, and a :data:`MAX_GROUPS` th of the members at
-    least), and each group is checked in a wide forward of its own: over adapters of one base, whose wide model is
+    :data:`RECORD_SHARE` of the wide model's bytes (at least one, and at least N / :data:`MAX_GROUPS` of them),
+    and each group is checked in a wide forward of its own: over adapters of one base, whose wide model is
     hardly larger than one member, N members' outputs at once would outweigh the check's other costs (20 MiB for
     four adapters of a BERT-base). Kept for the caller: each member's whole output and the calls of modules that
     disagreed; a module's verdict is its verdict in every group."""
@@ -227,9 +227,16 @@ def _bytes(tree) -> int:
 
 
 def held_bytes(model: nn.Module) -> int:
-    """The bytes of ``model``'s parameters and buffers, a tensor shared by several modules counted once."""
-    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
-                for t in (*model.parameters(), *model.buffers()) if t.device.type != "meta"}
+    """The bytes of ``model``'s parameters and buffers, a storage that several of them share counted once."""
+    storages = {}
+    for t in (*model.parameters(), *model.buffers()):
+        try:
+            storage = t.untyped_storage()
+        except (RuntimeError, NotImplementedError):  # a wrapper subclass (a quantized tensor, say) has none
+            storages[id(t)] = t.numel() * t.element_size()
+            continue
+        if t.device.type != "meta":
+            storages[(storage.device, storage.data_ptr())] = storage.nbytes()
     return sum(storages.values())
 
 

@@ -279,3 +279,13 @@ def test_members_outputs_are_recorded_a_group_at_a_time(monkeypatch, share, expe
     wide = WideModel.from_models(members, torch.randn(2, 4))
     assert events == expected
     assert not wide.plan.fallbacks
+
+
+def test_the_budget_counts_a_storage_that_tensors_share_once():
+    from hf_wide.verify import held_bytes
+
+    stacked = torch.zeros(2, 3, 4)  # two members' adapters as views of one stacked tensor
+    module = nn.Module()
+    module.a, module.b = nn.Parameter(stacked[0]), nn.Parameter(stacked[1])
+    module.register_buffer("c", torch.zeros(5))
+    assert held_bytes(module) == stacked.nbytes + 5 * 4
