@@ -253,15 +253,18 @@ def test_a_builder_wrong_for_one_member_is_found_in_its_group(monkeypatch, share
         assert max((wide(x)[i] - m(x)).abs().max().item() for i, m in enumerate(members)) <= TOLERANCE
 
 
-@pytest.mark.parametrize("share, expected", [(0.0, [0, "wide", 1, "wide", 2, "wide"]), (1e9, [0, 1, 2, "wide"])],
-                         ids=["one-member-a-forward", "all-at-once"])
-def test_members_outputs_are_recorded_a_group_at_a_time(monkeypatch, share, expected):
-    """As many members' module outputs as fit in RECORD_SHARE of the wide model's bytes are held at once, each
-    group checked in a wide forward of its own."""
+@pytest.mark.parametrize("n, share, expected", [
+    (3, 0.0, [0, "wide", 1, "wide", 2, "wide"]),
+    (3, 1e9, [0, 1, 2, "wide"]),
+    (8, 0.0, [0, 1, "wide", 2, 3, "wide", 4, 5, "wide", 6, 7, "wide"]),  # four groups at most
+], ids=["one-member-a-forward", "all-at-once", "four-forwards-at-most"])
+def test_members_outputs_are_recorded_a_group_at_a_time(monkeypatch, n, share, expected):
+    """As many members' module outputs as fit in RECORD_SHARE of the wide model's bytes are held at once (but in
+    MAX_GROUPS groups at most), each group checked in a wide forward of its own."""
     from hf_wide import verify
 
     torch.manual_seed(0)
-    members = [nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2)).eval() for _ in range(3)]
+    members = [nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2)).eval() for _ in range(n)]
     index, events = {id(m): i for i, m in enumerate(members)}, []
     recorded, forward = verify._recorded, WideModel.forward
 
