@@ -27,6 +27,7 @@ import torch
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
+from .compare import device_lost
 from .samples import sample_kwargs
 
 @dataclasses.dataclass
@@ -139,15 +140,21 @@ def _release_export_graph() -> None:
 @contextlib.contextmanager
 def _no_stack_traces() -> Iterator[None]:
     """torch.fx keeps the Python stack of every node it records (``node.meta["stack_trace"]``, extracted and
-    symbolized), unless ``torch.fx.config.do_not_emit_stack_traces`` says not to. The plan reads none of them."""
-    import torch.fx.config
-
-    before = torch.fx.config.do_not_emit_stack_traces
-    torch.fx.config.do_not_emit_stack_traces = True
+    symbolized), unless ``torch.fx.config.do_not_emit_stack_traces`` says not to. The plan reads none of them.
+    Releases of torch without the flag keep their stack traces."""
+    try:
+        from torch.fx import config
+    except ImportError:
+        config = None
+    if not hasattr(config, "do_not_emit_stack_traces"):
+        yield
+        return
+    before = config.do_not_emit_stack_traces
+    config.do_not_emit_stack_traces = True
     try:
         yield
     finally:
-        torch.fx.config.do_not_emit_stack_traces = before
+        config.do_not_emit_stack_traces = before
 
 
 def trace(model: nn.Module, args: tuple = (), kwargs: dict | None = None) -> Trace:
@@ -169,6 +176,8 @@ def trace(model: nn.Module, args: tuple = (), kwargs: dict | None = None) -> Tra
                 program = torch.export.export(wrapper, (args, kwargs), dynamic_shapes=shapes, strict=False)
             break
         except Exception as exc:  # export raises many types; we report and try the next way
+            if device_lost(exc):
+                raise
             notes.append(f"{method} failed: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}")
         finally:
             _release_export_graph()
