@@ -5,15 +5,41 @@ broadcast, ``(1, ...)`` expanded to the rows; or the member's very shape, the sa
 from __future__ import annotations
 
 import torch
+from torch import nn
 from torch.utils import _pytree as pytree
 
 UNCHECKED = object()  # in place of a member's output: that member is not checked in this comparison
 
 
-def tolerance(reference: torch.Tensor) -> float:
-    """The largest difference accepted against ``reference``: relative to its scale, by its dtype's precision."""
-    rel = 1e-4 if reference.dtype in (torch.float32, torch.float64) else 2e-2
+# TF32 keeps 10 of float32's 23 mantissa bits: a unit roundoff of 4.9e-4, an eighth of bfloat16's (held to 2e-2 here);
+# a quarter of bfloat16's tolerance leaves room for what adds up over the layers
+TF32_REL = 5e-3
+
+
+def tolerance(reference: torch.Tensor, tf32: bool = False) -> float:
+    """The largest difference accepted against ``reference``: relative to its scale, by its dtype's precision.
+    ``tf32``: float32 work on CUDA may have run in TF32 (:func:`tf32_possible`), so a float32 reference there is
+    held to TF32's precision."""
+    if reference.dtype in (torch.float32, torch.float64):
+        rel = TF32_REL if tf32 and reference.dtype == torch.float32 and reference.is_cuda else 1e-4
+    else:
+        rel = 2e-2
     return rel * max(1.0, reference.detach().abs().max().item()) if reference.numel() else 0.0
+
+
+def tf32_possible(model: nn.Module) -> bool:
+    """Whether ``model``'s float32 work on CUDA may run in TF32: its matrix products where torch allows it
+    (``torch.backends.cuda.matmul.allow_tf32``, ``set_float32_matmul_precision("high")``; off by default), its
+    convolutions and recurrent layers where cuDNN does (``torch.backends.cudnn.allow_tf32``: on by default). Two
+    computations of the same float32 convolution by different kernels then differ by TF32's rounding (a ConvNeXt's
+    downsampling convolution on an H100: 3.7e-4 of its output's scale), which is no member's error."""
+    if torch.backends.cuda.matmul.allow_tf32:
+        return True
+    return torch.backends.cudnn.allow_tf32 and any(isinstance(m, _CUDNN_TF32) or getattr(m, "runs_on_cudnn", False)
+                                                   for m in model.modules())
+
+
+_CUDNN_TF32 = (nn.modules.conv._ConvNd, nn.RNNBase)  # and hf-wide's modules that say so (WideConv)
 
 
 def equal(a, b) -> bool:
@@ -23,7 +49,7 @@ def equal(a, b) -> bool:
         return False
 
 
-def member_error(out, refs: list, rows: int) -> float:
+def member_error(out, refs: list, rows: int, tf32: bool = False) -> float:
     """The largest error of the wide output ``out`` against the members' ``refs`` (:data:`UNCHECKED` for a member
     not checked here), in units of the tolerance (> 1 fails); inf where the layouts cannot be matched."""
     first, n = next(r for r in refs if r is not UNCHECKED), len(refs)
@@ -50,21 +76,28 @@ def member_error(out, refs: list, rows: int) -> float:
                         else float("inf"))
             continue
         diff = (view.float() - ref.float()).abs().max().item() if ref.numel() else 0.0
-        worst = max(worst, diff / tolerance(ref) if diff else 0.0)
+        worst = max(worst, diff / tolerance(ref, tf32) if diff else 0.0)
     return worst
 
 
-def compare_outputs(output, member_outputs: list, rows: int) -> str | None:
+def compare_outputs(output, member_outputs: list, rows: int, tf32: bool = False) -> str | None:
     """None if ``output`` (the wide module's) holds every member's output (but those :data:`UNCHECKED`); else what
-    differs."""
+    differs. ``tf32``: see :func:`tolerance`."""
     out_leaves, out_spec = pytree.tree_flatten(output)
     ref_flat = [None if o is UNCHECKED else pytree.tree_flatten(o) for o in member_outputs]
     if any(flat is not None and flat[1] != out_spec for flat in ref_flat):
         return "returned outputs of another structure than its members'"
     columns = [[UNCHECKED] * len(out_leaves) if flat is None else flat[0] for flat in ref_flat]
     for k, (out, *refs) in enumerate(zip(out_leaves, *columns)):
-        error = member_error(out, refs, rows)
+        error = member_error(out, refs, rows, tf32)
         if error > 1:
             what = "a layout that matches no member's" if error == float("inf") else f"{error:.3g}x the tolerance"
             return f"disagreed with its members (output {k}: {what})"
     return None
+
+
+def device_lost(exc: BaseException) -> bool:
+    """Whether ``exc`` is the accelerator's own failure (a CUDA device-side assert, say): the process's context on the
+    device is gone and every later call on it fails too, so it is raised as it is, never taken for a strategy that
+    disagrees and tried another way."""
+    return isinstance(exc, getattr(torch, "AcceleratorError", ()))

@@ -26,7 +26,7 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from .compare import UNCHECKED, compare_outputs, equal
+from .compare import UNCHECKED, compare_outputs, device_lost, equal, tf32_possible
 from .fold import Fold
 from .plan import STACKED_LOOP, Kind, WidePlan
 from .samples import sample_kwargs
@@ -118,8 +118,10 @@ def _fold_leaf(wide, parts: list):
 _NOT_FOLDABLE = object()
 
 
-def check_module(module: nn.Module, fold: Fold, wide_call: tuple, member_calls: list[tuple], rows: int) -> str | None:
-    """Call one wide module on its members' recorded inputs; None if every member's output matches."""
+def check_module(module: nn.Module, fold: Fold, wide_call: tuple, member_calls: list[tuple], rows: int,
+                 tf32: bool = False) -> str | None:
+    """Call one wide module on its members' recorded inputs; None if every member's output matches (``tf32``: see
+    :func:`hf_wide.compare.tolerance`)."""
     wide_leaves, _ = pytree.tree_flatten((wide_call[0], wide_call[1]))
     member_flat = [pytree.tree_flatten((args, kwargs)) for args, kwargs, _ in member_calls]
     spec = member_flat[0][1]
@@ -135,13 +137,15 @@ def check_module(module: nn.Module, fold: Fold, wide_call: tuple, member_calls: 
         with torch.no_grad():
             output = module(*args, **kwargs)
     except Exception as exc:  # a module that cannot run its members' inputs disagrees with them
+        if device_lost(exc):
+            raise
         return f"raised {type(exc).__name__} on its members' inputs: {str(exc).splitlines()[0][:160]}"
     finally:
         fold.reset()
     refused = module.__dict__.pop("vmap_refused", None)  # a vectorised module that had to loop on the sample
     if refused is not None:
         return refused
-    return compare_outputs(output, [out for _, _, out in member_calls], rows)
+    return compare_outputs(output, [out for _, _, out in member_calls], rows, tf32)
 
 
 def leaves_anchor(leaves: list, rows: int) -> torch.Tensor:
@@ -169,6 +173,7 @@ def verify_modules(wide, paths: Sequence[str], references: Sequence[nn.Module], 
     modules = dict(wide.model.named_modules())
     rows = wide.num_members * _sample_batch(args, kwargs)
     budget = RECORD_SHARE * held_bytes(wide.model)
+    tf32 = tf32_possible(references[0])
     suspects: dict[str, tuple] = {}  # path -> the wide module's call, from the first group it disagreed with
     output, start, n = None, 0, len(references)
     while start < n:
@@ -184,13 +189,13 @@ def verify_modules(wide, paths: Sequence[str], references: Sequence[nn.Module], 
 
         def agrees(path: str, output) -> bool:  # in the wide forward itself, on the wide model's own inputs
             return path not in group[start] or (modules[path].__dict__.get("vmap_refused") is None and compare_outputs(
-                output, [group[i][path][2] if i in group else UNCHECKED for i in range(n)], rows) is None)
+                output, [group[i][path][2] if i in group else UNCHECKED for i in range(n)], rows, tf32) is None)
 
         with _Recorder(wide.model, paths, agrees=agrees) as recorder, torch.no_grad():
             try:
                 output = wide(*args, **sample_kwargs(wide.model, kwargs))
             except Exception as exc:  # the innermost checked module it was raised in disagrees with its members
-                if not recorder.running:
+                if not recorder.running or device_lost(exc):
                     raise
                 failure = {recorder.running[-1]: f"raised {type(exc).__name__}: {str(exc).splitlines()[0][:160]}"}
                 return failure, recorded, None
@@ -206,7 +211,7 @@ def verify_modules(wide, paths: Sequence[str], references: Sequence[nn.Module], 
     failures = {}
     for path, call in suspects.items():  # on its members' inputs: an error upstream is not this module's
         reason = modules[path].__dict__.get("vmap_refused") or check_module(
-            modules[path], wide.fold, call, [r[path] for r in recorded], rows)
+            modules[path], wide.fold, call, [r[path] for r in recorded], rows, tf32)
         if reason is not None:
             failures[path] = reason
     return failures, recorded, output
@@ -266,9 +271,9 @@ def innermost(failures: dict[str, str]) -> dict[str, str]:
     return {p: r for p, r in failures.items() if not any(q != p and (p == "" or q.startswith(f"{p}.")) for q in failures)}
 
 
-def check_whole(wide, recorded: list[dict], args: tuple, kwargs: dict, output=None) -> str | None:
+def check_whole(wide, recorded: list[dict], args: tuple, kwargs: dict, output=None, tf32: bool = False) -> str | None:
     """None if the wide model's output (``output``, or a forward of the sample) holds every member's recorded
-    output on the sample."""
+    output on the sample (``tf32``: see :func:`hf_wide.compare.tolerance`)."""
     if output is None:
         with torch.no_grad():
             output = wide(*args, **sample_kwargs(wide.model, kwargs))  # (N, B, ...) leaves
@@ -276,7 +281,7 @@ def check_whole(wide, recorded: list[dict], args: tuple, kwargs: dict, output=No
     batch = _sample_batch(args, kwargs)
     folded = pytree.tree_map(lambda t: t.reshape(n * batch, *t.shape[2:])
                              if isinstance(t, torch.Tensor) and t.dim() > 1 and t.shape[:2] == (n, batch) else t, output)
-    return compare_outputs(folded, [r[None][2] for r in recorded], n * batch)
+    return compare_outputs(folded, [r[None][2] for r in recorded], n * batch, tf32)
 
 
 def _sample_batch(args: tuple, kwargs: dict) -> int:
@@ -291,11 +296,13 @@ def diagnose(wide, references: Sequence[nn.Module], args: tuple, kwargs: dict,
     kept modules, innermost first (the rows a module mixes, say, where no trace saw it)."""
     try:
         failures, recorded, output = verify_modules(wide, wide_paths(wide.plan), references, args, kwargs, recorded)
-    except Exception:  # raised in the template's own code: the innermost module it ran in is to blame
+    except Exception as exc:  # raised in the template's own code: the innermost module it ran in is to blame
+        if device_lost(exc):
+            raise
         return verify_modules(wide, kept_paths(wide), references, args, kwargs, recorded)[:2]
     if failures:
         return failures, recorded
-    whole = check_whole(wide, recorded, args, kwargs, output)
+    whole = check_whole(wide, recorded, args, kwargs, output, tf32_possible(references[0]))
     if whole is None:
         return {}, recorded
     failures, recorded, _ = verify_modules(wide, kept_paths(wide), references, args, kwargs, recorded)

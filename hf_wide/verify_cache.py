@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from .model import WideValidationError, first_tensor
-from .compare import tolerance
+from .compare import tf32_possible, tolerance
 from .versions import CACHE_NAMES
 
 
@@ -62,7 +62,7 @@ def check_cache(wide, models: Sequence[nn.Module], names: Sequence[str], kwargs:
                     return (f"{names[i]}: with a cache ({name}), the fused model's output on {what} has shape "
                             f"{tuple(out[i].shape)}, the member's {tuple(ref.shape)}")
                 diff = (out[i].float() - ref.float()).abs().max().item()
-                if not diff <= tolerance(ref):
+                if not diff <= tolerance(ref, tf32_possible(models[i])):
                     return (f"{names[i]}: with a cache ({name}), the fused model's output on {what} differs from the "
                             f"member run alone by {diff:.3g} (without one it agrees)")
     return None

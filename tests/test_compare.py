@@ -1,8 +1,10 @@
 """hf_wide/compare.py: a wide output against its members' outputs, in each layout a wide module may give."""
 
+import pytest
 import torch
+from torch import nn
 
-from hf_wide.compare import UNCHECKED, compare_outputs, member_error, tolerance
+from hf_wide.compare import TF32_REL, UNCHECKED, compare_outputs, member_error, tf32_possible, tolerance
 
 
 def members(n=3, batch=2):
@@ -38,3 +40,29 @@ def test_unchecked_members_are_left_out_but_keep_their_rows():
 def test_outputs_of_another_structure_disagree():
     refs = members()
     assert "another structure" in compare_outputs((torch.cat(refs),), [(r, r) for r in refs], rows=6)
+
+
+@pytest.fixture
+def torch_defaults():
+    """cuDNN's TF32 on, matmuls' off: torch's defaults, put back after."""
+    before = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = True, False
+    yield
+    torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = before
+
+
+def test_tf32_is_possible_where_cudnn_or_matmuls_may_round_to_it(torch_defaults):
+    convolutional, linear = nn.Sequential(nn.Conv1d(2, 2, 1), nn.Linear(2, 2)), nn.Sequential(nn.Linear(2, 2))
+    assert tf32_possible(convolutional) and tf32_possible(nn.LSTM(2, 2)) and not tf32_possible(linear)
+    torch.backends.cuda.matmul.allow_tf32 = True  # set_float32_matmul_precision("high")
+    assert tf32_possible(linear)
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = False, False
+    assert not tf32_possible(convolutional)
+
+
+def test_tf32_widens_the_tolerance_of_float32_on_cuda_only():
+    reference = torch.full((3,), 2.0)
+    assert tolerance(reference, tf32=True) == tolerance(reference) == 2e-4  # on the CPU float32 is float32
+    assert tolerance(reference.half(), tf32=True) == tolerance(reference.half())
+    if torch.cuda.is_available():
+        assert tolerance(reference.cuda(), tf32=True) == 2 * TF32_REL > tolerance(reference.cuda())

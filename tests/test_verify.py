@@ -224,6 +224,25 @@ def test_unverified_wrong_builders_give_wrong_numbers(nets):
         assert (wide(x)[1] - nets[1](x)).abs().max() > 1e-3
 
 
+class Fault(Gain):
+    """A gain whose wide class loses the device: a CUDA device-side assert, raised as torch raises it."""
+
+
+@register_wide(Fault)
+class DeviceAssert(WideModule):
+    def forward(self, x):
+        raise torch.AcceleratorError("CUDA error: device-side assert triggered")
+
+
+def test_a_lost_device_is_raised_not_worked_around():
+    # After a device-side assert every later call on the device fails: no strategy further down could be checked, and
+    # the error would surface later, somewhere else
+    torch.manual_seed(0)
+    faults = [nn.Sequential(Fault(4), nn.Linear(4, 2)).eval() for _ in range(2)]
+    with pytest.raises(torch.AcceleratorError, match="device-side assert"):
+        WideModel.from_models(faults, torch.randn(2, 4))
+
+
 # ---------------------------------------------------------------- members checked a group at a time
 class Tilt(Gain):
     """A gain with a (wrong) wide class of its own."""

@@ -31,7 +31,7 @@ from ..primitives.linear import WideLinear
 from ..primitives.norm import WideDebertaLayerNorm, WideLayerNorm
 from ..registry import transformers_classes
 from ..rewrites import WideMPNetEncoder
-from ..compare import tolerance
+from ..compare import tf32_possible, tolerance
 
 logger = logging.getLogger(__name__)
 _LOCK = threading.RLock()  # one probe and one set of hooks per model, whichever pipeline asks first
@@ -212,7 +212,7 @@ def _probe_refusal(wide, first_tokens: bool = False) -> str | None:
         if ref.dim() >= 3 and tuple(ref.shape[1:3]) == tuple(mask.shape):  # (N, B, T, ...): the real tokens only
             ref, got = ref[:, mask.to(device)], got[:, mask.to(device)]
         error = (ref - got).abs().max().item() if ref.numel() else 0.0
-        if not error <= tolerance(ref):
+        if not error <= tolerance(ref, tf32_possible(wide.model)):
             how = "at first tokens" if first_tokens else "packed"
             return f"{how}, its {key} differ from the padded forward's by {error:.3g}"
     return None

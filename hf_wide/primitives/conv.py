@@ -15,6 +15,8 @@ class WideConv(WideModule):
     """N convs, ``weight``: (N, C_out, C_in/g, *k). The members' channels go side by side,
     ``(N*B, C, *sp) -> (b, N*C, *sp)``, and one conv with ``groups = N*g`` computes every member."""
 
+    runs_on_cudnn = True  # float32 in TF32 on CUDA where cuDNN allows it (hf_wide.compare.tf32_possible)
+
     def setup(self, proto: nn.modules.conv._ConvNd) -> None:
         # A member's attributes, as model code reads them (MobileNetV2's TF padding reads kernel_size and stride)
         self.in_channels, self.out_channels, self.kernel_size = proto.in_channels, proto.out_channels, proto.kernel_size
