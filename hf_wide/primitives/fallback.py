@@ -10,13 +10,14 @@ A fallen-back module that is handed the model's cache gets its member's rows of 
 N*B, nor read each other's state.
 
 Some modules take token rows, not batch rows: a mixture of experts flattens its input to (N*B*T, D)
-before its router and experts see it. For the classes in ``TOKEN_ROWS`` every tensor whose leading dim
+before its router and experts see it. For those classes (:func:`takes_token_rows`) every tensor whose leading dim
 splits into N blocks is split so, member-major, and the outputs are concatenated whatever their rows.
 """
 
 from __future__ import annotations
 
 import functools
+import sys
 import types
 from collections.abc import Sequence
 
@@ -36,6 +37,35 @@ TOKEN_ROWS = tuple(transformers_classes(*(f"{family}.{prefix}{part}" for family,
 ] for part in ("TopKRouter", "Experts"))))
 
 
+@functools.cache  # asked on every call of a loop
+def takes_token_rows(module_class: type) -> bool:
+    """Whether ``module_class`` is called on token rows: the classes in :data:`TOKEN_ROWS`, every experts class that
+    dispatches to transformers' experts implementations (``use_experts_implementation``: grouped_mm, batched_mm, ...)
+    and the routers beside them (a class named ``*Router*`` in the same modeling file). Vectorised as if they took
+    batch rows, a router routed every member's tokens for every member, and the experts' gather then indexed past
+    its member's tokens: an IndexError on the CPU, which verification caught, but a device-side assert on CUDA,
+    which loses the device (Jamba and Qwen3-Next on an H100)."""
+    if module_class in TOKEN_ROWS or _dispatches_to_experts(module_class):
+        return True
+    if "router" not in module_class.__name__.lower():
+        return False
+    module = sys.modules.get(module_class.__module__)
+    return any(isinstance(c, type) and _dispatches_to_experts(c) for c in vars(module).values()) if module else False
+
+
+def _dispatches_to_experts(module_class: type) -> bool:
+    code = getattr(getattr(module_class, "forward", None), "__code__", None)
+    return code is not None and code.co_filename == _EXPERTS_DISPATCH
+
+
+try:
+    from transformers.integrations import moe as _moe
+
+    _EXPERTS_DISPATCH = _moe.__file__  # the file whose ``forward`` wraps a decorated experts class's own
+except ImportError:  # a transformers without experts implementations
+    _EXPERTS_DISPATCH = None
+
+
 class PerMemberFallback(nn.Module):
     """N copies of one module; member m runs on rows ``[m*B, (m+1)*B)`` and the outputs are concatenated."""
 
@@ -45,7 +75,7 @@ class PerMemberFallback(nn.Module):
         super().__init__()
         self.fold = fold
         self.members = nn.ModuleList(mods)
-        self.token_rows = type(mods[0]) in TOKEN_ROWS
+        self.token_rows = takes_token_rows(type(mods[0]))
 
     @classmethod
     def from_modules(cls, mods: Sequence[nn.Module], fold: Fold) -> "PerMemberFallback":
