@@ -299,6 +299,36 @@ def test_a_model_the_built_sample_does_not_run_is_told_to_pass_one():
     assert worst(fuse(models, inputs), models, inputs, "last_hidden_state") <= 1e-5
 
 
+@pytest.mark.parametrize("name", ["jamba", "qwen3_next"])
+def test_routers_and_experts_of_transformers_experts_implementations_run_on_their_members_tokens(name):
+    # Vectorised as if on batch rows, the router routed every member's tokens for every member and the experts then
+    # indexed past their member's tokens: an IndexError here, caught by verification, but a device-side assert on
+    # CUDA, which loses the device
+    models = members(DECODERS[name])
+    wide = fuse(models)
+    assert not [e.fqn for e in wide.plan.entries.values() if " raised " in e.reason], str(wide.plan)
+    routed = [e for e in wide.plan.entries.values() if e.module_class.endswith(("Experts", "TopKRouter"))]
+    assert len(routed) >= 2 and all("routes tokens to experts" in e.reason for e in routed)
+    inputs = text_batch(models[0].config.pad_token_id)
+    assert worst(wide, models, inputs, where=inputs["attention_mask"].bool()) <= 1e-5
+
+
+def test_a_flop_counter_that_fails_on_a_model_that_runs_costs_only_the_counts(monkeypatch):
+    # torch 2.11's counter asserts on grouped-query flash attention (CUDA, half precision), which the model runs
+    import hf_wide.planner
+
+    def failing(*args, **kwargs):
+        raise AssertionError("sdpa_flop_count: query/key/value shapes are incompatible")
+
+    monkeypatch.setattr(hf_wide.planner, "module_flops", failing)
+    models = members(DECODERS["qwen3"])
+    with pytest.warns(UserWarning, match="FLOPs not counted: torch's FLOP counter failed on Qwen3ForCausalLM"):
+        wide = fuse(models)
+    assert wide.plan.total_flops == 0
+    inputs = text_batch(0)
+    assert worst(wide, models, inputs, where=inputs["attention_mask"].bool()) <= 1e-5
+
+
 def test_xlnets_memories_are_each_members_and_are_not_taken_back():
     models = members(lambda: tf.XLNetForSequenceClassification(tf.XLNetConfig(
         vocab_size=V, d_model=32, n_layer=2, n_head=4, d_inner=64, num_labels=3)))
