@@ -63,8 +63,14 @@ def _measure_config(label: dict, members: Sequence[nn.Module], inputs: dict, flo
     }
 
 
-def _preset_records(configs: list[BenchConfig], target_s: float, max_gflop: float) -> tuple[list[dict], list[str]]:
-    """The records of the configs within the FLOP budget, and a note for each one skipped."""
+def _to(device: torch.device, inputs: dict) -> dict:
+    return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
+
+
+def _preset_records(configs: list[BenchConfig], target_s: float, max_gflop: float,
+                    device: torch.device = torch.device("cpu")) -> tuple[list[dict], list[str]]:
+    """The records of the configs within the FLOP budget, and a note for each one skipped; members, base and
+    inputs on ``device``."""
     records, skipped = [], []
     for i, config in enumerate(configs, 1):
         start = time.perf_counter()
@@ -80,16 +86,17 @@ def _preset_records(configs: list[BenchConfig], target_s: float, max_gflop: floa
         if config.n * flops > max_gflop * 1e9:
             skipped.append(f"{report.label({**label, 'n': config.n})} ({config.n * flops / 1e9:.0f} GFLOP)")
             continue
-        members = [first] + [config.spec.build(seed) for seed in range(1, config.n)]
-        base = config.spec.base() if config.spec.lora else None
-        records.append(_measure_config(label, members, inputs, flops, config.compile, target_s, base))
+        members = [model.to(device) for model in [first, *(config.spec.build(seed) for seed in range(1, config.n))]]
+        base = config.spec.base().to(device) if config.spec.lora else None
+        records.append(_measure_config(label, members, _to(device, inputs), flops, config.compile, target_s, base))
         del first, members, inputs
         gc.collect()
         _progress(f"[{i}/{len(configs)}]", records[-1], time.perf_counter() - start)
     return records, skipped
 
 
-def _models_records(model_ids: Sequence[str], batch: int, seq: int, compiled: bool, offline: bool) -> list[dict]:
+def _models_records(model_ids: Sequence[str], batch: int, seq: int, compiled: bool, offline: bool,
+                    device: torch.device) -> list[dict]:
     from ..compat import check_compatible
     from ..hub import load_members
 
@@ -102,7 +109,8 @@ def _models_records(model_ids: Sequence[str], batch: int, seq: int, compiled: bo
     start = time.perf_counter()
     inputs = make_inputs(members[0], batch, seq)
     flops = module_flops(members[0], (), inputs)[""]
-    record = _measure_config(label, members, inputs, flops, compiled, MODELS_TARGET_S)
+    members = [model.to(device) for model in members]
+    record = _measure_config(label, members, _to(device, inputs), flops, compiled, MODELS_TARGET_S)
     _progress("[1/1]", record, time.perf_counter() - start)
     return [record]
 
@@ -122,6 +130,7 @@ def run_benchmark(
     threads: int | None = None,
     max_gflop: float | None = None,
     offline: bool = False,
+    device: str | torch.device = "cpu",
     json_path: str | None = None,
     plot_path: str | None = None,
 ) -> list[dict]:
@@ -130,30 +139,32 @@ def run_benchmark(
 
     ``compile`` (``all``, ``subset``, ``none``) overrides the preset's choice of configs to run under
     ``torch.compile``; ``max_gflop`` its budget (configs whose forward of all N members needs more GFLOP are
-    skipped); ``threads`` sets ``torch.set_num_threads`` first.
+    skipped); ``threads`` sets ``torch.set_num_threads`` first. ``device``: where every method runs (members, base
+    and inputs are built on the CPU and moved there; times are to the device's completion).
     """
+    device = torch.device(device)
     if threads is not None:
         torch.set_num_threads(threads)
     preset_name = None if models else preset
     idle_start = report.cpu_snapshot()
     time.sleep(0.5)  # what other processes use while this one sleeps
     start = report.cpu_snapshot()
-    matmul = matmul_gflops()
+    matmul = matmul_gflops(device=device)
     notes = []
     if models:
         if compile not in (None, *COMPILE_POLICIES):
             raise ValueError(f"Unknown compile policy {compile!r}; supported: {COMPILE_POLICIES}")
-        records = _models_records(models, batch, seq, compile != "none", offline)
+        records = _models_records(models, batch, seq, compile != "none", offline, device)
     else:
         chosen = preset_configs(preset)
         budget = chosen.max_gflop if max_gflop is None else max_gflop
         configs = apply_compile_policy(chosen.configs, compile or chosen.compile)
-        records, skipped = _preset_records(configs, chosen.target_s, budget)
+        records, skipped = _preset_records(configs, chosen.target_s, budget, device)
         if skipped:
             notes.append(f"skipped {len(skipped)} config(s), over the budget of {budget:g} GFLOP per forward of all "
                          f"members (see --max-gflop) or as noted: {', '.join(skipped)}")
     others_before, others_during = report.other_cpus(idle_start, start), report.other_cpus(start, report.cpu_snapshot())
-    machine = report.machine_info(matmul, others_before, others_during)
+    machine = report.machine_info(matmul, others_before, others_during, device)
     print(report.format_table(records, machine, notes))
     if json_path:
         report.write_json(json_path, records, machine, preset_name)
@@ -176,7 +187,8 @@ def _cli(args: argparse.Namespace) -> int:
     try:
         records = run_benchmark(args.preset, models=args.models, batch=args.batch, seq=args.seq,
                                 compile=args.compile, threads=args.threads, max_gflop=args.max_gflop,
-                                offline=args.offline, json_path=args.json, plot_path=args.plot)
+                                offline=args.offline, device=args.device, json_path=args.json,
+                                plot_path=args.plot)
     except (MemberLoadError, IncompatibleMembersError) as exc:  # --models: not found, not one architecture
         print(f"hf-wide benchmark: error: {exc}", file=sys.stderr)
         return 2
@@ -203,6 +215,7 @@ def register_cli(subparsers) -> argparse.ArgumentParser:
                        help="skip preset configs whose forward of all N members needs more GFLOP (default: preset's)")
     bench.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
     bench.add_argument("--offline", action="store_true", help="--models from the local cache only")
+    bench.add_argument("--device", default="cpu", help="where every method runs: cpu (default), cuda, cuda:1, ...")
     bench.add_argument("--json", metavar="PATH", help="write the records and machine info as JSON")
     bench.add_argument("--pipeline", action="store_true",
                        help="time the pipelines instead: 2,000 texts with 8 BERT members against 8 transformers "

@@ -214,11 +214,28 @@ def blank_record(skipped: str | None = None) -> dict:
             "error": None, "skipped": skipped}
 
 
+def synchronized(run: Callable[[], Any], device: torch.device) -> Callable[[], Any]:
+    """``run`` returning only when the device has finished what it queued (CUDA runs asynchronously: a host clock
+    around the bare call times the launches)."""
+    module = getattr(torch, device.type, None)
+    if device.type == "cpu" or not hasattr(module, "synchronize"):
+        return run
+
+    def call():
+        out = run()
+        module.synchronize(device)
+        return out
+
+    return call
+
+
 def measure(members: Sequence[nn.Module], inputs: dict, compiled: bool, target_s: float,
             base: nn.Module | None = None) -> dict[str, dict]:
     """Every method on ``members`` and ``inputs`` (B rows): its build time, its first call (compilation,
     for compiled ones), its agreement with the members run alone, and its steady-state median.
-    A failure is recorded with its error string instead of raised. ``base``: the ideal's model (LoRA)."""
+    A failure is recorded with its error string instead of raised. ``base``: the ideal's model (LoRA).
+    Everything runs where the members are (their first parameter's device), timed to the device's completion."""
+    device = next(members[0].parameters()).device
     records = {name: blank_record() for name in METHOD_NAMES}
     records["peft_mixed"]["skipped"] = "the members are not LoRA adapters"
     methods: dict[str, Method] = {}
@@ -234,6 +251,7 @@ def measure(members: Sequence[nn.Module], inputs: dict, compiled: bool, target_s
         try:
             t0 = time.perf_counter()
             method = build()
+            method.run = synchronized(method.run, device)
             record["build_s"] = time.perf_counter() - t0
             with torch.inference_mode():
                 t0 = time.perf_counter()
@@ -258,10 +276,11 @@ def measure(members: Sequence[nn.Module], inputs: dict, compiled: bool, target_s
     return records
 
 
-def matmul_gflops(size: int = 2048, runs: int = 5) -> float:
-    """The machine's float32 matmul throughput: median GFLOP/s of a (size x size) @ (size x size)."""
-    a, b = torch.randn(size, size), torch.randn(size, size)
+def matmul_gflops(size: int = 2048, runs: int = 5, device: torch.device | str = "cpu") -> float:
+    """The device's float32 matmul throughput: median GFLOP/s of a (size x size) @ (size x size)."""
+    device = torch.device(device)
+    a, b = torch.randn(size, size, device=device), torch.randn(size, size, device=device)
     with torch.inference_mode():
-        timings, _ = time_interleaved({"matmul": lambda: a @ b}, target_s=0.0, min_runs=runs)
+        timings, _ = time_interleaved({"matmul": synchronized(lambda: a @ b, device)}, target_s=0.0, min_runs=runs)
     ms, _ = timings["matmul"]
     return 2 * size**3 / (ms / 1e3) / 1e9

@@ -56,10 +56,20 @@ def other_cpus(before, after) -> float | None:
     return max(0.0, others / (after[0] - before[0]))
 
 
-def machine_info(matmul_gflops: float, others_before: float | None, others_during: float | None) -> dict:
+def device_name(device: torch.device) -> str:
+    """The accelerator's name (``NVIDIA H100 80GB HBM3``), or the CPU's."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return cpu_model() if device.type == "cpu" else str(device)
+
+
+def machine_info(matmul_gflops: float, others_before: float | None, others_during: float | None,
+                 device: torch.device = torch.device("cpu")) -> dict:
     """Facts that make the numbers comparable. ``others_*``: CPUs used by other processes just before
-    the benchmark and while it ran (None where unknown)."""
+    the benchmark and while it ran (None where unknown); ``matmul_gflops`` was measured on ``device``."""
     return {
+        "device": str(device),
+        "device_name": device_name(device),
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "python": platform.python_version(),
@@ -93,7 +103,8 @@ def _rows_to_text(header: list[str], rows: list[list[str]]) -> str:
 
 def format_table(records: list[dict], machine: dict, notes: list[str] = ()) -> str:
     """Milliseconds per method and the ratios, then GFLOP/s, compile seconds and output agreement."""
-    head = (f"torch {machine['torch']}, {machine['threads']} threads, {machine['cpu']}, "
+    on = "" if machine.get("device", "cpu") == "cpu" else f"on {machine['device_name']} ({machine['device']}), "
+    head = (f"torch {machine['torch']}, {on}{machine['threads']} threads, {machine['cpu']}, "
             f"float32 matmul {machine['matmul_gflops']} GFLOP/s, {machine['date']}\n"
             f"CPU allocator: {machine['cpu_allocator']}")
     key = ["config", "N", "B", "seq"]

@@ -5,11 +5,12 @@ import argparse
 import json
 
 import pytest
+import torch
 from conftest import CASES
 
 from hf_wide.benchmark import register_cli, run_benchmark
 from hf_wide.benchmark.configs import BenchConfig, ModelSpec, apply_compile_policy, preset_configs
-from hf_wide.benchmark.methods import METHOD_NAMES
+from hf_wide.benchmark.methods import METHOD_NAMES, synchronized
 from hf_wide.benchmark.report import ATOL
 
 METHOD_KEYS = {"ms", "runs", "gflops", "build_s", "first_call_s", "max_abs_diff", "error", "skipped"}
@@ -46,9 +47,12 @@ def test_tiny_preset_through_the_cli_entry(tmp_path, capsys):
     parser = argparse.ArgumentParser(prog="hf-wide")
     register_cli(parser.add_subparsers(dest="command", required=True))
     path, plot = tmp_path / "bench.json", tmp_path / "speedup.png"
-    args = parser.parse_args(["benchmark", "--preset", "tiny", "--json", str(path), "--plot", str(plot)])
+    args = parser.parse_args(["benchmark", "--preset", "tiny", "--device", "cpu", "--json", str(path),
+                              "--plot", str(plot)])
     assert args.func(args) == 0
-    check_records(json.loads(path.read_text())["records"])
+    saved = json.loads(path.read_text())
+    check_records(saved["records"])
+    assert saved["machine"]["device"] == "cpu"
     out = capsys.readouterr().out
     try:
         import matplotlib  # noqa: F401
@@ -56,6 +60,16 @@ def test_tiny_preset_through_the_cli_entry(tmp_path, capsys):
         assert "matplotlib is not installed" in out
     else:
         assert plot.read_bytes().startswith(b"\x89PNG")
+
+
+def test_times_on_an_accelerator_are_taken_when_its_work_is_done(monkeypatch):
+    # CUDA runs asynchronously: a host clock around the bare call would time the launches
+    done = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: done.append(device))
+    run = synchronized(lambda: "out", torch.device("cuda", 1))
+    assert run() == "out" and done == [torch.device("cuda", 1)]
+    on_cpu = lambda: "out"  # noqa: E731
+    assert synchronized(on_cpu, torch.device("cpu")) is on_cpu
 
 
 @pytest.mark.parametrize("policy, compiled", [("all", [True] * 4), ("none", [False] * 4),
