@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 # torch first, pinned: 2.13.0 is the CPU wheel on this project's machines; a looser pin pulls CUDA builds.
 TORCH ?= torch==2.13.0
 
-.PHONY: demo test browser clean
+.PHONY: demo test browser cuda-check clean
 
 $(VENV)/.dev: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -37,6 +37,24 @@ TEST_WORKERS ?= 2
 
 test: $(VENV)/.dev browser
 	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile
+
+# On a machine with a CUDA GPU and a CUDA build of torch (this project's machines and CI have none), with the
+# dependencies installed: the CUDA tests (tests/test_cuda.py), the quick benchmark on the GPU, and member
+# parallelism over one rank (nccl). Each step runs whatever the one before gave; logs and JSON go to $(CUDA_OUT).
+CUDA_OUT ?= cuda-results
+CUDA_WORKERS ?= 8
+
+cuda-check:
+	mkdir -p $(CUDA_OUT)
+	$(PYTHON) -c "import torch, transformers, peft; print(torch.__version__, torch.cuda.get_device_name(), \
+	  'transformers', transformers.__version__, 'peft', peft.__version__)" | tee $(CUDA_OUT)/versions.txt
+	-timeout 240 $(PYTHON) -m pytest tests/test_cuda.py -n $(CUDA_WORKERS) -q -p no:cacheprovider \
+	  > $(CUDA_OUT)/test_cuda.log 2>&1; tail -n 30 $(CUDA_OUT)/test_cuda.log
+	-timeout 200 $(PYTHON) -m hf_wide.cli benchmark --preset quick --compile none --device cuda \
+	  --json $(CUDA_OUT)/benchmark-quick.json > $(CUDA_OUT)/benchmark-quick.log 2>&1; \
+	  tail -n 45 $(CUDA_OUT)/benchmark-quick.log
+	-timeout 90 $(PYTHON) -m hf_wide.benchmark.member_parallel --ranks 1 --json $(CUDA_OUT)/member-parallel.json \
+	  > $(CUDA_OUT)/member-parallel.log 2>&1; tail -n 5 $(CUDA_OUT)/member-parallel.log
 
 clean:
 	rm -rf $(VENV) build *.egg-info
