@@ -1,8 +1,8 @@
 """The central oracle on an accelerator: a wide model fused, loaded, compiled and served on the device equals its
 members run alone there, and the device changes no choice of the plan.
 
-This project's machines and CI have no GPU, so the module is skipped there; on a lent one:
-``pytest tests/test_cuda.py -n 4``. ``HF_WIDE_TEST_DEVICE`` names another device (``cpu`` checks the tests
+This project's machines and CI have no GPU, so the module is skipped there; on a lent one: ``make cuda-check``
+(or ``pytest tests/test_cuda.py -n 8``). ``HF_WIDE_TEST_DEVICE`` names another device (``cpu`` checks the tests
 themselves, ``cuda:1`` another card). Members are built on the CPU, the wide model and the members run on the
 device, and the same members fused on the CPU give the plan to compare with.
 """
@@ -16,7 +16,7 @@ import pytest
 import torch
 import transformers as tf
 from conftest import CASES
-from lora_members import EVERY_LINEAR, LLAMA, alone, save_adapter
+from lora_members import LLAMA, alone, save_llama_adapters
 from oracle import TOLERANCE, main_output, max_member_error
 
 import test_architectures as arch
@@ -158,21 +158,8 @@ def test_tf32_convolutions(name):
             assert (got[i] - want).abs().max().item() <= tolerance(want, tf32=True), f"member {i}"
 
 
-@pytest.fixture(scope="module")
-def llama_adapters(tmp_path_factory):
-    """A Llama base and three LoRA adapters of it: ranks 4, 8 and 16 on different targets, one with rsLoRA."""
-    root = tmp_path_factory.mktemp("lora")
-    LLAMA.build(0).save_pretrained(root / "base")
-    return root / "base", [
-        save_adapter(LLAMA, root / "base", root / "a0", 0, r=4, lora_alpha=8, target_modules=EVERY_LINEAR),
-        save_adapter(LLAMA, root / "base", root / "a1", 1, r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"]),
-        save_adapter(LLAMA, root / "base", root / "a2", 2, r=16, lora_alpha=8, use_rslora=True,
-                     target_modules=["gate_proj", "up_proj", "down_proj", "o_proj"]),
-    ]
-
-
-def test_lora_members(llama_adapters):
-    base, adapters = llama_adapters
+def test_lora_members(tmp_path):
+    base, adapters = save_llama_adapters(tmp_path)  # ranks 4, 8 and 16 on different targets, one with rsLoRA
     on_cpu = WideModel.from_pretrained(adapters)
     wide = WideModel.from_pretrained(adapters, device=DEVICE)
     assert_same_plan(wide, on_cpu)
@@ -230,14 +217,13 @@ def test_two_threads_get_their_own_outputs():
     batches = [to_device(case.inputs(batch, padded=True, seed=batch)) for batch in (2, 5)]
     with torch.no_grad():
         expected = [main_output(wide(**inputs)) for inputs in batches]
-    got, errors = {}, []
+    errors = []
 
     def run(k):
         try:
             with torch.no_grad():
                 for _ in range(20):
-                    got[k] = main_output(wide(**batches[k]))
-                    assert torch.equal(got[k], expected[k])
+                    assert torch.equal(main_output(wide(**batches[k])), expected[k])
         except Exception as exc:  # noqa: BLE001: reported below
             errors.append(exc)
 
