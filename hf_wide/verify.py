@@ -27,6 +27,7 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from .compare import UNCHECKED, compare_outputs, device_lost, equal, tf32_possible
+from .cpu import release_freed_memory
 from .fold import Fold
 from .plan import STACKED_LOOP, Kind, WidePlan
 from .samples import sample_kwargs
@@ -167,8 +168,9 @@ def verify_modules(wide, paths: Sequence[str], references: Sequence[nn.Module], 
     :data:`RECORD_SHARE` of the wide model's bytes (at least one, and at least N / :data:`MAX_GROUPS` of them),
     and each group is checked in a wide forward of its own: over adapters of one base, whose wide model is
     hardly larger than one member, N members' outputs at once would outweigh the check's other costs (20 MiB for
-    four adapters of a BERT-base). Kept for the caller: each member's whole output and the calls of modules that
-    disagreed; a module's verdict is its verdict in every group."""
+    four adapters of a BERT-base). A group's outputs of a module are let go as soon as the wide forward has compared
+    them, for the rest of that forward to reuse. Kept for the caller: each member's whole output and the calls of
+    modules that disagreed; a module's verdict is its verdict in every group."""
     recorded = recorded if recorded is not None else [{} for _ in references]
     modules = dict(wide.model.named_modules())
     rows = wide.num_members * _sample_batch(args, kwargs)
@@ -183,13 +185,20 @@ def verify_modules(wide, paths: Sequence[str], references: Sequence[nn.Module], 
             group[i] = _recorded(references[i], recorded[i], paths, args, kwargs)
         for i, calls in group.items():
             recorded[i].setdefault(None, calls[None])
+        release_freed_memory()  # the members' activations, before the wide forward's
         for path in paths:  # a vectorised module notes where vmap refused it: in this forward, not an earlier one
             if path in modules:
                 modules[path].__dict__.pop("vmap_refused", None)
 
+        checked = {p for p in paths if p in group[start]}
+
         def agrees(path: str, output) -> bool:  # in the wide forward itself, on the wide model's own inputs
-            return path not in group[start] or (modules[path].__dict__.get("vmap_refused") is None and compare_outputs(
-                output, [group[i][path][2] if i in group else UNCHECKED for i in range(n)], rows, tf32) is None)
+            if path not in checked:
+                return True
+            # The group's outputs of this module are dropped once compared: the rest of the forward reuses their memory
+            references = [group[i].pop(path)[2] if i in group else UNCHECKED for i in range(n)]
+            return modules[path].__dict__.get("vmap_refused") is None and compare_outputs(
+                output, references, rows, tf32) is None
 
         with _Recorder(wide.model, paths, agrees=agrees) as recorder, torch.no_grad():
             try:
@@ -200,10 +209,11 @@ def verify_modules(wide, paths: Sequence[str], references: Sequence[nn.Module], 
                 failure = {recorder.running[-1]: f"raised {type(exc).__name__}: {str(exc).splitlines()[0][:160]}"}
                 return failure, recorded, None
         for path, call in recorder.calls.items():
-            if call is not _AGREED and path in group[start]:
+            if call is not _AGREED and path in checked:
                 suspects.setdefault(path, call)
         start += len(group)
         del group  # before the next group's are recorded
+        release_freed_memory()  # its freed pages, which the next group's recordings, of other sizes, may not reuse
     unrecorded = [p for p in suspects if recorded[0].get(p, (_NO_INPUTS,))[0] is _NO_INPUTS]
     if unrecorded:  # the members' inputs of the modules to check on them
         for calls, new in zip(recorded, record_members(references, unrecorded, args, kwargs)):
@@ -219,10 +229,10 @@ def verify_modules(wide, paths: Sequence[str], references: Sequence[nn.Module], 
 
 def _recorded(reference: nn.Module, calls: dict, paths: Sequence[str], args: tuple, kwargs: dict) -> dict:
     """``calls`` (a member's recorded calls) with the outputs of the modules at ``paths`` it lacks, and its whole
-    output, recorded on the sample."""
+    output, recorded on the sample: a new dict."""
     missing = [p for p in paths if p not in calls]
     if not missing and None in calls:
-        return calls
+        return dict(calls)  # the caller's to drop from
     (new,) = record_members([reference], missing, args, kwargs, inputs=False)
     return {**new, **calls}
 

@@ -311,3 +311,31 @@ def test_the_budget_counts_a_storage_that_tensors_share_once():
     module.a, module.b = nn.Parameter(stacked[0]), nn.Parameter(stacked[1])
     module.register_buffer("c", torch.zeros(5))
     assert held_bytes(module) == stacked.nbytes + 5 * 4
+
+
+def test_a_groups_outputs_of_a_module_are_let_go_once_compared(monkeypatch):
+    """The members' recorded outputs of a module are dropped as soon as the wide forward has compared them, so
+    that the rest of that forward reuses their memory; the caller's recorded calls are never what is dropped from."""
+    from hf_wide import verify
+
+    torch.manual_seed(0)
+    members = [nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2)).eval() for _ in range(2)]
+    groups, recorded, seen = [], verify._recorded, []
+
+    def spy_recorded(reference, calls, *args):
+        group = recorded(reference, calls, *args)
+        assert group is not calls
+        groups.append(group)
+        return group
+
+    def before_last_layer(module, args):  # the wide forward is past the first layer: its outputs are compared
+        seen.append([("0" in group, "2" in group) for group in groups])
+
+    monkeypatch.setattr(verify, "_recorded", spy_recorded)
+    monkeypatch.setattr(verify, "RECORD_SHARE", 1e9)  # one group: both members
+    wide = WideModel.from_models(members, torch.randn(2, 4), verify=False)
+    wide.model[2].register_forward_pre_hook(before_last_layer)
+    failures, _, _ = verify.verify_modules(wide, ["0", "2"], members, (torch.randn(2, 4),), {})
+    assert not failures
+    assert seen == [[(False, True), (False, True)]]
+    assert all("0" not in group and "2" not in group for group in groups)
