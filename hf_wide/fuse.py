@@ -38,12 +38,18 @@ MAX_VERIFY_ROUNDS = 16  # each round moves every module that disagreed one strat
 def fuse_models(cls: type[WideModel], models: Sequence[nn.Module], sample_inputs: dict | tuple | None = None, *,
                 validate: bool = False, allow_label_mismatch: bool = False, member_ids: Sequence[str] | None = None,
                 share_identical: bool = True, verify: bool = True, atol: float = 1e-4,
-                copy_shared: bool = True) -> WideModel:
-    """``cls.from_models(models, ...)``: see :meth:`WideModel.from_models` for the options."""
+                copy_shared: bool = True, traced: tuple | None = None) -> WideModel:
+    """``cls.from_models(models, ...)``: see :meth:`WideModel.from_models` for the options. ``traced``: (sample,
+    :func:`~hf_wide.planner.trace_members`' result) of ``models[0]`` as it is, traced already
+    (:func:`hf_wide.adapters.trace_ahead`): the sample to check the members on, and its trace."""
+    if traced is not None and sample_inputs is not None:
+        raise ValueError("Pass sample inputs or a trace taken on its own sample, not both.")
     models, padded, full = aligned_adapters(models)  # LoRA members that differ, or beside plain models: views
+    traced = None if padded else traced  # (views: padded since it was traced)
     check_compatible(models, member_ids, allow_label_mismatch)
     template = models[0]
-    args, kwargs = _as_args_kwargs(sample_inputs if sample_inputs is not None else build_sample_inputs(template))
+    sample = sample_inputs if sample_inputs is not None else traced[0] if traced else build_sample_inputs(template)
+    args, kwargs = _as_args_kwargs(sample)
     ids = member_ids or [getattr(getattr(m, "config", None), "_name_or_path", "") or f"member-{i}"
                          for i, m in enumerate(models)]
     was_training = [m.training for m in models]
@@ -51,11 +57,14 @@ def fuse_models(cls: type[WideModel], models: Sequence[nn.Module], sample_inputs
         m.eval()
     try:
         opaque = opaque_modules(models)  # before the trace runs member 0
-        traced = trace_members(template, args, kwargs, built=sample_inputs is None)
-        release_freed_memory()  # after each phase, its temporaries: see hf_wide.cpu
+        if traced is not None:
+            trace = traced[1]
+        else:
+            trace = trace_members(template, args, kwargs, built=sample_inputs is None)
+            release_freed_memory()  # after each phase, its temporaries: see hf_wide.cpu
         wide, demotions, recorded = None, Demotions(), None
         for _ in range(MAX_VERIFY_ROUNDS):
-            plan = make_plan(models, *traced, share_identical=share_identical, demotions=demotions, opaque=opaque)
+            plan = make_plan(models, *trace, share_identical=share_identical, demotions=demotions, opaque=opaque)
             fold = Fold(len(models))
             if verify and recorded is None:  # the whole outputs, before the build shares the members' tensors
                 recorded = record_members(models, (), args, kwargs, inputs=False)
