@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import gc
 import json
 import sys
 import warnings
@@ -34,8 +33,8 @@ from torch import nn
 from .adapter_layers import (adapter_structure, adapter_view, as_adapter, base_untouched, held_base_tensors,
                              pad_saved_modules, pad_targets, reshare, shared_view, stack_adapters)
 from .adapter_repos import AdapterSources
+from .adapter_trace import alike_structure, module_structure, trace_ahead
 from .compat import IncompatibleMembersError
-from .cpu import release_freed_memory
 
 ADAPTER_CONFIG = "adapter_config.json"
 # PEFT's task types -> the transformers auto class that builds the base for them.
@@ -190,65 +189,13 @@ def head_labels(folders: Sequence[Path], configs: Sequence[dict | None]) -> int 
     return None
 
 
-# Options of an adapter's config that leave the modules PEFT builds as they are (values, not structure)
-VALUE_OPTIONS = frozenset({"base_model_name_or_path", "revision", "lora_alpha", "alpha_pattern", "use_rslora",
-                           "inference_mode", "init_lora_weights", "peft_version"})
-
-
-def module_structure(model: nn.Module) -> tuple:
-    """What a trace of ``model`` depends on besides its code: its modules' paths and classes, and its tensors'
-    names, shapes, dtypes, devices and ``requires_grad`` (tied ones under every name)."""
-    modules = tuple((path, type(m)) for path, m in model.named_modules(remove_duplicate=False))
-    tensors = tuple((name, tuple(t.shape), t.dtype, t.device, t.requires_grad) for name, t in (
-        *model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)))
-    return modules, tensors
-
-
-def trace_ahead(model: nn.Module) -> tuple | None:
-    """Member 0 traced as soon as it has loaded, on the sample the fusion will then check the members on:
-    (sample, :func:`~hf_wide.planner.trace_members`' result, :func:`module_structure`), for
-    :func:`~hf_wide.fuse.fuse_models` to use where member 0 is still so at the end. The export leaves the process
-    memory that only Python objects reuse (pymalloc arenas that a few of its objects keep: 8.8 MiB for a BERT-base);
-    traced before the other members' module trees are made, those fill it (4 adapters of a BERT-base: the load
-    peaks 5-8 MiB lower). The trace runs a structural copy holding member 0's very tensors, so that what a forward
-    leaves on its modules is not member 0's. None where member 0 does not run its sample: the fusion then traces,
-    and says why, as it always did."""
-    from .compare import device_lost
-    from .planner import trace_members
-    from .samples import sample_inputs
-
-    view = shared_view(model)
-    try:
-        sample = sample_inputs(view)
-        return sample, trace_members(view, (), sample, built=True), module_structure(model)
-    except Exception as exc:
-        if device_lost(exc):
-            raise
-        return None
-    finally:
-        del view
-        gc.collect()  # the export's reference cycles (3 MiB of a small BERT's), for the next members' objects to reuse
-        release_freed_memory()
-
-
-def alike_structure(configs: Sequence[dict | None]) -> bool:
-    """Whether the members are adapters whose configs build the same modules (differing at most in
-    :data:`VALUE_OPTIONS`): then no member needs modules another lacks, and member 0 traced as it loads is member 0 as
-    the fusion finds it (checked there, not assumed)."""
-    if any(c is None for c in configs):
-        return False
-    layouts = {json.dumps({k: v for k, v in c.items() if k not in VALUE_OPTIONS}, sort_keys=True, default=str)
-               for c in configs}
-    return len(layouts) == 1
-
-
 def load_adapter_members(ids, folders, configs, *, base_model=None, base_revision=None, merge=False,
                          allow_pickle=False, dtype=None, device=None, trust_remote_code=False, hub_kwargs=None,
                          model_kwargs=None):
     """The members of a list that holds adapters, where they came from (:class:`AdapterSources`, for saving;
     None after ``merge`` or with full checkpoints other than the base), the paths of each member's no-ops
     (:func:`~hf_wide.adapter_layers.pad_targets`, :func:`~hf_wide.adapter_layers.pad_saved_modules`; None after
-    ``merge``) and member 0's trace (:func:`trace_ahead`, for :func:`~hf_wide.fuse.fuse_models`' ``traced``; None
+    ``merge``) and member 0's trace (:func:`~hf_wide.adapter_trace.trace_ahead`, for :func:`~hf_wide.fuse.fuse_models`' ``traced``; None
     where it was not taken, or member 0 has changed since). Each adapter is a ``PeftModel`` over a view of the one
     base (or, with ``merge``, merged into its own copy); each full checkpoint is loaded and, like the base when it is
     in the list, given zero LoRA layers."""

@@ -41,7 +41,7 @@ def fuse_models(cls: type[WideModel], models: Sequence[nn.Module], sample_inputs
                 copy_shared: bool = True, traced: tuple | None = None) -> WideModel:
     """``cls.from_models(models, ...)``: see :meth:`WideModel.from_models` for the options. ``traced``: (sample,
     :func:`~hf_wide.planner.trace_members`' result) of ``models[0]`` as it is, traced already
-    (:func:`hf_wide.adapters.trace_ahead`): the sample to check the members on, and its trace."""
+    (:func:`hf_wide.adapter_trace.trace_ahead`): the sample to check the members on, and its trace."""
     if traced is not None and sample_inputs is not None:
         raise ValueError("Pass sample inputs or a trace taken on its own sample, not both.")
     models, padded, full = aligned_adapters(models)  # LoRA members that differ, or beside plain models: views
