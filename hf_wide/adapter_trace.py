@@ -44,6 +44,13 @@ def trace_ahead(model: nn.Module) -> tuple | None:
     from .planner import trace_members
     from .samples import sample_inputs
 
+    # The export leaves reference cycles (3 MiB of a small BERT's), collected for the next members' objects to reuse
+    # their memory. What existed before is frozen meanwhile, so the collection looks at the trace's objects alone
+    # (6 ms against 280 over every object of the process); unless the process froze objects itself (before forking
+    # its workers, say), which unfreezing would undo: then a full collection.
+    freeze = gc.get_freeze_count() == 0
+    if freeze:
+        gc.freeze()
     view = shared_view(model)
     try:
         sample = sample_inputs(view)
@@ -54,7 +61,9 @@ def trace_ahead(model: nn.Module) -> tuple | None:
         return None
     finally:
         del view
-        gc.collect()  # the export's reference cycles (3 MiB of a small BERT's), for the next members' objects to reuse
+        gc.collect()
+        if freeze:
+            gc.unfreeze()
         release_freed_memory()
 
 

@@ -100,3 +100,22 @@ def test_a_trace_ahead_holds_only_for_member_0_as_it_was(tmp_path, monkeypatch):
     monkeypatch.setattr(planner, "trace_members", lost)
     with pytest.raises(torch.AcceleratorError):
         trace_ahead(model)
+
+
+def test_a_trace_ahead_leaves_the_garbage_collector_as_it_found_it(tmp_path):
+    """The collection after the trace looks at the trace's objects alone (what existed before is frozen meanwhile,
+    then unfrozen); a process that froze its own objects (before forking, say) finds them frozen still."""
+    import gc
+
+    from hf_wide.adapter_trace import trace_ahead
+
+    BERT.build(0).save_pretrained(tmp_path / "base")
+    model = alone(BERT, tmp_path / "base", save_adapter(BERT, tmp_path / "base", tmp_path / "a", 0, r=4,
+                                                         target_modules=["query"]))
+    gc.unfreeze()
+    assert trace_ahead(model) is not None and gc.get_freeze_count() == 0
+    gc.freeze()
+    try:
+        assert trace_ahead(model) is not None and gc.get_freeze_count() > 0  # (less those freed since: not unfrozen)
+    finally:
+        gc.unfreeze()
