@@ -195,10 +195,10 @@ def load_adapter_members(ids, folders, configs, *, base_model=None, base_revisio
     """The members of a list that holds adapters, where they came from (:class:`AdapterSources`, for saving;
     None after ``merge`` or with full checkpoints other than the base), the paths of each member's no-ops
     (:func:`~hf_wide.adapter_layers.pad_targets`, :func:`~hf_wide.adapter_layers.pad_saved_modules`; None after
-    ``merge``) and member 0's trace (:func:`~hf_wide.adapter_trace.trace_ahead`, for :func:`~hf_wide.fuse.fuse_models`' ``traced``; None
-    where it was not taken, or member 0 has changed since). Each adapter is a ``PeftModel`` over a view of the one
-    base (or, with ``merge``, merged into its own copy); each full checkpoint is loaded and, like the base when it is
-    in the list, given zero LoRA layers."""
+    ``merge``) and member 0's trace (:func:`~hf_wide.adapter_trace.trace_ahead`, for
+    :func:`~hf_wide.fuse.fuse_models`' ``traced``; None where it was not taken, or member 0 has changed since). Each
+    adapter is a ``PeftModel`` over a view of the one base (or, with ``merge``, merged into its own copy); each full
+    checkpoint is loaded and, like the base when it is in the list, given zero LoRA layers."""
     from .hub import MemberLoadError, commit_sha, download_members
     from .loading import load_member, weights_format
 
