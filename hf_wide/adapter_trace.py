@@ -3,7 +3,7 @@
 ``torch.export`` leaves the process memory that only Python objects reuse (pymalloc arenas that a few of its objects
 keep: eight of 1 MiB for a BERT-base), and the members' module trees (PEFT's wrappers, 2.4 MiB of Python objects per
 adapter of a BERT-base) are such objects. Traced after every member has loaded, as any fusion traces, nothing reuses
-that memory; traced as member 0 loads, the other members' trees fill it (4 adapters of a BERT-base: the load peaks 5-8
+that memory; traced as member 0 loads, the other members' trees fill it (4 adapters of a BERT-base: the load peaks 4-8
 MiB lower). That takes adapters whose configs build the same modules (:func:`alike_structure`), and the fusion uses
 the trace only where member 0 is still as it was traced (:func:`module_structure`): otherwise (padded for another
 adapter's targets, say) it traces member 0 as it is then.

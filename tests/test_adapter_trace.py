@@ -15,8 +15,8 @@ BERT = CASES["bert-seqcls"]
 
 
 def _spy_traces(monkeypatch) -> tuple[list, list]:
-    """The models ``trace_members`` runs on, where the loader (``hf_wide.adapter_trace.trace_ahead``) or the fusion calls
-    it, and the events in order: "load" for each adapter PEFT loads, "trace" for each trace."""
+    """The models ``trace_members`` runs on, where the loader (``hf_wide.adapter_trace.trace_ahead``) or the fusion
+    calls it, and the events in order: "load" for each adapter PEFT loads, "trace" for each trace."""
     from hf_wide import fuse, planner
 
     traced, events, trace_members, load = [], [], planner.trace_members, peft.PeftModel.from_pretrained.__func__
