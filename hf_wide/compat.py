@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Sequence
 
 from torch import nn
@@ -79,14 +80,23 @@ def check_configs(a, b, name_a: str, name_b: str, allow_label_mismatch: bool) ->
         )
 
 
+# The tensors of a PEFT LoRA layer whose shapes hold the adapter's rank, which adapters may differ in.
+LORA_RANKED = ("lora_A.", "lora_B.", "lora_embedding_A.", "lora_embedding_B.")
+
+
 def _may_differ(model: nn.Module) -> Callable[[str], bool]:
-    """Whether a state-dict key may differ in shape between members: a tensor that a fused block pads (the
-    ranks of LoRA members: ``WideLoraLinear.shapes_may_differ``)."""
+    """Whether a state-dict key may differ in shape between members: a tensor that a fused block pads
+    (``WideLoraLinear.shapes_may_differ``), or another LoRA layer's tensors that hold its rank (a LoRA on a
+    convolution, or on a parameter such as Mixtral's router weight): such a layer's rank ``r`` differs between
+    the members, so the plan runs it as each member's own module (:func:`hf_wide.structure.opaque_modules`)."""
+    lora = sys.modules.get("peft.tuners.lora")  # not imported: no member holds a LoRA layer
     paths = {}
     for path, module in model.named_modules():
         block = find_block(module)
         if block is not None and hasattr(block, "shapes_may_differ"):
             paths[f"{path}." if path else ""] = block.shapes_may_differ
+        elif lora is not None and isinstance(module, lora.LoraLayer):
+            paths[f"{path}." if path else ""] = lambda name: name.startswith(LORA_RANKED)
     return lambda key: any(key.startswith(p) and rule(key[len(p):]) for p, rule in paths.items())
 
 

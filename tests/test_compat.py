@@ -61,3 +61,33 @@ def test_fusion_does_not_modify_members():
     classes = [type(m).__name__ for m in members[0].modules()]
     WideModel.from_models(members)
     assert [type(m).__name__ for m in members[0].modules()] == classes
+
+
+@pytest.mark.parametrize("name, targets", [("vit-imgcls", ["projection", "q_proj"]),  # a LoRA on a Conv2d
+                                           ("mixtral-causallm", ["gate", "q_proj"])])  # on the router's weight
+def test_lora_layers_no_block_takes_may_differ_in_rank(name, targets):
+    """Adapters may differ in rank on any LoRA layer, not only on those a fused block pads (they were refused: "member
+    1 has '...gate.lora_A.default.weight' of shape (2, 32), but member 0 has (4, 32)"): such a layer runs as each
+    member's own module, and each member taken out holds its own rank."""
+    from lora_members import adapted
+    from oracle import TOLERANCE, max_member_error
+
+    case = CASES[name]
+    base = case.build(0)
+    members = [adapted(base, seed, r=r, lora_alpha=8, target_modules=targets) for seed, r in enumerate((4, 2, 8))]
+    wide = WideModel.from_models(members)
+    with torch.no_grad():
+        assert max_member_error(wide, members, case.inputs(2, padded=False)) <= TOLERANCE
+    for i, member in enumerate(members):
+        shapes = {k: v.shape for k, v in member.state_dict().items()}
+        assert {k: v.shape for k, v in wide.member(i).state_dict().items()} == shapes
+
+
+def test_a_lora_rank_differs_only_in_the_tensors_that_hold_it():
+    from lora_members import adapted
+
+    base = CASES["vit-imgcls"].build(0)
+    members = [adapted(base, seed, r=4, target_modules=["projection"]) for seed in range(2)]
+    members[1].base_model.model.vit.layernorm.weight = torch.nn.Parameter(torch.ones(40))
+    with pytest.raises(IncompatibleMembersError, match=r"member 1.*vit.layernorm.weight.*\(40,\).*\(32,\)"):
+        WideModel.from_models(members)
