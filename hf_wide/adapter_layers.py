@@ -90,16 +90,22 @@ def reshare(view: nn.Module, copies: dict[str, tuple[torch.Tensor, torch.Tensor]
 @contextlib.contextmanager
 def base_untouched(base: nn.Module, name: str) -> Iterator[None]:
     """Refuse an adapter that, as it loads, writes into a tensor of the base its members share (one the
-    adapter's file was not seen to hold, see :func:`held_base_tensors`): it would change every member, so no member
-    would be what was saved."""
-    before = {key: _version(t) for key, t in base.state_dict(keep_vars=True).items()}
+    adapter's file was not seen to hold, see :func:`held_base_tensors`), in place or by giving it new data
+    (``weight.data = ...``, which PEFT's PiSSA does and no version counter sees): it would change every member, so no
+    member would be what was saved."""
+    before = {key: _written(t) for key, t in base.state_dict(keep_vars=True).items()}
     yield
-    written = [key for key, t in base.state_dict(keep_vars=True).items() if _version(t) != before[key]]
+    written = [key for key, t in base.state_dict(keep_vars=True).items() if _written(t) != before[key]]
     if written:
         shown = ", ".join(written[:3]) + (f" and {len(written) - 3} more" if len(written) > 3 else "")
         raise IncompatibleMembersError(
-            f"{name} holds values of the base's own tensors ({shown}), which its members share. Pass merge=True to "
-            "merge each adapter into its own copy of the base (exact, N full weight sets).")
+            f"{name} writes into the base's own tensors as it loads ({shown}), which its members share. Pass "
+            "merge=True to merge each adapter into its own copy of the base (exact, N full weight sets).")
+
+
+def _written(t: torch.Tensor) -> tuple:
+    """What changes when ``t`` is written: its version (in place) and its data (``t.data = ...``)."""
+    return _version(t), t.data_ptr(), t.shape, t.dtype, t.device
 
 
 def _version(t: torch.Tensor) -> int | None:

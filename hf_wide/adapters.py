@@ -101,10 +101,21 @@ def runs_inner_model(model: nn.Module) -> bool:
             and not model.active_peft_config.is_prompt_learning)
 
 
+# PEFT's initialisations that change the base layer's weight, and do again each time such an adapter loads (the
+# base's weight less the adapter's first update): the adapter is exact only over a base of its own.
+BASE_CHANGING_INITS = ("pissa", "corda", "olora", "loftq")
+
+
 def lora_refusal(config: dict) -> str | None:
-    """Why an adapter config cannot be fused as LoRA (None if it can): its PEFT type, or a LoRA variant."""
+    """Why an adapter config cannot be fused as LoRA (None if it can): its PEFT type, a LoRA variant, or an
+    initialisation that changes the base as it loads."""
     if config.get("peft_type") != "LORA":
         return f"is a {config.get('peft_type')} adapter; hf-wide fuses LoRA adapters"
+    init = config.get("init_lora_weights")
+    if isinstance(init, str) and init.lower().startswith(BASE_CHANGING_INITS):
+        return (f"uses init_lora_weights={init!r}, which changes the base's weights as the adapter loads, where its "
+                "members share one base (PEFT can convert such an adapter into an ordinary LoRA one: "
+                "path_initial_model_for_weight_conversion in save_pretrained)")
     for option in ("use_dora", "use_bdlora", "lora_bias"):  # fan_in_fan_out: GPT-2's Conv1D, taken (blocks/lora.py)
         if config.get(option):
             return f"uses {option}={config[option]!r}, which hf-wide does not fuse"

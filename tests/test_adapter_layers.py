@@ -65,3 +65,23 @@ def test_adapters_that_train_different_numbers_of_tokens_are_refused_and_merge_i
         WideModel.from_models(references)
     wide = WideModel.from_pretrained(adapters, merge=True)
     assert max_member_error(wide, references, inputs_with_tokens([5, 7])) <= TOLERANCE
+
+
+@pytest.mark.parametrize("write", ["in place", "new data"])
+def test_an_adapter_that_writes_into_the_shared_base_as_it_loads_is_refused(write):
+    """``base_untouched`` sees a base tensor written in place and one given new data (``weight.data = ...``, as PEFT's
+    PiSSA initialisation does, which no version counter sees): through a view that holds the base's tensors."""
+    from hf_wide.adapter_layers import base_untouched, shared_view
+
+    base = LLAMA.build(0)
+    view = shared_view(base)
+    with pytest.raises(IncompatibleMembersError, match=r"member 1 writes into .*layers\.1\.self_attn\.q_proj\.weight"):
+        with base_untouched(base, "member 1"), torch.no_grad():
+            weight = view.model.layers[1].self_attn.q_proj.weight
+            if write == "in place":
+                weight.mul_(0.5)
+            else:
+                weight.data = weight.data * 0.5
+    own = shared_view(base, own=lambda name: name.endswith("q_proj.weight"))
+    with base_untouched(base, "member 1"):  # a copy's tensor is its own
+        own.model.layers[1].self_attn.q_proj.weight.data = own.model.layers[1].self_attn.q_proj.weight.data * 0.5

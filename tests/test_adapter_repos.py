@@ -1,6 +1,6 @@
 """Adapter repos (hf_wide/adapter_repos.py): adapters of one base found and loaded from folders and the test Hub at
-pinned revisions, the base once; what is refused, and how (other bases, a missing base, other PEFT types, pickles,
-unknown options); an ensemble of adapters saved, pushed and loaded back."""
+pinned revisions, the base once; what is refused, and how (other bases, a missing base, other PEFT types, inits that
+change the base, pickles, unknown options); an ensemble of adapters saved, pushed and loaded back."""
 
 import json
 
@@ -54,6 +54,21 @@ def test_unsupported_adapters_are_refused_and_merge_is_the_way_out(llama_adapter
         WideModel.from_pretrained([str(base), dora])
     wide = WideModel.from_pretrained([str(tmp_path / "ia3"), dora], merge=True)
     references = [alone(LLAMA, base, str(tmp_path / "ia3")), alone(LLAMA, base, dora)]
+    assert max_member_error(wide, references, LLAMA.inputs(2, padded=True)) <= 1e-4  # merged weights round
+
+
+@pytest.mark.parametrize("init", ["pissa", "olora"])
+def test_an_init_that_changes_the_base_is_refused_and_merge_is_the_way_out(llama_adapters, init, tmp_path):
+    """PEFT's PiSSA and OLoRA make the base layer's weight the base's less the adapter's first update, again each time
+    the adapter loads (``weight.data = ...``, which no version counter sees): over the one base its members share,
+    every member computed with that residual, the check against them agreed, and the wide model was wrong by 0.36."""
+    base, adapters = llama_adapters
+    residual = save_adapter(LLAMA, base, tmp_path / init, 3, r=4, target_modules=["q_proj"], init_lora_weights=init,
+                            task_type="CAUSAL_LM")
+    with pytest.raises(NotImplementedError, match=rf"member 1 .*init_lora_weights='{init}'.*merge=True"):
+        WideModel.from_pretrained([adapters[0], residual])
+    wide = WideModel.from_pretrained([adapters[0], residual], merge=True)
+    references = [alone(LLAMA, base, adapters[0]), alone(LLAMA, base, residual)]
     assert max_member_error(wide, references, LLAMA.inputs(2, padded=True)) <= 1e-4  # merged weights round
 
 
