@@ -93,9 +93,14 @@ def base_untouched(base: nn.Module, name: str) -> Iterator[None]:
     adapter's file was not seen to hold, see :func:`held_base_tensors`), in place or by giving it new data
     (``weight.data = ...``, which PEFT's PiSSA does and no version counter sees): it would change every member, so no
     member would be what was saved."""
-    before = {key: _written(t) for key, t in base.state_dict(keep_vars=True).items()}
+    tensors = base.state_dict(keep_vars=True)
+    before = {key: _written(t) for key, t in tensors.items()}
+    # Loading a state dict without BatchNorm's num_batches_tracked copies the module's own count into it: written,
+    # by its version, with its own value. One-element tensors are compared by value too.
+    scalars = {key: t.detach().clone() for key, t in tensors.items() if t.numel() == 1}
     yield
-    written = [key for key, t in base.state_dict(keep_vars=True).items() if _written(t) != before[key]]
+    written = [key for key, t in base.state_dict(keep_vars=True).items() if _written(t) != before[key] and not (
+        key in scalars and _written(t)[1:] == before[key][1:] and torch.equal(t.detach(), scalars[key]))]
     if written:
         shown = ", ".join(written[:3]) + (f" and {len(written) - 3} more" if len(written) > 3 else "")
         raise IncompatibleMembersError(
