@@ -1,124 +1,31 @@
-"""The structure of adapter members: views of the one base, and the wrappers that give every member the same
-modules (:mod:`hf_wide.adapters` loads the members with these).
+"""The structure of adapter members: the wrappers that give every member the same modules
+(:mod:`hf_wide.adapters` loads the members over views of the one base, :mod:`hf_wide.adapter_views`).
 
-Each adapter loads over a view of the base that holds the base's own tensors (:func:`adapter_view`), and is
-refused if it writes into them (:func:`base_untouched`). Where adapters target different modules, or save
-different modules whole (``modules_to_save``), each member gets the ones it lacks as exact no-ops: a LoRA layer
-whose update is zero (:func:`pad_targets`; also on the linears whose biases ``bias="all"`` trains,
-:func:`trained_bias_paths`), a saved copy of the base's module (:func:`pad_saved_modules`), which :func:`unpad`
-takes out again when a member leaves the wide model. :func:`stack_adapters` moves the members' LoRA
-weights into the stacked tensors the wide model keeps.
+Where adapters target different modules, or save different modules whole (``modules_to_save``), each member gets
+the ones it lacks as exact no-ops: a LoRA layer whose update is zero (:func:`pad_targets`; also on the linears whose
+biases ``bias="all"`` trains, :func:`trained_bias_paths`), a saved copy of the base's module
+(:func:`pad_saved_modules`), which :func:`unpad` takes out again when a member leaves the wide model; what cannot be
+given so is refused (:func:`adapter_structure`). :func:`stack_adapters` moves the members' LoRA weights into the
+stacked tensors the wide model keeps.
 """
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import sys
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Sequence
 
 import torch
 from torch import nn
 
+from .adapter_views import shared_view
 from .compat import IncompatibleMembersError
 from .cpu import release_freed_memory
-from .primitives.base import same_value
 
 
-def shared_view(model: nn.Module, own: Callable[[str], bool] | None = None,
-                memo: dict[int, object] | None = None) -> nn.Module:
-    """A structural copy of ``model`` that holds the very same tensors (nothing is copied), except those whose
-    names ``own`` picks: copies of its own (a tensor tied under several names is copied where ``own`` picks any of
-    them, and stays tied). ``memo`` (filled in): the ``copy.deepcopy`` memo, each copied tensor's copy by ``id``."""
-    tensors = _named_tensors(model)
-    copied = set() if own is None else {id(t) for name, t in tensors if own(name)}
-    memo = {} if memo is None else memo
-    memo.update({id(t): t for name, t in tensors if id(t) not in copied})
-    return copy.deepcopy(model, memo)
-
-
-def _named_tensors(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
-    """Every parameter and buffer of ``model`` under each of its names (tied ones under every name)."""
-    return [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]
-
-
-def held_base_tensors(keys: Iterable[str], base: nn.Module) -> set[str]:
-    """The names in ``base`` of its own tensors whose values an adapter file holds (``keys``, the file's names, as
-    PEFT writes them): the base layers of the embeddings a LoRA adapts, which PEFT saves whole
-    (``save_embedding_layers``), as ``...embed_tokens.base_layer.weight``. Not the modules it saves whole
-    (``modules_to_save``): those load into copies of their own, and their names (``classifier.weight``) say nothing
-    of it; a file that does write into the base is refused as it loads (:func:`base_untouched`)."""
-    names = {name for name, _ in _named_tensors(base)}
-    layers = (key.removeprefix("base_model.model.").replace(".base_layer.", ".") for key in keys
-              if ".base_layer." in key)
-    return {name for name in layers if name in names}
-
-
-def adapter_view(base: nn.Module, config: dict, held: set[str] = frozenset()
-                 ) -> tuple[nn.Module, dict[str, tuple[torch.Tensor, torch.Tensor]]]:
-    """The base for one adapter to load over: a :func:`shared_view`, with copies of its own of the base tensors
-    the adapter holds values of. PEFT's ``bias="all"`` trains and saves every tensor whose name holds "bias", and
-    ``bias="lora_only"`` the biases of the layers it adapts: loaded into the shared tensors, one adapter's biases
-    would be every member's. ``held`` (:func:`held_base_tensors`): the other base tensors its file holds, each
-    copied too, and returned by name as (the base's, the copy) for :func:`reshare` once the adapter has loaded."""
-    trains_biases = config.get("bias", "none") != "none"
-    held = {name for name in held if not (trains_biases and "bias" in name)}  # trained: each member's own
-    memo: dict[int, object] = {}
-    view = shared_view(base, lambda name: name in held or (trains_biases and "bias" in name), memo)
-    tensors = dict(_named_tensors(base))
-    return view, {name: (tensors[name], memo[id(tensors[name])]) for name in sorted(held)}
-
-
-def reshare(view: nn.Module, copies: dict[str, tuple[torch.Tensor, torch.Tensor]], name: str) -> None:
-    """Once an adapter has loaded over ``view`` (:func:`adapter_view`): each base tensor its file held values of
-    becomes the base's own again where the values are the base's (PEFT saves an embedding layer it adapts whole,
-    unchanged unless the vocabulary grew), held once; the adapter is refused where they differ."""
-    differ = [key for key, (ours, loaded) in copies.items() if not same_value(ours, loaded)]
-    if differ:
-        shown = ", ".join(differ[:3]) + (f" and {len(differ) - 3} more" if len(differ) > 3 else "")
-        raise IncompatibleMembersError(
-            f"{name} holds values of the base's own tensors ({shown}) that differ from the base's, which its members "
-            "share. Pass merge=True to merge each adapter into its own copy of the base (exact, N full weight sets).")
-    base_of_copy = {id(loaded): ours for ours, loaded in copies.values()}
-    for module in view.modules():
-        for table in (module._parameters, module._buffers):
-            for key, t in table.items():
-                if t is not None and id(t) in base_of_copy:
-                    table[key] = base_of_copy[id(t)]
-
-
-@contextlib.contextmanager
-def base_untouched(base: nn.Module, name: str) -> Iterator[None]:
-    """Refuse an adapter that, as it loads, writes into a tensor of the base its members share (one the
-    adapter's file was not seen to hold, see :func:`held_base_tensors`), in place or by giving it new data
-    (``weight.data = ...``, which PEFT's PiSSA does and no version counter sees): it would change every member, so no
-    member would be what was saved."""
-    tensors = base.state_dict(keep_vars=True)
-    before = {key: _written(t) for key, t in tensors.items()}
-    # Loading a state dict without BatchNorm's num_batches_tracked copies the module's own count into it: written,
-    # by its version, with its own value. One-element tensors are compared by value too.
-    scalars = {key: t.detach().clone() for key, t in tensors.items() if t.numel() == 1}
-    yield
-    written = [key for key, t in base.state_dict(keep_vars=True).items() if _written(t) != before[key] and not (
-        key in scalars and _written(t)[1:] == before[key][1:] and torch.equal(t.detach(), scalars[key]))]
-    if written:
-        shown = ", ".join(written[:3]) + (f" and {len(written) - 3} more" if len(written) > 3 else "")
-        raise IncompatibleMembersError(
-            f"{name} writes into the base's own tensors as it loads ({shown}), which its members share. Pass "
-            "merge=True to merge each adapter into its own copy of the base (exact, N full weight sets).")
-
-
-def _written(t: torch.Tensor) -> tuple:
-    """What changes when ``t`` is written: its version (in place) and its data (``t.data = ...``)."""
-    return _version(t), t.data_ptr(), t.shape, t.dtype, t.device
-
-
-def _version(t: torch.Tensor) -> int | None:
-    """How many times ``t`` was written in place (None for inference tensors, which do not count)."""
-    try:
-        return t._version
-    except RuntimeError:
-        return None
+# The way out of a refusal that follows from the members sharing one base.
+MERGE_INSTEAD = ("Merge each adapter into its own copy of the base instead (from_pretrained(..., merge=True), or each "
+                 "PeftModel's merge_and_unload()): exact, N full weight sets.")
 
 
 def lora_paths(model: nn.Module) -> set[str]:
@@ -142,11 +49,12 @@ def trained_bias_paths(model: nn.Module) -> set[str]:
             and not any(path.startswith(f"{p}.") for p in inside)}
 
 
-def pad_targets(model: nn.Module, paths: set[str], dtype: torch.dtype) -> list[str]:
+def pad_targets(model: nn.Module, paths: set[str], dtype: torch.dtype, name: str = "a member") -> list[str]:
     """Wrap each ``nn.Linear`` (or GPT-2's ``Conv1D``, or an embedding) at ``paths`` (relative to the PEFT
     model) that has no adapter in a LoRA layer whose update is exactly zero (rank 1, its B zero): then every member
     has the same structure; their weights are in ``dtype``, the adapters' (float32 over a half-precision base, as
-    PEFT keeps them), so each layer's stacked updates have one dtype. Returns the paths wrapped."""
+    PEFT keeps them), so each layer's stacked updates have one dtype. Returns the paths wrapped. Any other module
+    there is refused, ``name`` (the member's) and merging named."""
     import peft
     from peft.tuners.lora import Embedding as LoraEmbedding
     from peft.tuners.lora import Linear as LoraLinear
@@ -159,7 +67,9 @@ def pad_targets(model: nn.Module, paths: set[str], dtype: torch.dtype) -> list[s
         layer = getattr(parent, child)
         embedding = isinstance(layer, nn.Embedding)  # a scaled one too (Gemma's), as PEFT's own dispatch takes it
         if type(layer) not in (nn.Linear, Conv1D) and not embedding:
-            raise IncompatibleMembersError(f"{path} is a {type(layer).__name__}: hf-wide can give it no zero LoRA.")
+            raise IncompatibleMembersError(
+                f"Another member has a LoRA on {path.removeprefix('base_model.model.')}, but {name} has a "
+                f"{type(layer).__name__} there, to which hf-wide can give no zero LoRA. {MERGE_INSTEAD}")
         conv = type(layer) is Conv1D  # PEFT wraps it with fan_in_fan_out, as its own dispatch does
         config = peft.LoraConfig(r=1, lora_alpha=1, lora_dropout=0.0, target_modules=[], fan_in_fan_out=conv)
         if embedding:
@@ -229,6 +139,7 @@ def adapter_structure(models: Sequence[nn.Module]) -> tuple[set[str], set[str], 
     adapters = [m for m in models if isinstance(m, peft.PeftModel)]
     _require_alike_tokens(models)
     union, saved = set().union(*map(lora_paths, adapters)), set().union(*map(saved_paths, adapters))
+    _require_saved_or_adapted(models, union, saved)
     if any(getattr(config, "bias", "none") == "all" for m in adapters for config in m.peft_config.values()):
         biases = set().union(*map(trained_bias_paths, adapters))  # but in a module saved whole: its bias with it
         union |= {path for path in biases if not any(path == p or path.startswith(f"{p}.") for p in saved)}
@@ -258,9 +169,25 @@ def _require_alike_tokens(models: Sequence[nn.Module]) -> None:
         if ours != theirs:
             raise IncompatibleMembersError(
                 f"member {i} trains {_tokens(ours)} (PEFT's trainable_token_indices) and member {first} "
-                f"{_tokens(theirs)}: hf-wide fuses adapters that train as many tokens of the same embeddings. Merge "
-                "each adapter into its own copy of the base instead (from_pretrained(..., merge=True), or each "
-                "PeftModel's merge_and_unload()): exact, N full weight sets.")
+                f"{_tokens(theirs)}: hf-wide fuses adapters that train as many tokens of the same embeddings. "
+                f"{MERGE_INSTEAD}")
+
+
+def _require_saved_or_adapted(models: Sequence[nn.Module], adapted: set[str], saved: set[str]) -> None:
+    """Refuse members of which one saves a module whole (``modules_to_save``) where another has a LoRA on it or
+    inside it (an adapter trained without a task type, PEFT's ``all-linear`` then adapting the head the others save):
+    no member can be given the other's structure as an exact no-op."""
+    both = next(((s, a) for s in sorted(saved) for a in sorted(adapted) if a == s or a.startswith(f"{s}.")), None)
+    if both is None:
+        return
+    path, lora = both
+    paths = [(saved_paths(m), lora_paths(m)) if hasattr(m, "peft_config") else (set(), set()) for m in models]
+    i = next(i for i, (s, _) in enumerate(paths) if path in s)
+    j = next(j for j, (_, a) in enumerate(paths) if lora in a)
+    raise IncompatibleMembersError(
+        f"member {i} saves {path.removeprefix('base_model.model.')} whole (modules_to_save), but member {j} has a LoRA "
+        f"on {lora.removeprefix('base_model.model.')}: hf-wide fuses a module that the adapters save whole or adapt, "
+        f"not both. {MERGE_INSTEAD}")
 
 
 def _tokens(counts: dict[str, int]) -> str:
@@ -303,7 +230,8 @@ def aligned_adapters(models: Sequence[nn.Module]) -> tuple[list[nn.Module], list
         return list(models), None, frozenset()
     trainable = [(p, p.requires_grad) for m in models for p in m.parameters()]
     views = [as_adapter(shared_view(m), adapters[0]) if i in full else shared_view(m) for i, m in enumerate(models)]
-    padded = [pad_saved_modules(view, saved) + pad_targets(view, union, dtype) for view in views]
+    padded = [pad_saved_modules(view, saved) + pad_targets(view, union, dtype, f"member {i}")
+              for i, view in enumerate(views)]
     for p, flag in trainable:  # the wrappers froze the tensors they wrap, which are the models' own
         p.requires_grad_(flag)
     return views, padded, full

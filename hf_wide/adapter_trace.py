@@ -17,7 +17,7 @@ from collections.abc import Sequence
 
 from torch import nn
 
-from .adapter_layers import shared_view
+from .adapter_views import shared_view
 from .cpu import release_freed_memory
 
 # Options of an adapter's config that leave the modules PEFT builds as they are (values, not structure)

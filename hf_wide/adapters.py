@@ -30,10 +30,10 @@ import torch
 import transformers
 from torch import nn
 
-from .adapter_layers import (adapter_structure, adapter_view, as_adapter, base_untouched, held_base_tensors,
-                             pad_saved_modules, pad_targets, reshare, shared_view, stack_adapters)
+from .adapter_layers import adapter_structure, as_adapter, pad_saved_modules, pad_targets, stack_adapters
 from .adapter_repos import AdapterSources
 from .adapter_trace import alike_structure, module_structure, trace_ahead
+from .adapter_views import adapter_view, base_untouched, held_base_tensors, reshare, shared_view
 from .compat import IncompatibleMembersError
 
 ADAPTER_CONFIG = "adapter_config.json"
@@ -272,7 +272,7 @@ def load_adapter_members(ids, folders, configs, *, base_model=None, base_revisio
     for i, model in enumerate(models):
         if not isinstance(model, peft.PeftModel):  # a full member: the adapters' structure, with zero updates
             models[i] = as_adapter(model, reference)
-        padded.append(pad_saved_modules(models[i], saved) + pad_targets(models[i], union, dtype))
+        padded.append(pad_saved_modules(models[i], saved) + pad_targets(models[i], union, dtype, names[i]))
     stack_adapters(models)
     full = any(c is None and str(i) != str(base_id) for c, i in zip(configs, ids))  # a full checkpoint, not the base
     sources = None if full else AdapterSources(base_id, base_revision or commit_sha(Path(base_folder)), list(configs),

@@ -1,10 +1,12 @@
 """The structure of adapter members (hf_wide/adapter_layers.py): PEFT's trainable tokens, alike in every member or
-refused (the no-ops of differing targets and saved modules: test_adapters.py)."""
+refused; a module saved whole by one member and adapted by another, refused (the no-ops of differing targets and
+saved modules: test_adapters.py)."""
 
 import peft
 import pytest
 import torch
-from lora_members import LLAMA, alone
+from conftest import CASES
+from lora_members import LLAMA, adapted, alone
 from oracle import TOLERANCE, max_member_error
 
 from hf_wide import IncompatibleMembersError, WideModel
@@ -67,37 +69,14 @@ def test_adapters_that_train_different_numbers_of_tokens_are_refused_and_merge_i
     assert max_member_error(wide, references, inputs_with_tokens([5, 7])) <= TOLERANCE
 
 
-@pytest.mark.parametrize("write", ["in place", "new data"])
-def test_an_adapter_that_writes_into_the_shared_base_as_it_loads_is_refused(write):
-    """``base_untouched`` sees a base tensor written in place and one given new data (``weight.data = ...``, as PEFT's
-    PiSSA initialisation does, which no version counter sees): through a view that holds the base's tensors."""
-    from hf_wide.adapter_layers import base_untouched, shared_view
-
-    base = LLAMA.build(0)
-    view = shared_view(base)
-    with pytest.raises(IncompatibleMembersError, match=r"member 1 writes into .*layers\.1\.self_attn\.q_proj\.weight"):
-        with base_untouched(base, "member 1"), torch.no_grad():
-            weight = view.model.layers[1].self_attn.q_proj.weight
-            if write == "in place":
-                weight.mul_(0.5)
-            else:
-                weight.data = weight.data * 0.5
-    own = shared_view(base, own=lambda name: name.endswith("q_proj.weight"))
-    with base_untouched(base, "member 1"):  # a copy's tensor is its own
-        own.model.layers[1].self_attn.q_proj.weight.data = own.model.layers[1].self_attn.q_proj.weight.data * 0.5
-
-
-def test_adapters_of_a_model_with_batch_norm(tmp_path):
-    """Loading an adapter over a base with BatchNorm (ResNet) copies each norm's own ``num_batches_tracked`` into it
-    (PyTorch's loading of a state dict without it), which moved its version: every such adapter was refused as
-    writing into the base. Here LoRA on every convolution, at ranks that differ."""
-    from conftest import CASES
-    from lora_members import save_adapter
-
-    resnet = CASES["resnet-imgcls"]
-    resnet.build(0).save_pretrained(tmp_path / "base")
-    adapters = [save_adapter(resnet, tmp_path / "base", tmp_path / f"a{seed}", seed, r=2 * (seed + 1),
-                             target_modules=["convolution", "classifier.1"]) for seed in range(2)]
-    wide = WideModel.from_pretrained(adapters)
-    references = [alone(resnet, tmp_path / "base", a) for a in adapters]
-    assert max_member_error(wide, references, resnet.inputs(2, padded=False)) <= TOLERANCE
+def test_a_module_one_member_saves_whole_and_another_adapts_is_refused_with_both_named():
+    """An adapter trained without a task type (PEFT then adapts the head's linears) beside one that saves the head
+    whole: refused with the paths and the members named (it was "...classifier.dense is a Linear: hf-wide can give it
+    no zero LoRA", naming the member that had the LoRA)."""
+    base = CASES["roberta-seqcls"].build(0)
+    members = [adapted(base, 0, r=2, target_modules=["query"], modules_to_save=["classifier"]),
+               adapted(base, 1, r=2, target_modules=["query", "dense"])]
+    for order, (saves, adapts) in ((members, (0, 1)), (members[::-1], (1, 0))):
+        with pytest.raises(IncompatibleMembersError, match=rf"member {saves} saves classifier whole .*member {adapts} "
+                                                           r"has a LoRA on classifier\.dense.*merge=True"):
+            WideModel.from_models(order)

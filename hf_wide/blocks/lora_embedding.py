@@ -9,7 +9,7 @@ each member's low-rank update.
 As for :class:`~hf_wide.blocks.lora.WideLoraLinear`, the base is one ``nn.Embedding`` where every member's table is
 equal (adapters of one base) and a :class:`~hf_wide.primitives.embedding.WideEmbedding` where the tables differ;
 ranks are zero-padded to the largest, and each member has its own scaling. PEFT saves the table whole with an
-adapter that targets it (``save_embedding_layers``): :func:`hf_wide.adapter_layers.reshare` holds it once again.
+adapter that targets it (``save_embedding_layers``): :func:`hf_wide.adapter_views.reshare` holds it once again.
 
 Only vanilla LoRA with one adapter, active, unmerged, over an exact ``nn.Embedding`` without ``max_norm``,
 ``scale_grad_by_freq`` or ``sparse`` is taken (PEFT's DoRA and MiCA variants, a scaled embedding such as Gemma's,
