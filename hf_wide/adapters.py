@@ -37,14 +37,16 @@ from .adapter_views import adapter_view, base_untouched, held_base_tensors, resh
 from .compat import IncompatibleMembersError
 
 ADAPTER_CONFIG = "adapter_config.json"
-# PEFT's task types -> the transformers auto class that builds the base for them.
+# PEFT's task types -> the transformers auto classes that build the base for them, the first that knows its config
+# (PEFT's SEQ_CLS classifies audio and images too: a wav2vec2 base, saved for pre-training, as an audio classifier)
 TASK_CLASSES = {
-    "CAUSAL_LM": transformers.AutoModelForCausalLM,
-    "SEQ_CLS": transformers.AutoModelForSequenceClassification,
-    "TOKEN_CLS": transformers.AutoModelForTokenClassification,
-    "SEQ_2_SEQ_LM": transformers.AutoModelForSeq2SeqLM,
-    "QUESTION_ANS": transformers.AutoModelForQuestionAnswering,
-    "FEATURE_EXTRACTION": transformers.AutoModel,
+    "CAUSAL_LM": (transformers.AutoModelForCausalLM,),
+    "SEQ_CLS": (transformers.AutoModelForSequenceClassification, transformers.AutoModelForAudioClassification,
+                transformers.AutoModelForImageClassification),
+    "TOKEN_CLS": (transformers.AutoModelForTokenClassification, transformers.AutoModelForAudioFrameClassification),
+    "SEQ_2_SEQ_LM": (transformers.AutoModelForSeq2SeqLM,),
+    "QUESTION_ANS": (transformers.AutoModelForQuestionAnswering,),
+    "FEATURE_EXTRACTION": (transformers.AutoModel,),
 }
 
 
@@ -152,8 +154,9 @@ def base_class(configs: Sequence[dict | None], base_config, name: str) -> type:
     if len(tasks) > 1:
         raise IncompatibleMembersError(f"The adapters are for different tasks: {sorted(tasks)}.")
     if tasks and tasks <= TASK_CLASSES.keys():
-        auto = TASK_CLASSES[tasks.pop()]
-        return auto._model_mapping[type(base_config)]
+        for auto in TASK_CLASSES[tasks.pop()]:
+            if type(base_config) in auto._model_mapping:
+                return auto._model_mapping[type(base_config)]
     return model_class_for(base_config, name)
 
 
@@ -178,6 +181,16 @@ def adapter_keys(folder: Path) -> list[str]:
         with safe_open(path, "pt") as f:
             return list(f.keys())
     return list(torch.load(folder / "adapter_model.bin", map_location="meta", weights_only=True))
+
+
+def held_by_every_adapter(folders: Sequence[Path], configs: Sequence[dict | None]) -> frozenset[str]:
+    """The names in the base of the tensors whose values every member's adapter file holds (the head each saves
+    whole, ``modules_to_save``), which the base's checkpoint may lack: a base saved for pre-training, loaded as a
+    classifier, has a head drawn at random that no member computes with. None where a member is not an adapter."""
+    if any(c is None for c in configs):
+        return frozenset()
+    held = set.intersection(*(set(adapter_keys(Path(f))) for f in folders))
+    return frozenset(key.removeprefix("base_model.model.") for key in held)
 
 
 def head_labels(folders: Sequence[Path], configs: Sequence[dict | None]) -> int | None:
@@ -234,8 +247,8 @@ def load_adapter_members(ids, folders, configs, *, base_model=None, base_revisio
     labels = head_labels([Path(f) for f in folders], configs)
     extra = {"num_labels": labels} if labels is not None and labels != base_config.num_labels else {}
     base = load_member(base_folder, base_name, dtype, device=device, klass=klass, trust_remote_code=trust_remote_code,
-                       use_safetensors=weights_format(Path(base_folder), base_name, allow_pickle), **extra,
-                       **(model_kwargs or {}))
+                       use_safetensors=weights_format(Path(base_folder), base_name, allow_pickle),
+                       may_miss=held_by_every_adapter(folders, configs), **extra, **(model_kwargs or {}))
 
     models, ahead = [], None
     for name, model_id, folder, config in zip(names, ids, folders, configs):

@@ -181,8 +181,9 @@ def _no_transformers_bars():
 
 
 def load_member(folder, name, torch_dtype, *, device, use_safetensors, trust_remote_code, klass=None,
-                 **model_kwargs):
-    """One member with its own transformers class (or ``klass``), refusing a checkpoint that lacks tensors.
+                 may_miss: frozenset[str] | None = None, **model_kwargs):
+    """One member with its own transformers class (or ``klass``), refusing a checkpoint that lacks tensors (but those
+    named in ``may_miss``, where given: an adapters' base may lack the head each of them saves whole).
     ``model_kwargs`` go to ``from_pretrained`` (an adapter's head may want ``num_labels``)."""
     if klass is None:
         config = transformers.AutoConfig.from_pretrained(folder, trust_remote_code=trust_remote_code)
@@ -196,9 +197,11 @@ def load_member(folder, name, torch_dtype, *, device, use_safetensors, trust_rem
             output_loading_info=True,
             **model_kwargs,
         )
-    if info.get("missing_keys"):
-        missing = ", ".join(sorted(info["missing_keys"])[:5])
-        raise IncompatibleMembersError(f"{name}: the checkpoint is missing tensor(s) {missing}.")
+    missing = sorted(set(info.get("missing_keys") or ()) - (may_miss or set()))
+    if missing:
+        raise IncompatibleMembersError(f"{name}: the checkpoint is missing tensor(s) {', '.join(missing[:5])}" + (
+            "." if may_miss is None else ", of which not every adapter holds values (as of a head it saves whole): "
+            "transformers would draw them at random."))
     if device is not None:
         model.to(device)
     return model.eval()

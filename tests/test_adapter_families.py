@@ -1,0 +1,95 @@
+"""Adapters of other bases (hf_wide/adapters.py, hf_wide/samples.py): models that take other inputs than text (a
+contrastive pair of encoders, CLIP; an audio classifier over a base saved without its head, wav2vec2 with PEFT's
+SEQ_CLS; a speech recogniser, Whisper) and a text classifier over a base saved for pre-training, each member against
+``PeftModel.from_pretrained(base, adapter)`` run alone."""
+
+import peft
+import pytest
+import torch
+import transformers as tf
+from conftest import CASES
+from oracle import TOLERANCE, max_member_error
+
+from hf_wide import IncompatibleMembersError, WideModel
+from hf_wide.adapters import peft_quietly
+
+V = 64
+FAMILIES = {  # (base, the class it is trained as, its adapters' config, inputs, output to compare)
+    "clip": (lambda: tf.CLIPModel(tf.CLIPConfig(
+        text_config={"vocab_size": V, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+                     "num_attention_heads": 4, "max_position_embeddings": 16, "bos_token_id": 0, "eos_token_id": 2,
+                     "pad_token_id": 1}, projection_dim=16,
+        vision_config={"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4, "intermediate_size": 64,
+                       "image_size": 16, "patch_size": 4})), tf.CLIPModel,
+        dict(target_modules=["q_proj", "v_proj", "fc1"]),
+        lambda: {"input_ids": torch.randint(5, V, (2, 7)), "pixel_values": torch.randn(2, 3, 16, 16)},
+        "logits_per_image"),
+    "wav2vec2": (lambda: tf.Wav2Vec2Model(tf.Wav2Vec2Config(
+        vocab_size=V, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+        conv_dim=(16, 16), conv_stride=(5, 2), conv_kernel=(10, 3), num_conv_pos_embeddings=16,
+        num_conv_pos_embedding_groups=4, num_labels=3)), tf.Wav2Vec2ForSequenceClassification,
+        dict(target_modules=["q_proj", "v_proj", "intermediate_dense"], task_type="SEQ_CLS",
+             modules_to_save=["projector"]),  # (with the classifier, which SEQ_CLS saves: the head is new)
+        lambda: {"input_values": torch.randn(2, 400)}, "logits"),
+    "whisper": (lambda: tf.WhisperForConditionalGeneration(tf.WhisperConfig(
+        vocab_size=V, d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
+        decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, num_mel_bins=8, max_source_positions=16,
+        max_target_positions=32, pad_token_id=0, decoder_start_token_id=1, bos_token_id=1, eos_token_id=2)),
+        tf.WhisperForConditionalGeneration,  # (no task type: PEFT's SEQ_2_SEQ_LM passes Whisper input_ids)
+        dict(target_modules=["q_proj", "v_proj", "fc1", "fc2"]),
+        lambda: {"input_features": torch.randn(2, 8, 32), "decoder_input_ids": torch.randint(3, V, (2, 5))},
+        "logits"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(FAMILIES))
+def test_adapters_of_a_model_that_takes_other_inputs(name, tmp_path):
+    """CLIP's adapters were traced on texts alone (a PeftModel's forward takes ``**kwargs``, so its images went
+    unseen) and failed; wav2vec2's base was looked up in the text auto classes (a KeyError)."""
+    factory, trained_as, config, make_inputs, output = FAMILIES[name]
+    torch.manual_seed(0)
+    factory().eval().save_pretrained(tmp_path / "base")
+    adapters = []
+    for seed, r in enumerate((2, 4)):
+        torch.manual_seed(seed)
+        with peft_quietly():
+            model = peft.get_peft_model(trained_as.from_pretrained(tmp_path / "base"), peft.LoraConfig(
+                r=r, lora_alpha=8, init_lora_weights=False, **config))
+        model.save_pretrained(tmp_path / f"a{seed}")
+        adapters.append(str(tmp_path / f"a{seed}"))
+    wide = WideModel.from_pretrained(adapters)
+    inputs = make_inputs()
+    with torch.no_grad():
+        got = wide(**inputs)[output]
+        for i, adapter in enumerate(adapters):
+            alone = peft.PeftModel.from_pretrained(trained_as.from_pretrained(tmp_path / "base"), adapter).eval()
+            assert (got[i] - alone(**inputs)[output]).abs().max().item() <= TOLERANCE
+
+
+@pytest.mark.parametrize("pretrained_as", [tf.BertForPreTraining, tf.BertForMaskedLM])
+def test_classifier_adapters_of_a_base_saved_for_pre_training(pretrained_as, tmp_path):
+    """LoRA classifiers of ``bert-base-uncased`` (saved for pre-training: no classifier) were refused, the base
+    "missing tensor(s) classifier.bias, classifier.weight", which every adapter saves whole (PEFT's SEQ_CLS). A base
+    without the pooler too (saved as a masked LM) is refused still: no adapter holds the pooler, which PEFT's own load
+    draws at random."""
+    bert = CASES["bert-seqcls"]
+    torch.manual_seed(0)
+    pretrained_as(bert.make_config()).save_pretrained(tmp_path / "base")
+    adapters = []
+    for seed in range(2):
+        torch.manual_seed(seed)
+        with peft_quietly():
+            model = peft.get_peft_model(tf.BertForSequenceClassification.from_pretrained(
+                tmp_path / "base", num_labels=3), peft.LoraConfig(r=4, target_modules=["query", "value"],
+                                                                  task_type="SEQ_CLS", init_lora_weights=False))
+        model.save_pretrained(tmp_path / f"a{seed}")
+        adapters.append(str(tmp_path / f"a{seed}"))
+    if pretrained_as is tf.BertForMaskedLM:
+        with pytest.raises(IncompatibleMembersError, match=r"missing tensor\(s\) bert\.pooler.*at random"):
+            WideModel.from_pretrained(adapters)
+        return
+    wide = WideModel.from_pretrained(adapters)
+    references = [peft.PeftModel.from_pretrained(tf.BertForSequenceClassification.from_pretrained(
+        tmp_path / "base", num_labels=3), a).eval() for a in adapters]
+    with torch.no_grad():
+        assert max_member_error(wide, references, bert.inputs(2, padded=True)) <= TOLERANCE
