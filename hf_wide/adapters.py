@@ -145,6 +145,24 @@ def base_of(configs: Sequence[dict | None], names: Sequence[str], base_model: st
     return first
 
 
+def base_revision_of(configs: Sequence[dict | None], names: Sequence[str], base_model: str | None,
+                     base_revision: str | None) -> str | None:
+    """The revision to load the base at: ``base_revision``, else the one the adapters pin (PEFT's ``revision``, the
+    base's, which ``AutoPeftModel`` loads it at; none for a base the caller names, ``base_model``). Adapters that pin
+    different revisions, or of which some pin one and some do not (the default branch), are of different bases."""
+    if base_model is not None or base_revision is not None:
+        return base_revision
+    pins = [(name, c.get("revision")) for name, c in zip(names, configs) if c is not None]
+    other = next(((name, rev) for name, rev in pins if rev != pins[0][1]), None)
+    if other is not None:
+        def at(rev):
+            return f"at revision {rev!r}" if rev else "at no revision (the default branch)"
+        raise IncompatibleMembersError(
+            f"{other[0]} is an adapter of its base {at(other[1])}, but {pins[0][0]} of it {at(pins[0][1])} (PEFT's "
+            "revision): all adapters must share one base (pass base_revision= to load them over one).")
+    return pins[0][1] if pins else None
+
+
 def base_class(configs: Sequence[dict | None], base_config, name: str) -> type:
     """The transformers class to load the base with: the adapters' task type's, else the base's own."""
     from .saving import model_class_for
@@ -237,6 +255,7 @@ def load_adapter_members(ids, folders, configs, *, base_model=None, base_revisio
             raise NotImplementedError(f"{name} {why}. Pass merge=True to merge each adapter into its own copy of the "
                                       "base (exact, N full weight sets).")
     base_id = base_of(configs, names, base_model)
+    base_revision = base_revision_of(configs, names, base_model, base_revision)
     try:
         (base_folder,) = download_members([base_id], base_revision, allow_pickle=allow_pickle, **(hub_kwargs or {}))
     except (MemberLoadError, OSError) as exc:

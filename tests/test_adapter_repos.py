@@ -108,6 +108,30 @@ def test_base_and_adapters_as_repos_at_pinned_revisions(hub, tmp_path):
     assert sum(p.endswith("model.safetensors") for p in downloads) == 1  # the base, once
 
 
+def test_the_base_at_the_revision_the_adapters_pin(hub, tmp_path):
+    """PEFT's ``revision`` (``get_peft_model(..., revision=)``) pins the base, and ``AutoPeftModel`` loads it there;
+    the base was loaded at its default branch, which had moved on to other weights. Adapters that pin different
+    revisions are of different bases."""
+    LLAMA.build(0).save_pretrained(tmp_path / "base")
+    base_sha = hub.publish("meta/pinned", tmp_path / "base")
+    LLAMA.build(1).save_pretrained(tmp_path / "base-later")
+    later_sha = hub.publish("meta/pinned", tmp_path / "base-later")
+    adapters = [save_adapter(LLAMA, tmp_path / "base", tmp_path / f"a{seed}", seed, base_name="meta/pinned", r=4,
+                             target_modules=["q_proj"], task_type="CAUSAL_LM", revision=base_sha) for seed in range(2)]
+    wide = WideModel.from_pretrained(adapters, token=TOKEN, cache_dir=tmp_path / "cache")
+    references = [alone(LLAMA, tmp_path / "base", a) for a in adapters]
+    assert max_member_error(wide, references, LLAMA.inputs(2, padded=True)) <= TOLERANCE
+    later = save_adapter(LLAMA, tmp_path / "base-later", tmp_path / "later", 2, base_name="meta/pinned", r=4,
+                         target_modules=["q_proj"], task_type="CAUSAL_LM", revision=later_sha)
+    with pytest.raises(IncompatibleMembersError, match=rf"member 1 .* revision '{later_sha}'.*member 0 .*'{base_sha}'"):
+        WideModel.from_pretrained([adapters[0], later], token=TOKEN, cache_dir=tmp_path / "cache")
+    unpinned = save_adapter(LLAMA, tmp_path / "base-later", tmp_path / "unpinned", 3, base_name="meta/pinned", r=4,
+                            target_modules=["q_proj"], task_type="CAUSAL_LM")
+    with pytest.raises(IncompatibleMembersError, match=r"member 1 .* no revision \(the default branch\)"):
+        WideModel.from_pretrained([adapters[0], unpinned], token=TOKEN, cache_dir=tmp_path / "cache")
+    WideModel.from_pretrained([adapters[0], later], base_revision=base_sha, token=TOKEN, cache_dir=tmp_path / "cache")
+
+
 def test_an_ensemble_of_adapters_saved_and_loaded_back(llama_adapters, tmp_path):
     base, adapters = llama_adapters
     wide = WideModel.from_pretrained([str(base), *adapters])
