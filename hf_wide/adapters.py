@@ -28,6 +28,7 @@ from pathlib import Path
 
 import torch
 import transformers
+from huggingface_hub.utils import tqdm as hf_tqdm
 from torch import nn
 
 from .adapter_layers import adapter_structure, as_adapter, pad_saved_modules, pad_targets, stack_adapters
@@ -270,7 +271,9 @@ def load_adapter_members(ids, folders, configs, *, base_model=None, base_revisio
                        may_miss=held_by_every_adapter(folders, configs), **extra, **(model_kwargs or {}))
 
     models, ahead = [], None
-    for name, model_id, folder, config in zip(names, ids, folders, configs):
+    show_bar = len(ids) > 1 and transformers.utils.logging.is_progress_bar_enabled()
+    for name, model_id, folder, config in hf_tqdm(list(zip(names, ids, folders, configs)), desc="Loading members",
+                                                  unit="member", disable=not show_bar):
         if config is None:  # a full checkpoint: the base itself, or one of its architecture
             if str(model_id) == str(base_id):
                 models.append(shared_view(base))

@@ -39,6 +39,13 @@ def test_llama_adapters_of_different_ranks_and_targets(llama_adapters):
         assert torch.equal(tokens[i], reference.generate(**inputs, max_new_tokens=4, do_sample=False))
 
 
+def test_loading_adapters_shows_a_progress_bar(llama_adapters, capfd):
+    _, adapters = llama_adapters
+    WideModel.from_pretrained(adapters)
+    bar = [line for line in capfd.readouterr().err.replace("\r", "\n").splitlines() if "Loading members" in line]
+    assert bar and "100%|" in bar[-1] and f"{len(adapters)}/{len(adapters)}" in bar[-1]
+
+
 def test_a_member_is_its_own_adapter_with_its_own_config(llama_adapters, tmp_path):
     """``member(i).peft_config`` was member 0's (the fused model's): ``member(1).save_pretrained`` wrote rank 4
     and alpha 8 beside rank-8 weights, which PEFT then could not load (or, at equal ranks, loaded with the wrong
