@@ -93,3 +93,20 @@ def test_one_pipeline_from_threads_equals_each_call_alone(tmp_path):
     texts = sentences(40, seed=3)
     jobs = [texts[k : k + 1 + k % 5] for k in range(0, 40, 4)]  # 1 to 5 texts a call
     hammer(lambda job: pipe(job, batch_size=2), jobs, [pipe(job, batch_size=2) for job in jobs])
+
+
+def test_lora_members_from_threads_equal_each_call_alone():
+    """Adapters of one base (``WideLoraLinear`` and attention blocks over LoRA projections, ranks padded)."""
+    from lora_members import EVERY_LINEAR, adapted
+
+    base = CASES["llama-causallm"].build(0)
+    wide = WideModel.from_models([adapted(base, seed, r=2 * (seed + 1), target_modules=EVERY_LINEAR)
+                                  for seed in range(N)])
+    assert any(e.wide_class == "WideLoraLinear" for e in wide.plan.entries.values())
+    jobs = calls("llama-causallm")
+
+    def run(inputs):
+        with torch.no_grad():
+            return main_output(wide(**inputs))
+
+    hammer(run, jobs, [run(inputs) for inputs in jobs])
