@@ -276,5 +276,13 @@ def unpad(model: nn.Module, paths: Sequence[str]) -> None:
 
 
 def _list_targets(model: nn.Module) -> None:
-    """PEFT's LoraModel lists the names of the layers it adapted, relative to its model."""
-    model.base_model.targeted_module_names = sorted(p.removeprefix("base_model.model.") for p in lora_paths(model))
+    """PEFT's LoraModel lists the names of the layers it adapted, relative to its model, and of the parameters it
+    adapted (a LoRA on a parameter, ``ParamWrapper``: its module's name, the wrappers' ``base_layer`` left out, and the
+    parameter's)."""
+    from peft.tuners.lora import ParamWrapper
+
+    layers = {path.removeprefix("base_model.model."): m for path in lora_paths(model)
+              for m in [model.get_submodule(path)]}
+    model.base_model.targeted_module_names = sorted(p for p, m in layers.items() if not isinstance(m, ParamWrapper))
+    model.base_model.targeted_parameter_names = sorted(f"{p.replace('.base_layer', '')}.{m.parameter_name}"
+                                                       for p, m in layers.items() if isinstance(m, ParamWrapper))

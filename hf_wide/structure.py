@@ -37,8 +37,10 @@ from .registry import find_block, has_exact_builder, transformers_classes
 
 # Configs are checked by hf_wide.compat, and `name_or_path` is where a member came from. PEFT's `peft_config` (on
 # the PeftModel and its tuner) is the adapters' recipe: what its layers run with (`scaling`, `r`, dropout) is
-# copied onto each layer, and compared there.
-IGNORED_ATTRIBUTES = frozenset({"training", "config", "generation_config", "name_or_path", "peft_config"})
+# copied onto each layer, and compared there; its tuner's `targeted_module_names` and `targeted_parameter_names` are
+# its record of what it adapted, which no forward reads (the layers differ where they do, and are compared there).
+IGNORED_ATTRIBUTES = frozenset({"training", "config", "generation_config", "name_or_path", "peft_config",
+                                "targeted_module_names", "targeted_parameter_names"})
 # Module classes whose forward keeps state in plain attributes (of its own, or of its children): what it keeps.
 STATEFUL = dict(zip(transformers_classes("recurrent_gemma.RecurrentGemmaRecurrentBlock"),
                     ["conv1d_state, rg_lru.recurrent_states"]))

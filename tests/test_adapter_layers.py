@@ -80,3 +80,24 @@ def test_a_module_one_member_saves_whole_and_another_adapts_is_refused_with_both
         with pytest.raises(IncompatibleMembersError, match=rf"member {saves} saves classifier whole .*member {adapts} "
                                                            r"has a LoRA on classifier\.dense.*merge=True"):
             WideModel.from_models(order)
+
+
+def test_an_adapter_of_parameters_beside_one_of_modules(tmp_path):
+    """PEFT's ``target_parameters`` (a LoRA on a parameter, ``ParamWrapper``) in one adapter: its tuner's record of the
+    parameters it adapted differed from the other member's, and the whole model ran as each member's own code; now
+    only the layers that differ do, and each member taken out lists what it adapts as PEFT does."""
+    from lora_members import save_adapter
+
+    LLAMA.build(0).save_pretrained(tmp_path / "base")
+    adapters = [save_adapter(LLAMA, tmp_path / "base", tmp_path / "a0", 0, r=4, target_modules=["q_proj"],
+                             target_parameters=["mlp.up_proj.weight"], task_type="CAUSAL_LM"),
+                save_adapter(LLAMA, tmp_path / "base", tmp_path / "a1", 1, r=2, target_modules=["q_proj", "v_proj"],
+                             task_type="CAUSAL_LM")]
+    wide = WideModel.from_pretrained(adapters)
+    references = [alone(LLAMA, tmp_path / "base", a) for a in adapters]
+    assert max_member_error(wide, references, LLAMA.inputs(2, padded=True)) <= TOLERANCE
+    assert {e.fqn.rsplit(".", 1)[-1] for e in wide.plan.fallbacks} == {"up_proj"}
+    for i, reference in enumerate(references):
+        ours, theirs = wide.member(i).base_model, reference.base_model
+        assert ours.targeted_module_names == sorted(theirs.targeted_module_names)
+        assert ours.targeted_parameter_names == sorted(theirs.targeted_parameter_names)
