@@ -1,8 +1,8 @@
 """PEFT adapters as members: ``WideModel.from_pretrained([adapter, ...])`` over one base model.
 
 An adapter folder (``adapter_config.json`` + ``adapter_model.safetensors``) names its base in
-``base_model_name_or_path``; every adapter must name the same one (or the caller passes ``base_model=``). The
-base is downloaded and loaded **once**; each member is a ``PeftModel`` over a structural copy of it whose
+``base_model_name_or_path``; every adapter must name the same one (or the caller passes ``base_model=``), at the same
+revision (:mod:`hf_wide.adapter_base`). The base is downloaded and loaded **once**; each member is a ``PeftModel`` over a structural copy of it whose
 tensors are the base's own (no copy; the biases an adapter trains are its own), with the adapter's weights
 injected. Fusing then takes each ``lora.Linear`` as a :class:`~hf_wide.blocks.lora.WideLoraLinear`: one base
 matmul over all N*B rows plus each member's low-rank update. Members must share one structure, so where adapters
@@ -23,14 +23,14 @@ import copy
 import json
 import sys
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from pathlib import Path
 
-import torch
 import transformers
 from huggingface_hub.utils import tqdm as hf_tqdm
 from torch import nn
 
+from .adapter_base import adapter_keys, base_class, base_of, base_revision_of, head_labels, held_by_every_adapter
 from .adapter_layers import adapter_structure, as_adapter, pad_saved_modules, pad_targets, stack_adapters
 from .adapter_repos import AdapterSources
 from .adapter_trace import alike_structure, module_structure, trace_ahead
@@ -38,19 +38,6 @@ from .adapter_views import adapter_view, base_untouched, held_base_tensors, resh
 from .compat import IncompatibleMembersError
 
 ADAPTER_CONFIG = "adapter_config.json"
-# PEFT's task types -> the transformers auto classes that build the base for them, the first that knows its config
-# (PEFT's SEQ_CLS classifies audio and images too: a wav2vec2 base, saved for pre-training, as an audio classifier)
-TASK_CLASSES = {
-    "CAUSAL_LM": (transformers.AutoModelForCausalLM,),
-    "SEQ_CLS": (transformers.AutoModelForSequenceClassification, transformers.AutoModelForAudioClassification,
-                transformers.AutoModelForImageClassification),
-    "TOKEN_CLS": (transformers.AutoModelForTokenClassification, transformers.AutoModelForAudioFrameClassification),
-    "SEQ_2_SEQ_LM": (transformers.AutoModelForSeq2SeqLM,),
-    "QUESTION_ANS": (transformers.AutoModelForQuestionAnswering,),
-    "FEATURE_EXTRACTION": (transformers.AutoModel,),
-}
-
-
 def adapter_config(folder: Path) -> dict | None:
     """The folder's ``adapter_config.json`` as a dict, or None if it is not a PEFT adapter."""
     path = Path(folder) / ADAPTER_CONFIG
@@ -129,56 +116,6 @@ def lora_refusal(config: dict) -> str | None:
     return None
 
 
-def base_of(configs: Sequence[dict | None], names: Sequence[str], base_model: str | None) -> str:
-    """The one base every adapter names (or ``base_model``); raise if two adapters name different bases."""
-    if base_model is not None:
-        return base_model
-    named = [(name, c.get("base_model_name_or_path")) for name, c in zip(names, configs) if c is not None]
-    missing = next((name for name, base in named if not base), None)
-    if missing is not None:
-        raise ValueError(f"{missing} names no base model (base_model_name_or_path); pass base_model=.")
-    first_name, first = named[0]
-    for name, base in named[1:]:
-        if base != first:
-            raise IncompatibleMembersError(
-                f"{name} is an adapter of {base!r}, but {first_name} is an adapter of {first!r}: all adapters must "
-                "share one base (pass base_model= to load them over another).")
-    return first
-
-
-def base_revision_of(configs: Sequence[dict | None], names: Sequence[str], base_model: str | None,
-                     base_revision: str | None) -> str | None:
-    """The revision to load the base at: ``base_revision``, else the one the adapters pin (PEFT's ``revision``, the
-    base's, which ``AutoPeftModel`` loads it at; none for a base the caller names, ``base_model``). Adapters that pin
-    different revisions, or of which some pin one and some do not (the default branch), are of different bases."""
-    if base_model is not None or base_revision is not None:
-        return base_revision
-    pins = [(name, c.get("revision")) for name, c in zip(names, configs) if c is not None]
-    other = next(((name, rev) for name, rev in pins if rev != pins[0][1]), None)
-    if other is not None:
-        def at(rev):
-            return f"at revision {rev!r}" if rev else "at no revision (the default branch)"
-        raise IncompatibleMembersError(
-            f"{other[0]} is an adapter of its base {at(other[1])}, but {pins[0][0]} of it {at(pins[0][1])} (PEFT's "
-            "revision): all adapters must share one base (pass base_revision= to load them over one).")
-    return pins[0][1] if pins else None
-
-
-def base_class(configs: Sequence[dict | None], base_config, name: str) -> type:
-    """The transformers class to load the base with: the adapters' task type's, else the base's own."""
-    from .saving import model_class_for
-
-    tasks = {c.get("task_type") for c in configs if c is not None}
-    tasks.discard(None)
-    if len(tasks) > 1:
-        raise IncompatibleMembersError(f"The adapters are for different tasks: {sorted(tasks)}.")
-    if tasks and tasks <= TASK_CLASSES.keys():
-        for auto in TASK_CLASSES[tasks.pop()]:
-            if type(base_config) in auto._model_mapping:
-                return auto._model_mapping[type(base_config)]
-    return model_class_for(base_config, name)
-
-
 def check_adapter_weights(folder: Path, name: str, allow_pickle: bool) -> None:
     if (folder / "adapter_model.safetensors").is_file():
         return
@@ -188,48 +125,6 @@ def check_adapter_weights(folder: Path, name: str, allow_pickle: bool) -> None:
                              "loaded. Pass allow_pickle=True if you trust it.")
         return
     raise FileNotFoundError(f"{name} has no adapter weights (adapter_model.safetensors) in {folder}.")
-
-
-def adapter_keys(folder: Path) -> list[str]:
-    """The names of the tensors in an adapter's weights file (safetensors, or the pickle that
-    :func:`check_adapter_weights` let through, read with ``weights_only``)."""
-    path = folder / "adapter_model.safetensors"
-    if path.is_file():
-        from safetensors import safe_open
-
-        with safe_open(path, "pt") as f:
-            return list(f.keys())
-    return list(torch.load(folder / "adapter_model.bin", map_location="meta", weights_only=True))
-
-
-def held_by_every_adapter(folders: Sequence[Path], configs: Sequence[dict | None]) -> frozenset[str]:
-    """The names in the base of the tensors whose values every member's adapter file holds (the head each saves
-    whole, ``modules_to_save``), which the base's checkpoint may lack: a base saved for pre-training, loaded as a
-    classifier, has a head drawn at random that no member computes with. None where a member is not an adapter."""
-    if any(c is None for c in configs):
-        return frozenset()
-    held = set.intersection(*(set(adapter_keys(Path(f))) for f in folders))
-    return frozenset(key.removeprefix("base_model.model.") for key in held)
-
-
-def head_labels(folders: Sequence[Path], configs: Sequence[dict | None]) -> int | None:
-    """The number of labels the adapters' saved heads (``modules_to_save``) were trained with, if they hold one."""
-    from safetensors import safe_open
-
-    for folder, config in zip(folders, configs):
-        if config is None or not config.get("modules_to_save") or config.get("task_type") not in (
-                "SEQ_CLS", "TOKEN_CLS", None):
-            continue
-        path = folder / "adapter_model.safetensors"
-        if not path.is_file():
-            continue
-        with safe_open(path, "pt") as f:
-            for key in f.keys():
-                head = key.split(".")
-                if key.endswith(".weight") and any(m in head for m in config["modules_to_save"]) and (
-                        "out_proj" in head or head[-2] in config["modules_to_save"]):
-                    return f.get_slice(key).get_shape()[0]
-    return None
 
 
 def load_adapter_members(ids, folders, configs, *, base_model=None, base_revision=None, merge=False,
