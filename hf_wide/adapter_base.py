@@ -10,6 +10,7 @@ from pathlib import Path
 
 import torch
 import transformers
+from torch import nn
 
 from .compat import IncompatibleMembersError
 
@@ -80,13 +81,47 @@ def base_class(configs: Sequence[dict | None], base_config, name: str) -> type:
 def adapter_keys(folder: Path) -> list[str]:
     """The names of the tensors in an adapter's weights file (safetensors, or the pickle that
     :func:`check_adapter_weights` let through, read with ``weights_only``)."""
+    return list(adapter_shapes(folder))
+
+
+def adapter_shapes(folder: Path) -> dict[str, tuple[int, ...]]:
+    """The shapes of the tensors in an adapter's weights file, by name, read without their values."""
     path = folder / "adapter_model.safetensors"
     if path.is_file():
         from safetensors import safe_open
 
         with safe_open(path, "pt") as f:
-            return list(f.keys())
-    return list(torch.load(folder / "adapter_model.bin", map_location="meta", weights_only=True))
+            return {key: tuple(f.get_slice(key).get_shape()) for key in f.keys()}
+    tensors = torch.load(folder / "adapter_model.bin", map_location="meta", weights_only=True)
+    return {key: tuple(t.shape) for key, t in tensors.items()}
+
+
+def embedding_tables(model: nn.Module) -> list[nn.Module]:
+    """The model's input and output embeddings (transformers' ``get_input_embeddings``, ``get_output_embeddings``),
+    those it has: none for a model without a vocabulary (of images, of audio)."""
+    found = []
+    for getter in ("get_input_embeddings", "get_output_embeddings"):
+        try:
+            module = getattr(model, getter)()
+        except (AttributeError, NotImplementedError):  # transformers raises for a model it finds no table in
+            continue
+        if module is not None and isinstance(getattr(module, "weight", None), torch.Tensor):
+            found.append(module)
+    return found
+
+
+def grown_tables(folder: Path, base: nn.Module) -> dict[str, int]:
+    """The base's embedding tables (input, and output where it is a table of its own) of which an adapter's file holds
+    more rows than the base has, by name, with the rows: a vocabulary grown with ``resize_token_embeddings`` before
+    training (tokens added), whose tables PEFT then saves whole (``save_embedding_layers``)."""
+    tables = {id(m.weight) for m in embedding_tables(base)}
+    names = {name: t for name, t in base.named_parameters() if id(t) in tables}
+    grown = {}
+    for key, shape in adapter_shapes(folder).items():
+        name = key.removeprefix("base_model.model.").replace(".base_layer.", ".")
+        if name in names and shape and shape[0] != names[name].shape[0]:
+            grown[name] = shape[0]
+    return grown
 
 
 def held_by_every_adapter(folders: Sequence[Path], configs: Sequence[dict | None]) -> frozenset[str]:

@@ -30,7 +30,8 @@ import transformers
 from huggingface_hub.utils import tqdm as hf_tqdm
 from torch import nn
 
-from .adapter_base import adapter_keys, base_class, base_of, base_revision_of, head_labels, held_by_every_adapter
+from .adapter_base import (adapter_keys, base_class, base_of, base_revision_of, embedding_tables, grown_tables,
+                           head_labels, held_by_every_adapter)
 from .adapter_layers import adapter_structure, as_adapter, pad_saved_modules, pad_targets, stack_adapters
 from .adapter_repos import AdapterSources
 from .adapter_trace import alike_structure, module_structure, trace_ahead
@@ -127,6 +128,25 @@ def check_adapter_weights(folder: Path, name: str, allow_pickle: bool) -> None:
     raise FileNotFoundError(f"{name} has no adapter weights (adapter_model.safetensors) in {folder}.")
 
 
+def grown_copy(base: nn.Module, grown: dict[str, int], name: str) -> nn.Module:
+    """A copy of the base for one adapter to merge into, its vocabulary grown as the adapter's was (``grown``:
+    :func:`~hf_wide.adapter_base.grown_tables`). Every table that grows must be one the adapter holds whole: the new
+    rows of any other would be drawn at random."""
+    model = copy.deepcopy(base)
+    if not grown:
+        return model
+    if len(set(grown.values())) > 1:
+        raise IncompatibleMembersError(f"{name} holds embedding tables of different numbers of rows: {grown}.")
+    model.resize_token_embeddings(next(iter(grown.values())), mean_resizing=False)
+    tables = {id(m.weight) for m in embedding_tables(model)}
+    resized = {key for key, t in model.named_parameters() if id(t) in tables}
+    if not resized <= grown.keys():
+        raise IncompatibleMembersError(
+            f"{name} grew the vocabulary but holds only {sorted(grown)} whole, not {sorted(resized - grown.keys())}: "
+            "their new rows would be drawn at random.")
+    return model
+
+
 def load_adapter_members(ids, folders, configs, *, base_model=None, base_revision=None, merge=False,
                          allow_pickle=False, dtype=None, device=None, trust_remote_code=False, hub_kwargs=None,
                          model_kwargs=None):
@@ -178,7 +198,14 @@ def load_adapter_members(ids, folders, configs, *, base_model=None, base_revisio
                                           use_safetensors=weights_format(folder, name, allow_pickle),
                                           **(model_kwargs or {})))
             continue
-        target, copies = (copy.deepcopy(base), {}) if merge else adapter_view(
+        grown = grown_tables(Path(folder), base)
+        if grown and not merge:
+            shown = ", ".join(f"{key} of {rows} rows" for key, rows in sorted(grown.items()))
+            raise IncompatibleMembersError(
+                f"{name} holds {shown}, more than the base's (a vocabulary grown with resize_token_embeddings before "
+                "training), whose tables its members share. Pass merge=True to merge each adapter into its own copy "
+                "of the base (exact, N full weight sets).")
+        target, copies = (grown_copy(base, grown, name), {}) if merge else adapter_view(
             base, config, held_base_tensors(adapter_keys(Path(folder)), base))
         with base_untouched(base, name):
             try:

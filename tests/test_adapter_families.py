@@ -1,13 +1,14 @@
 """Adapters of other bases (hf_wide/adapters.py, hf_wide/samples.py): models that take other inputs than text (a
 contrastive pair of encoders, CLIP; an audio classifier over a base saved without its head, wav2vec2 with PEFT's
-SEQ_CLS; a speech recogniser, Whisper) and a text classifier over a base saved for pre-training, each member against
-``PeftModel.from_pretrained(base, adapter)`` run alone."""
+SEQ_CLS; a speech recogniser, Whisper), a text classifier over a base saved for pre-training, and adapters trained
+over a vocabulary grown from the base's, each member against ``PeftModel.from_pretrained(base, adapter)`` run alone."""
 
 import peft
 import pytest
 import torch
 import transformers as tf
 from conftest import CASES
+from lora_members import LLAMA
 from oracle import TOLERANCE, max_member_error
 
 from hf_wide import IncompatibleMembersError, WideModel
@@ -93,3 +94,39 @@ def test_classifier_adapters_of_a_base_saved_for_pre_training(pretrained_as, tmp
         tmp_path / "base", num_labels=3), a).eval() for a in adapters]
     with torch.no_grad():
         assert max_member_error(wide, references, bert.inputs(2, padded=True)) <= TOLERANCE
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_adapters_over_a_grown_vocabulary_merge(tied, tmp_path):
+    """Tokens added before training (``resize_token_embeddings``: PEFT then saves the tables whole) give each adapter
+    tables of its own, which members sharing the base's cannot hold: refused, with ``merge=True`` offered, which failed
+    too ("size mismatch for ...embed_tokens.weight") and now grows each member's copy of the base as the adapter's
+    was. Against the base grown by hand, as PEFT asks."""
+    config = LLAMA.make_config()
+    config.tie_word_embeddings = tied
+    torch.manual_seed(0)
+    tf.LlamaForCausalLM(config).save_pretrained(tmp_path / "base")
+
+    def grown():
+        model = tf.LlamaForCausalLM.from_pretrained(tmp_path / "base")
+        model.resize_token_embeddings(config.vocab_size + 3, mean_resizing=False)
+        return model
+
+    adapters = []
+    for seed in range(2):
+        torch.manual_seed(seed)
+        with peft_quietly():
+            model = peft.get_peft_model(grown(), peft.LoraConfig(r=4, target_modules=["q_proj"], task_type="CAUSAL_LM",
+                                                                 init_lora_weights=False))
+        with torch.no_grad():
+            model.get_input_embeddings().weight[-3:].normal_()  # the new tokens, trained
+        model.save_pretrained(tmp_path / f"a{seed}")
+        adapters.append(str(tmp_path / f"a{seed}"))
+    with pytest.raises(IncompatibleMembersError, match=r"member 0 .*embed_tokens\.weight of 103 rows.*merge=True"):
+        WideModel.from_pretrained(adapters)
+    wide = WideModel.from_pretrained(adapters, merge=True)
+    references = [peft.PeftModel.from_pretrained(grown(), a).eval() for a in adapters]
+    inputs = LLAMA.inputs(2, padded=True)
+    inputs["input_ids"][:, -1] = config.vocab_size + 1  # a new token
+    with torch.no_grad():
+        assert max_member_error(wide, references, inputs) <= 1e-4  # merged weights round
