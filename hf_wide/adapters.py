@@ -128,15 +128,22 @@ def check_adapter_weights(folder: Path, name: str, allow_pickle: bool) -> None:
     raise FileNotFoundError(f"{name} has no adapter weights (adapter_model.safetensors) in {folder}.")
 
 
-def grown_copy(base: nn.Module, grown: dict[str, int], name: str) -> nn.Module:
-    """A copy of the base for one adapter to merge into, its vocabulary grown as the adapter's was (``grown``:
-    :func:`~hf_wide.adapter_base.grown_tables`). Every table that grows must be one the adapter holds whole: the new
-    rows of any other would be drawn at random."""
-    model = copy.deepcopy(base)
+def grow(model: nn.Module, grown: dict[str, int], name: str) -> None:
+    """Grow the vocabulary of the base (a view, or a copy to merge into) that one adapter loads over as the adapter's
+    was before training (``grown``: :func:`~hf_wide.adapter_base.grown_tables`), as its user would with
+    ``resize_token_embeddings`` before ``PeftModel.from_pretrained``: the member's tables are then its own (new ones:
+    the base's are left as they are). Every table that grows must be one the adapter holds whole: the new rows of any
+    other would be drawn at random."""
     if not grown:
-        return model
+        return
     if len(set(grown.values())) > 1:
         raise IncompatibleMembersError(f"{name} holds embedding tables of different numbers of rows: {grown}.")
+    # transformers gives the grown table to the module's parameter (weight.data = ...), and a view's is the base's: a
+    # parameter of its own first (``.data``: the base's values, a version counter of its own), tied ones tied still
+    own = {}
+    for module in embedding_tables(model):
+        weight = module.weight
+        module.weight = own.setdefault(id(weight), nn.Parameter(weight.data, requires_grad=weight.requires_grad))
     model.resize_token_embeddings(next(iter(grown.values())), mean_resizing=False)
     tables = {id(m.weight) for m in embedding_tables(model)}
     resized = {key for key, t in model.named_parameters() if id(t) in tables}
@@ -144,7 +151,6 @@ def grown_copy(base: nn.Module, grown: dict[str, int], name: str) -> nn.Module:
         raise IncompatibleMembersError(
             f"{name} grew the vocabulary but holds only {sorted(grown)} whole, not {sorted(resized - grown.keys())}: "
             "their new rows would be drawn at random.")
-    return model
 
 
 def load_adapter_members(ids, folders, configs, *, base_model=None, base_revision=None, merge=False,
@@ -198,16 +204,10 @@ def load_adapter_members(ids, folders, configs, *, base_model=None, base_revisio
                                           use_safetensors=weights_format(folder, name, allow_pickle),
                                           **(model_kwargs or {})))
             continue
-        grown = grown_tables(Path(folder), base)
-        if grown and not merge:
-            shown = ", ".join(f"{key} of {rows} rows" for key, rows in sorted(grown.items()))
-            raise IncompatibleMembersError(
-                f"{name} holds {shown}, more than the base's (a vocabulary grown with resize_token_embeddings before "
-                "training), whose tables its members share. Pass merge=True to merge each adapter into its own copy "
-                "of the base (exact, N full weight sets).")
-        target, copies = (grown_copy(base, grown, name), {}) if merge else adapter_view(
+        target, copies = (copy.deepcopy(base), {}) if merge else adapter_view(
             base, config, held_base_tensors(adapter_keys(Path(folder)), base))
         with base_untouched(base, name):
+            grow(target, grown_tables(Path(folder), base), name)
             try:
                 with peft_quietly():
                     # Not low_cpu_mem_usage: over a half-precision base it rounds the adapter's weights to the base's
