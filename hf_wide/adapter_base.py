@@ -1,6 +1,8 @@
 """The one base of a list of adapters (:mod:`hf_wide.adapters` loads them over it): which model
 (:func:`base_of`), at which revision (:func:`base_revision_of`), as which transformers class (:func:`base_class`)
-with how many labels (:func:`head_labels`), and which tensors its checkpoint may lack (:func:`held_by_every_adapter`).
+with how many labels (:func:`head_labels`), which tensors its checkpoint may lack (:func:`held_by_every_adapter`),
+and which of its embedding tables an adapter grew (:func:`grown_tables`), read from the adapters' files without their
+values (:func:`adapter_shapes`).
 """
 
 from __future__ import annotations
@@ -25,7 +27,6 @@ TASK_CLASSES = {
     "QUESTION_ANS": (transformers.AutoModelForQuestionAnswering,),
     "FEATURE_EXTRACTION": (transformers.AutoModel,),
 }
-
 
 
 def base_of(configs: Sequence[dict | None], names: Sequence[str], base_model: str | None) -> str:
@@ -80,7 +81,7 @@ def base_class(configs: Sequence[dict | None], base_config, name: str) -> type:
 
 def adapter_keys(folder: Path) -> list[str]:
     """The names of the tensors in an adapter's weights file (safetensors, or the pickle that
-    :func:`check_adapter_weights` let through, read with ``weights_only``)."""
+    :func:`hf_wide.adapters.check_adapter_weights` let through, read with ``weights_only``)."""
     return list(adapter_shapes(folder))
 
 
@@ -127,7 +128,8 @@ def grown_tables(folder: Path, base: nn.Module) -> dict[str, int]:
 def held_by_every_adapter(folders: Sequence[Path], configs: Sequence[dict | None]) -> frozenset[str]:
     """The names in the base of the tensors whose values every member's adapter file holds (the head each saves
     whole, ``modules_to_save``), which the base's checkpoint may lack: a base saved for pre-training, loaded as a
-    classifier, has a head drawn at random that no member computes with. None where a member is not an adapter."""
+    classifier, has a head drawn at random that no member computes with. None where a member is not an adapter (the
+    base itself, or a full checkpoint, computes with its own)."""
     if any(c is None for c in configs):
         return frozenset()
     held = set.intersection(*(set(adapter_keys(Path(f))) for f in folders))

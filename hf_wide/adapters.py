@@ -1,11 +1,12 @@
 """PEFT adapters as members: ``WideModel.from_pretrained([adapter, ...])`` over one base model.
 
 An adapter folder (``adapter_config.json`` + ``adapter_model.safetensors``) names its base in
-``base_model_name_or_path``; every adapter must name the same one (or the caller passes ``base_model=``), at the same
-revision (:mod:`hf_wide.adapter_base`). The base is downloaded and loaded **once**; each member is a ``PeftModel`` over a structural copy of it whose
-tensors are the base's own (no copy; the biases an adapter trains are its own), with the adapter's weights
-injected. Fusing then takes each ``lora.Linear`` as a :class:`~hf_wide.blocks.lora.WideLoraLinear`: one base
-matmul over all N*B rows plus each member's low-rank update. Members must share one structure, so where adapters
+``base_model_name_or_path``; every adapter must name the same one (or the caller passes ``base_model=``), at the
+same revision (:mod:`hf_wide.adapter_base`). The base is downloaded and loaded **once**; each member is a
+``PeftModel`` over a structural copy of it whose tensors are the base's own (no copy; the biases an adapter trains,
+and the embedding tables of a vocabulary it grew, are its own), with the adapter's weights injected. Fusing then
+takes each ``lora.Linear`` as a :class:`~hf_wide.blocks.lora.WideLoraLinear`: one base matmul over all N*B rows
+plus each member's low-rank update. Members must share one structure, so where adapters
 target different modules, a member without an adapter on a module gets one whose update is exactly zero
 (``lora_B = 0``), and where they save different modules whole (``modules_to_save``), a member gets a saved copy
 of the base's module (:mod:`hf_wide.adapter_layers`); where the list also holds full checkpoints of the base's

@@ -44,7 +44,7 @@ def sample_inputs(model: nn.Module, batch: int = SAMPLE_BATCH, seq_len: int = SA
     else:
         raise ValueError(f"Cannot build sample inputs for main input {main!r}: pass sample inputs for the trace.")
     vision = getattr(config, "vision_config", None)
-    inner = model.get_base_model() if hasattr(model, "get_base_model") else model  # a PeftModel's forward takes **kwargs
+    inner = model.get_base_model() if hasattr(model, "get_base_model") else model  # a PeftModel's takes **kwargs
     if main != "pixel_values" and vision is not None and {"pixel_values", "return_loss"} <= set(
             inspect.signature(inner.forward).parameters):  # a contrastive pair of encoders (CLIP, SigLIP): images too
         size = getattr(vision, "image_size", 32)
