@@ -447,8 +447,8 @@ def test_only_the_tables_of_adapted_embeddings_are_copied_as_an_adapter_loads(em
     whole (``modules_to_save``) by names that read like the base's own (``classifier.weight``), but that loads
     into a copy of its own: copying the base's tensors of those too would hold a second saved head (a whole
     ``lm_head``, say) while each adapter loads, for nothing."""
-    from hf_wide.adapter_views import held_base_tensors
     from hf_wide.adapter_base import adapter_keys
+    from hf_wide.adapter_views import held_base_tensors
 
     base, adapters = embedding_adapters
     llama = LLAMA.model_class.from_pretrained(base)

@@ -5,6 +5,8 @@ import pytest
 import torch
 import transformers as tf
 from conftest import CASES
+from lora_members import adapted
+from oracle import TOLERANCE, max_member_error
 
 from hf_wide import IncompatibleMembersError, WideModel
 
@@ -69,9 +71,6 @@ def test_lora_layers_no_block_takes_may_differ_in_rank(name, targets):
     """Adapters may differ in rank on any LoRA layer, not only on those a fused block pads (they were refused: "member
     1 has '...gate.lora_A.default.weight' of shape (2, 32), but member 0 has (4, 32)"): such a layer runs as each
     member's own module, and each member taken out holds its own rank."""
-    from lora_members import adapted
-    from oracle import TOLERANCE, max_member_error
-
     case = CASES[name]
     base = case.build(0)
     members = [adapted(base, seed, r=r, lora_alpha=8, target_modules=targets) for seed, r in enumerate((4, 2, 8))]
@@ -84,8 +83,7 @@ def test_lora_layers_no_block_takes_may_differ_in_rank(name, targets):
 
 
 def test_a_lora_rank_differs_only_in_the_tensors_that_hold_it():
-    from lora_members import adapted
-
+    """What may differ in shape between LoRA members is their ranks, not the tensors around them."""
     base = CASES["vit-imgcls"].build(0)
     members = [adapted(base, seed, r=4, target_modules=["projection"]) for seed in range(2)]
     members[1].base_model.model.vit.layernorm.weight = torch.nn.Parameter(torch.ones(40))

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import CASES
+from lora_members import EVERY_LINEAR, adapted
 from oracle import main_output
 
 from hf_wide import PerMember, WideModel, pipeline
@@ -96,9 +97,7 @@ def test_one_pipeline_from_threads_equals_each_call_alone(tmp_path):
 
 
 def test_lora_members_from_threads_equal_each_call_alone():
-    """Adapters of one base (``WideLoraLinear`` and attention blocks over LoRA projections, ranks padded)."""
-    from lora_members import EVERY_LINEAR, adapted
-
+    """Adapters of one base (``WideLoraLinear``, ranks padded)."""
     base = CASES["llama-causallm"].build(0)
     wide = WideModel.from_models([adapted(base, seed, r=2 * (seed + 1), target_modules=EVERY_LINEAR)
                                   for seed in range(N)])
