@@ -319,11 +319,18 @@ def load_members(
     trust_remote_code: bool = False,
     **hub_kwargs,
 ) -> tuple[list[torch.nn.Module], list[str], list[str | None]]:
-    """Load every member with its own transformers class. Returns the models, their ids, and the commit
-    sha each was loaded at (None for local folders)."""
+    """Load every member with its own transformers class, or, where the list holds PEFT adapters, as
+    ``from_pretrained`` loads them (``PeftModel`` members over their one base: :mod:`hf_wide.adapters`). Returns the
+    models, their ids, and the commit sha each was loaded at (None for local folders)."""
     model_ids = list(model_ids)
     if not model_ids:
         raise ValueError("WideModel.from_pretrained needs at least one model id; got an empty list.")
     folders = download_members(model_ids, revision, allow_pickle=allow_pickle, **hub_kwargs)
-    models = load_models(model_ids, folders, resolve_dtype(dtype), device, allow_pickle, trust_remote_code)
+    adapters = [adapter_config(folder) for folder in folders]
+    if any(adapters):
+        models = load_adapter_members(model_ids, folders, adapters, allow_pickle=allow_pickle, device=device,
+                                      dtype=resolve_dtype(dtype), trust_remote_code=trust_remote_code,
+                                      hub_kwargs=hub_kwargs)[0]
+    else:
+        models = load_models(model_ids, folders, resolve_dtype(dtype), device, allow_pickle, trust_remote_code)
     return models, model_ids, [commit_sha(folder) for folder in folders]

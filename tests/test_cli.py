@@ -21,6 +21,19 @@ def test_trace_prints_the_plan_of_saved_members(tmp_path, capsys):
     assert "WideLlamaRMSNorm" in out and "WideLinear" in out and "MFLOPs" in out
 
 
+def test_trace_of_peft_adapters(tmp_path, capsys):
+    """Adapters over one base, loaded as ``from_pretrained`` loads them (it was transformers' "Unrecognized model in
+    ...: should have a `model_type` key in its config.json")."""
+    from lora_members import LLAMA, save_adapter
+
+    LLAMA.build(0).save_pretrained(tmp_path / "base")
+    adapters = [save_adapter(LLAMA, tmp_path / "base", tmp_path / f"a{seed}", seed, r=4 * (seed + 1),
+                             target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM") for seed in range(2)]
+    assert main(["trace", *adapters]) == 0
+    out = capsys.readouterr().out
+    assert "x 2 members" in out and "WideLoraLinear" in out
+
+
 def test_trace_of_one_checkpoint_shows_the_architectures_plan(tmp_path, capsys):
     CASES["vit-imgcls"].build(0).save_pretrained(tmp_path)
     assert main(["trace", str(tmp_path)]) == 0
