@@ -156,12 +156,13 @@ def grow(model: nn.Module, grown: dict[str, int], name: str) -> None:
 
 def load_adapter_members(ids, folders, configs, *, base_model=None, base_revision=None, merge=False,
                          allow_pickle=False, dtype=None, device=None, trust_remote_code=False, hub_kwargs=None,
-                         model_kwargs=None):
+                         model_kwargs=None, trace_first=True):
     """The members of a list that holds adapters, where they came from (:class:`AdapterSources`, for saving;
     None after ``merge`` or with full checkpoints other than the base), the paths of each member's no-ops
     (:func:`~hf_wide.adapter_layers.pad_targets`, :func:`~hf_wide.adapter_layers.pad_saved_modules`; None after
     ``merge``) and member 0's trace (:func:`~hf_wide.adapter_trace.trace_ahead`, for
-    :func:`~hf_wide.fuse.fuse_models`' ``traced``; None where it was not taken, or member 0 has changed since). Each
+    :func:`~hf_wide.fuse.fuse_models`' ``traced``; None where it was not taken, or not asked for: ``trace_first``, or
+    member 0 has changed since). Each
     adapter is a ``PeftModel`` over a view of the one base (or, with ``merge``, merged into its own copy); each full
     checkpoint is loaded and, like the base when it is in the list, given zero LoRA layers."""
     from .hub import MemberLoadError, commit_sha, download_members
@@ -220,7 +221,7 @@ def load_adapter_members(ids, folders, configs, *, base_model=None, base_revisio
                     f"{name} does not load over {base_name}: {type(exc).__name__}: {exc}") from exc
             reshare(target, copies, name)
         models.append(member.merge_and_unload().eval() if merge else member.eval())
-        if len(models) == 1 and not merge and alike_structure(configs):
+        if trace_first and len(models) == 1 and not merge and alike_structure(configs):
             ahead = trace_ahead(models[0])
     if merge:
         return models, None, None, None

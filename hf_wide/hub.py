@@ -330,7 +330,7 @@ def load_members(
     if any(adapters):
         models = load_adapter_members(model_ids, folders, adapters, allow_pickle=allow_pickle, device=device,
                                       dtype=resolve_dtype(dtype), trust_remote_code=trust_remote_code,
-                                      hub_kwargs=hub_kwargs)[0]
+                                      hub_kwargs=hub_kwargs, trace_first=False)[0]  # (its caller traces: no trace ahead)
     else:
         models = load_models(model_ids, folders, resolve_dtype(dtype), device, allow_pickle, trust_remote_code)
     return models, model_ids, [commit_sha(folder) for folder in folders]
