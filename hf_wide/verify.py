@@ -1,21 +1,26 @@
 """Verification at fuse time: every fused module against its members, on the inputs the sample forward gives it.
 
-The structural rules (:mod:`hf_wide.structure`) decide what a builder may take; this checks what it built. Each
-member runs once on the sample input with hooks that record, for every block and primitive of the plan, the
-first call's inputs and output. The wide model runs once too, so that each wide module's own inputs show which
-of its arguments carry the folded rows: ``(N*B, ...)`` where the member's has ``(B, ...)``, ``(N, ...)`` where
-it has one tensor per member (DeBERTa's stacked table), or the member's very shape (a broadcast), and what each
-returned. A wide module whose output there holds every member's output agrees with its members. Any other is
-then called on the members' recorded inputs, folded so, and its output is compared, member by member, with what
-each member's module returned: errors upstream cannot leak into a module's verdict, since it is fed the members'
-inputs, not the wide forward's. A module that disagrees is reported with its error, and the caller moves it one
-rung down the ladder (a block to its parts, a primitive to a fallback) and verifies again.
+The structural rules (:mod:`hf_wide.structure`) decide what a builder may take; this checks what it built. The
+wide model runs the sample once, with hooks on every block and primitive of the plan. A built one (a block, a
+primitive) is checked there and then, on its own inputs: each member's module is called on that member's rows of
+them and must return what the wide module returned for those rows (:mod:`hf_wide.verify_here`). The others (the
+vectorised modules, loops over stacked tensors, and a block that takes a table per member) are checked against
+their members' outputs, recorded beforehand in a forward of each member on the sample with hooks that keep, for
+every such module, the first call's output; a wide module whose output in the wide forward holds every member's
+output agrees with its members. The wide forward's inputs also show which of a module's arguments carry the
+folded rows: ``(N*B, ...)`` where the member's has ``(B, ...)``, ``(N, ...)`` where it has one tensor per member
+(DeBERTa's stacked table), or the member's very shape (a broadcast). Any module that did not agree is then called on
+the members' recorded inputs, folded so, and its output is compared, member by member, with what each member's
+module returned: errors upstream cannot leak into a module's verdict, since it is fed the members' inputs, not the
+wide forward's. A module that disagrees is reported with its error, and the caller moves it one rung down the ladder
+(a block to its parts, a primitive to a fallback) and verifies again.
 
-The cost, where everything agrees: one forward of the sample input per member, keeping each module's output, and
-a wide forward per group of members whose outputs are held at once (one group, unless N members' outputs would
-outweigh :data:`RECORD_SHARE` of the wide model, as over adapters of one base; :data:`MAX_GROUPS` at most), whose
-output is also the whole model's check (:func:`diagnose`); the members run again, to record their inputs, only for
-modules that disagreed there.
+The cost, where everything agrees: one forward of the sample per member for its whole output (taken before the
+build), the members' modules called once each in the wide forward, and, where modules are recorded, a forward per
+member keeping their outputs and a wide forward per group of members whose outputs are held at once (one group,
+unless N members' outputs would outweigh :data:`RECORD_SHARE` of the wide model, as over adapters of one base;
+:data:`MAX_GROUPS` at most), whose output is also the whole model's check (:func:`diagnose`); the members run
+again, to record their inputs, only for modules that disagreed there.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ from .cpu import release_freed_memory
 from .fold import Fold
 from .plan import STACKED_LOOP, Kind, WidePlan
 from .samples import sample_kwargs
+from .verify_here import agrees_here, checked_here
 
 CHECKED = (Kind.BLOCK, Kind.PRIMITIVE, Kind.VECTORISED)  # and loops over stacked tensors: member 0's code
 
@@ -43,7 +49,7 @@ class _Recorder:
     """Forward hooks that keep the first call of each named module: ``calls[path] = (args, kwargs, output)``.
     ``running`` holds the paths entered and not yet left: after an exception, where it was raised.
     With ``inputs=False`` only outputs are kept (``_NO_INPUTS`` for the inputs); a call for which
-    ``agrees(path, output)`` holds is kept as ``_AGREED`` alone. The sample's activations are not small next to a
+    ``agrees(path, args, kwargs, output)`` holds is kept as ``_AGREED`` alone. The sample's activations are not small next to a
     model's weights, and only a module that disagrees needs its inputs."""
 
     def __init__(self, model: nn.Module, paths: Sequence[str], inputs: bool = True, agrees=None):
@@ -67,7 +73,7 @@ class _Recorder:
             self.running.pop()
             if path in self.calls:
                 return
-            if self.agrees is not None and self.agrees(path, output):
+            if self.agrees is not None and self.agrees(path, args, kwargs, output):
                 self.calls[path] = _AGREED
             elif self.inputs:  # copies: later code may write into these tensors in place
                 self.calls[path] = _copy((args, dict(kwargs), output))
@@ -164,25 +170,29 @@ def verify_modules(wide, paths: Sequence[str], references: Sequence[nn.Module], 
     (member i's model, or a view of it) on the sample inputs. Returns ({fqn: what went wrong}, the members'
     recorded calls, to pass back in when verifying a re-planned model, and the wide model's output).
 
-    The members' module outputs are recorded a group of members at a time, as many as fit in
-    :data:`RECORD_SHARE` of the wide model's bytes (at least one, and at least N / :data:`MAX_GROUPS` of them),
-    and each group is checked in a wide forward of its own: over adapters of one base, whose wide model is
-    hardly larger than one member, N members' outputs at once would outweigh the check's other costs (20 MiB for
-    four adapters of a BERT-base). A group's outputs of a module are let go as soon as the wide forward has compared
-    them, for the rest of that forward to reuse. Kept for the caller: each member's whole output and the calls of
-    modules that disagreed; a module's verdict is its verdict in every group."""
+    Built modules (blocks, primitives) are checked in the first wide forward on its own inputs
+    (:func:`~hf_wide.verify_here.agrees_here`): nothing of theirs is recorded. The other modules' outputs are
+    recorded a group of members at a time, as many as fit in :data:`RECORD_SHARE` of the wide model's bytes (at
+    least one, and at least N / :data:`MAX_GROUPS` of them), and each group is checked in a wide forward of its own:
+    over adapters of one base, whose wide model is hardly larger than one member, N members' outputs at once would
+    outweigh the check's other costs. A group's outputs of a module are let go as soon as the wide forward has
+    compared them, for the rest of that forward to reuse. Kept for the caller: each member's whole output and the
+    calls of modules that disagreed; a module's verdict is its verdict in every group."""
     recorded = recorded if recorded is not None else [{} for _ in references]
     modules = dict(wide.model.named_modules())
     rows = wide.num_members * _sample_batch(args, kwargs)
     budget = RECORD_SHARE * held_bytes(wide.model)
     tf32 = tf32_possible(references[0])
+    here = checked_here(wide, paths, references)  # primitives, checked in the first wide forward: nothing recorded
+    kept = [p for p in paths if p not in here]
     suspects: dict[str, tuple] = {}  # path -> the wide module's call, from the first group it disagreed with
     output, start, n = None, 0, len(references)
     while start < n:
-        group = {start: _recorded(references[start], recorded[start], paths, args, kwargs)}
-        size = max(1, int(budget // max(1, _bytes(group[start]))), -(-n // MAX_GROUPS))
+        group = {start: _recorded(references[start], recorded[start], kept, args, kwargs)}
+        held = _bytes([call for path, call in group[start].items() if path is not None])  # the whole output: kept anyway
+        size = n if not held else max(1, int(budget // held), -(-n // MAX_GROUPS))
         for i in range(start + 1, min(n, start + size)):
-            group[i] = _recorded(references[i], recorded[i], paths, args, kwargs)
+            group[i] = _recorded(references[i], recorded[i], kept, args, kwargs)
         for i, calls in group.items():
             recorded[i].setdefault(None, calls[None])
         release_freed_memory()  # the members' activations, before the wide forward's
@@ -190,11 +200,13 @@ def verify_modules(wide, paths: Sequence[str], references: Sequence[nn.Module], 
             if path in modules:
                 modules[path].__dict__.pop("vmap_refused", None)
 
-        checked = {p for p in paths if p in group[start]}
+        checked = {p for p in kept if p in group[start]} | (here.keys() if start == 0 else set())
 
-        def agrees(path: str, output) -> bool:  # in the wide forward itself, on the wide model's own inputs
+        def agrees(path: str, args, kwargs, output) -> bool:  # in the wide forward itself, on its own inputs
             if path not in checked:
                 return True
+            if path in here:
+                return agrees_here(here[path], args, kwargs, output, rows, tf32)
             # The group's outputs of this module are dropped once compared: the rest of the forward reuses their memory
             references = [group[i].pop(path)[2] if i in group else UNCHECKED for i in range(n)]
             return modules[path].__dict__.get("vmap_refused") is None and compare_outputs(

@@ -29,6 +29,9 @@ class WideBlock(nn.Module):
     # Whether the block holds a tensor every member has equal as the source's module holds it (a LoRA layer's base,
     # :func:`~hf_wide.primitives.base.kept`), so that modules outside it may read it too (tied weights, retied)
     keeps_shared_tensors: bool = False
+    # Whether its call takes a tensor per member stacked (N, ...), which is not the members' rows: verification then
+    # records its members' outputs rather than calling them on the wide forward's inputs (hf_wide.verify_here)
+    takes_stacked_inputs: bool = False
 
     def __init__(self, fold: Fold, proto: nn.Module):
         super().__init__()

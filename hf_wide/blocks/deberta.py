@@ -52,6 +52,8 @@ class WideDebertaAttention(WideBlock):
     (where the source has them); ``q_bias``, ``v_bias``: (N, H*d). ``rel_embeddings`` arrives stacked,
     (N, 2M, D), or shared by all members, (2M, D)."""
 
+    takes_stacked_inputs = True  # rel_embeddings, where the members' tables differ
+
     def build(self, mods: Sequence[nn.Module]) -> None:
         for name in PROJECTIONS:
             if isinstance(getattr(mods[0], name, None), nn.Linear):

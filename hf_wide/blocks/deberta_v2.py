@@ -61,6 +61,8 @@ class WideDebertaV2Attention(WideBlock):
     projections stacked along the outputs; ``pos_key_proj``/``pos_query_proj``: WideLinears (when the source
     has them). ``rel_embeddings`` arrives stacked, (N, 2S, D), or shared by all members, (2S, D)."""
 
+    takes_stacked_inputs = True  # rel_embeddings, where the members' tables differ
+
     def build(self, mods: Sequence[nn.Module]) -> None:
         self.sizes = [mods[0].get_submodule(n).out_features for n in QKV]
         self.qkv_weight = nn.Parameter(stack_cat(mods, QKV, "weight"))

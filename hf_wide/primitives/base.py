@@ -121,6 +121,7 @@ class WideModule(nn.Module):
     """N members of one module class, their tensors stacked on a leading member dim."""
 
     source_classes: tuple[type[nn.Module], ...] = ()
+    takes_stacked_inputs: bool = False  # see WideBlock's
 
     def __init__(self, fold: Fold, proto: nn.Module):
         super().__init__()
