@@ -105,8 +105,8 @@ class WideModel(nn.Module):
         models get one built from their config when it is omitted. ``validate=True`` runs every member
         alone on it and refuses a fused model whose outputs differ by more than ``atol``.
         ``verify`` (on by default) checks every fused block and primitive against its members on the inputs the
-        sample gives it (:mod:`hf_wide.verify`: one forward per member) and runs a module that disagrees one
-        strategy further down, with the reason in the plan.
+        sample gives it (:mod:`hf_wide.verify`: one wide forward, and a forward per member) and runs a module that
+        disagrees one strategy further down, with the reason in the plan.
         Modules identical in every member are kept once (``share_identical``); pass False to train the
         members independently, since a shared module's parameters would stay one tensor. They are copies, unless
         ``copy_shared=False``: then they are member 0's own tensors, and the members' LoRA tensors become views
