@@ -183,21 +183,26 @@ def _no_transformers_bars():
 def load_member(folder, name, torch_dtype, *, device, use_safetensors, trust_remote_code, klass=None,
                  may_miss: frozenset[str] | None = None, **model_kwargs):
     """One member with its own transformers class (or ``klass``), refusing a checkpoint that lacks tensors (but those
-    named in ``may_miss``, where given: an adapters' base may lack the head each of them saves whole).
-    ``model_kwargs`` go to ``from_pretrained`` (an adapter's head may want ``num_labels``)."""
+    named in ``may_miss``, where given: an adapters' base may lack the head each of them saves whole, and
+    transformers' load report, which would call such a head newly initialized, is then not shown: see
+    :class:`_HeldReport`). ``model_kwargs`` go to ``from_pretrained`` (an adapter's head may want ``num_labels``)."""
     if klass is None:
         config = transformers.AutoConfig.from_pretrained(folder, trust_remote_code=trust_remote_code)
         klass = model_class_for(config, name)
-    with _no_transformers_bars():
+    report = _HeldReport(str(folder)) if may_miss else contextlib.nullcontext()
+    with _no_transformers_bars(), report:
         model, info = klass.from_pretrained(
-            folder,
+            str(folder),
             dtype=torch_dtype,
             use_safetensors=use_safetensors,
             trust_remote_code=trust_remote_code,
             output_loading_info=True,
             **model_kwargs,
         )
-    missing = sorted(set(info.get("missing_keys") or ()) - (may_miss or set()))
+        reported_missing = set(info.get("missing_keys") or ())
+        missing = sorted(reported_missing - (may_miss or set()))
+        if may_miss and reported_missing and not missing:
+            report.drop()  # every tensor it calls newly initialized is one each adapter holds
     if missing:
         raise IncompatibleMembersError(f"{name}: the checkpoint is missing tensor(s) {', '.join(missing[:5])}" + (
             "." if may_miss is None else ", of which not every adapter holds values (as of a head it saves whole): "
@@ -205,3 +210,39 @@ def load_member(folder, name, torch_dtype, *, device, use_safetensors, trust_rem
     if device is not None:
         model.to(device)
     return model.eval()
+
+
+class _HeldReport(logging.Filter):
+    """``with _HeldReport(folder) as report:`` transformers' load report of ``folder`` (its table of MISSING and
+    UNEXPECTED tensors, "newly initialized ... consider training") held back, and shown as transformers would when the
+    block ends, unless ``report.drop()`` was called: loading an adapters' base saved for pre-training
+    (``bert-base-uncased``) as the adapters' classifier, the head it calls newly initialized is one every adapter
+    holds whole. The filter sits on transformers' ``modeling_utils`` logger while the block runs, so it holds that
+    one folder's report only."""
+
+    LOGGER = "transformers.modeling_utils"
+
+    def __init__(self, folder: str):
+        super().__init__()
+        self.folder, self.held, self.dropped = folder, [], False
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        if "LOAD REPORT" in message and f"from: {self.folder}\n" in message:
+            self.held.append(record)
+            return False
+        return True
+
+    def drop(self) -> None:
+        self.dropped = True
+
+    def __enter__(self) -> "_HeldReport":
+        logging.getLogger(self.LOGGER).addFilter(self)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        log = logging.getLogger(self.LOGGER)
+        log.removeFilter(self)
+        if not self.dropped:
+            for record in self.held:
+                log.handle(record)

@@ -3,6 +3,10 @@ contrastive pair of encoders, CLIP; an audio classifier over a base saved withou
 SEQ_CLS; a speech recogniser, Whisper), a text classifier over a base saved for pre-training, and adapters trained
 over a vocabulary grown from the base's, each member against ``PeftModel.from_pretrained(base, adapter)`` run alone."""
 
+import contextlib
+import logging
+import re
+
 import peft
 import pytest
 import torch
@@ -67,12 +71,26 @@ def test_adapters_of_a_model_that_takes_other_inputs(name, tmp_path):
             assert (got[i] - alone(**inputs)[output]).abs().max().item() <= TOLERANCE
 
 
+@contextlib.contextmanager
+def load_reports():
+    """The load reports transformers logs meanwhile (its table of missing and unexpected tensors), as text."""
+    reports = []
+    handler = logging.Handler()
+    handler.emit = lambda record: reports.append(record.getMessage()) if "LOAD REPORT" in record.getMessage() else None
+    log = logging.getLogger("transformers.modeling_utils")
+    log.addHandler(handler)
+    try:
+        yield reports
+    finally:
+        log.removeHandler(handler)
+
+
 @pytest.mark.parametrize("pretrained_as", [tf.BertForPreTraining, tf.BertForMaskedLM])
 def test_classifier_adapters_of_a_base_saved_for_pre_training(pretrained_as, tmp_path):
     """LoRA classifiers of ``bert-base-uncased`` (saved for pre-training: no classifier) were refused, the base
     "missing tensor(s) classifier.bias, classifier.weight", which every adapter saves whole (PEFT's SEQ_CLS). A base
     without the pooler too (saved as a masked LM) is refused still: no adapter holds the pooler, which PEFT's own load
-    draws at random."""
+    draws at random. transformers' load report, which calls the classifier newly initialized, is shown only then."""
     bert = CASES["bert-seqcls"]
     torch.manual_seed(0)
     pretrained_as(bert.make_config()).save_pretrained(tmp_path / "base")
@@ -86,10 +104,14 @@ def test_classifier_adapters_of_a_base_saved_for_pre_training(pretrained_as, tmp
         model.save_pretrained(tmp_path / f"a{seed}")
         adapters.append(str(tmp_path / f"a{seed}"))
     if pretrained_as is tf.BertForMaskedLM:
-        with pytest.raises(IncompatibleMembersError, match=r"missing tensor\(s\) bert\.pooler.*at random"):
+        with pytest.raises(IncompatibleMembersError, match=r"missing tensor\(s\) bert\.pooler.*at random"), \
+                load_reports() as reports:
             WideModel.from_pretrained(adapters)
+        assert len(reports) == 1 and re.search(r"from: .*base\n(.|\n)*bert\.pooler\.dense\.weight", reports[0])
         return
-    wide = WideModel.from_pretrained(adapters)
+    with load_reports() as reports:
+        wide = WideModel.from_pretrained(adapters)
+    assert not reports
     references = [peft.PeftModel.from_pretrained(tf.BertForSequenceClassification.from_pretrained(
         tmp_path / "base", num_labels=3), a).eval() for a in adapters]
     with torch.no_grad():
