@@ -34,6 +34,26 @@ def lora_paths(model: nn.Module) -> set[str]:
     return {path for path, m in model.named_modules() if isinstance(m, LoraLayer)}
 
 
+def dora_paths(models: Sequence[nn.Module]) -> set[str]:
+    """The paths of the LoRA layers that are DoRA (PEFT's ``use_dora``) in any of ``models``, where a member without
+    an adapter is given a DoRA no-op (:func:`pad_targets`); a layer that is DoRA in one member and plain LoRA in
+    another is refused."""
+    from peft.tuners.lora import LoraLayer
+
+    layers = [{path: bool(m.lora_magnitude_vector) for path, m in model.named_modules() if isinstance(m, LoraLayer)}
+              for model in models]
+    dora = {path for found in layers for path, is_dora in found.items() if is_dora}
+    for path in sorted(dora):
+        plain = [i for i, found in enumerate(layers) if found.get(path) is False]
+        if plain:
+            with_dora = next(i for i, found in enumerate(layers) if found.get(path))
+            raise IncompatibleMembersError(
+                f"Member {with_dora}'s LoRA on {path.removeprefix('base_model.model.')} is DoRA (use_dora=True), member "
+                f"{plain[0]}'s is not: hf-wide fuses a layer that is DoRA in every member that adapts it, or in none. "
+                f"{MERGE_INSTEAD}")
+    return dora
+
+
 def trained_bias_paths(model: nn.Module) -> set[str]:
     """The linears (``nn.Linear``, GPT-2's ``Conv1D``) with a bias outside the LoRA layers and the modules saved
     whole: those whose bias PEFT's ``bias="all"`` trains beside the base's weight. Given zero LoRA layers
@@ -49,12 +69,13 @@ def trained_bias_paths(model: nn.Module) -> set[str]:
             and not any(path.startswith(f"{p}.") for p in inside)}
 
 
-def pad_targets(model: nn.Module, paths: set[str], dtype: torch.dtype, name: str = "a member") -> list[str]:
+def pad_targets(model: nn.Module, paths: set[str], dtype: torch.dtype, name: str = "a member",
+                dora: set[str] = frozenset()) -> list[str]:
     """Wrap each ``nn.Linear`` (or GPT-2's ``Conv1D``, or an embedding) at ``paths`` (relative to the PEFT
-    model) that has no adapter in a LoRA layer whose update is exactly zero (rank 1, its B zero): then every member
-    has the same structure; their weights are in ``dtype``, the adapters' (float32 over a half-precision base, as
-    PEFT keeps them), so each layer's stacked updates have one dtype. Returns the paths wrapped. Any other module
-    there is refused, ``name`` (the member's) and merging named."""
+    model) that has no adapter in a LoRA layer whose update is exactly zero (rank 1, its B zero; DoRA at the paths in
+    ``dora``, :func:`dora_paths`): then every member has the same structure; their weights are in ``dtype``, the
+    adapters' (float32 over a half-precision base, as PEFT keeps them), so each layer's stacked updates have one
+    dtype. Returns the paths wrapped. Any other module there is refused, ``name`` (the member's) and merging named."""
     import peft
     from peft.tuners.lora import Embedding as LoraEmbedding
     from peft.tuners.lora import Linear as LoraLinear
@@ -71,7 +92,8 @@ def pad_targets(model: nn.Module, paths: set[str], dtype: torch.dtype, name: str
                 f"Another member has a LoRA on {path.removeprefix('base_model.model.')}, but {name} has a "
                 f"{type(layer).__name__} there, to which hf-wide can give no zero LoRA. {MERGE_INSTEAD}")
         conv = type(layer) is Conv1D  # PEFT wraps it with fan_in_fan_out, as its own dispatch does
-        config = peft.LoraConfig(r=1, lora_alpha=1, lora_dropout=0.0, target_modules=[], fan_in_fan_out=conv)
+        config = peft.LoraConfig(r=1, lora_alpha=1, lora_dropout=0.0, target_modules=[], fan_in_fan_out=conv,
+                                 use_dora=path in dora)
         if embedding:
             lora = LoraEmbedding(layer, "default", config=config, r=1, lora_alpha=1)
             updates = (lora.lora_embedding_A, lora.lora_embedding_B)
@@ -90,10 +112,19 @@ def pad_targets(model: nn.Module, paths: set[str], dtype: torch.dtype, name: str
 
 def zero_update(layer: nn.Module) -> None:
     """Make a LoRA layer (PEFT's ``lora.Linear`` or ``lora.Embedding``) an exact no-op: its B zero, whatever its A
-    (PEFT starts A random)."""
+    (PEFT starts A random), and a DoRA magnitude the norms of the base weight's rows, as PEFT's forward computes
+    them with a zero update (so that each output is scaled by exactly 1)."""
+    from peft.utils.other import transpose
+
     for table in (layer.lora_B, layer.lora_embedding_B):  # a ModuleDict of linears, a ParameterDict
         for tensor in table.parameters():
             nn.init.zeros_(tensor)
+    weight = layer.get_base_layer().weight
+    with torch.no_grad():
+        for name, dora in layer.lora_magnitude_vector.items():
+            magnitude = dora.weight
+            no_update = torch.zeros_like(transpose(weight, dora.fan_in_fan_out), dtype=magnitude.dtype)
+            magnitude.copy_(dora.get_weight_norm(weight.to(magnitude.dtype), no_update, layer.scaling[name]))
 
 
 def stack_adapters(models: Sequence[nn.Module]) -> None:
@@ -226,11 +257,12 @@ def aligned_adapters(models: Sequence[nn.Module]) -> tuple[list[nn.Module], list
     if not lora or any(type(models[i]) is not type(adapters[0].get_base_model()) for i in full):
         return list(models), None, frozenset()  # (members of other classes are refused as such)
     union, saved, dtype = adapter_structure(models)
+    dora = dora_paths(adapters)
     if not full and all(lora_paths(m) == union and saved_paths(m) == saved for m in models):
         return list(models), None, frozenset()
     trainable = [(p, p.requires_grad) for m in models for p in m.parameters()]
     views = [as_adapter(shared_view(m), adapters[0]) if i in full else shared_view(m) for i, m in enumerate(models)]
-    padded = [pad_saved_modules(view, saved) + pad_targets(view, union, dtype, f"member {i}")
+    padded = [pad_saved_modules(view, saved) + pad_targets(view, union, dtype, f"member {i}", dora)
               for i, view in enumerate(views)]
     for p, flag in trainable:  # the wrappers froze the tensors they wrap, which are the models' own
         p.requires_grad_(flag)

@@ -12,9 +12,10 @@ target different modules, a member without an adapter on a module gets one whose
 of the base's module (:mod:`hf_wide.adapter_layers`); where the list also holds full checkpoints of the base's
 architecture (the base itself, say), they are wrapped the same way.
 
-LoRA is fused as such. Any other PEFT type (IA3, LoHa, prompt tuning, ...) or LoRA variant (DoRA, ...) is
-refused with the member and the option named, unless ``merge=True``: then each adapter is merged into its own
-copy of the base (N full weight sets) and the members are fused as full checkpoints.
+LoRA is fused as such, DoRA (``use_dora``) too (:mod:`hf_wide.blocks.lora_dora`). Any other PEFT type (IA3, LoHa,
+prompt tuning, ...) or LoRA variant (``lora_bias``, aLoRA, ...) is refused with the member and the option named,
+unless ``merge=True``: then each adapter is merged into its own copy of the base (N full weight sets) and the members
+are fused as full checkpoints.
 """
 
 from __future__ import annotations
@@ -33,7 +34,8 @@ from torch import nn
 
 from .adapter_base import (adapter_keys, base_class, base_of, base_revision_of, embedding_tables, grown_tables,
                            head_labels, held_by_every_adapter)
-from .adapter_layers import adapter_structure, as_adapter, pad_saved_modules, pad_targets, stack_adapters
+from .adapter_layers import (adapter_structure, as_adapter, dora_paths, pad_saved_modules, pad_targets,
+                             stack_adapters)
 from .adapter_repos import AdapterSources
 from .adapter_trace import alike_structure, module_structure, trace_ahead
 from .adapter_views import adapter_view, base_untouched, held_base_tensors, reshare, shared_view
@@ -108,7 +110,7 @@ def lora_refusal(config: dict) -> str | None:
         return (f"uses init_lora_weights={init!r}, which changes the base's weights as the adapter loads, where its "
                 "members share one base (PEFT can convert such an adapter into an ordinary LoRA one: "
                 "path_initial_model_for_weight_conversion in save_pretrained)")
-    for option in ("use_dora", "use_bdlora", "lora_bias"):  # fan_in_fan_out: GPT-2's Conv1D, taken (blocks/lora.py)
+    for option in ("use_bdlora", "lora_bias"):  # fan_in_fan_out: GPT-2's Conv1D, taken (blocks/lora.py)
         if config.get(option):
             return f"uses {option}={config[option]!r}, which hf-wide does not fuse"
     for option in ("alora_invocation_tokens", "arrow_config", "velora_config", "monteclora_config", "kasa_config",
@@ -226,12 +228,13 @@ def load_adapter_members(ids, folders, configs, *, base_model=None, base_revisio
     if merge:
         return models, None, None, None
     union, saved, dtype = adapter_structure(models)
+    dora = dora_paths([m for m in models if isinstance(m, peft.PeftModel)])
     reference = next(m for m in models if isinstance(m, peft.PeftModel))
     padded = []
     for i, model in enumerate(models):
         if not isinstance(model, peft.PeftModel):  # a full member: the adapters' structure, with zero updates
             models[i] = as_adapter(model, reference)
-        padded.append(pad_saved_modules(models[i], saved) + pad_targets(models[i], union, dtype, names[i]))
+        padded.append(pad_saved_modules(models[i], saved) + pad_targets(models[i], union, dtype, names[i], dora))
     stack_adapters(models)
     full = any(c is None and str(i) != str(base_id) for c, i in zip(configs, ids))  # a full checkpoint, not the base
     sources = None if full else AdapterSources(base_id, base_revision or commit_sha(Path(base_folder)), list(configs),

@@ -224,7 +224,7 @@ def load_wide(
                        share_identical=share_identical, validate=validate, verify=verify, base_model=base_model,
                        base_revision=base_revision, merge=merge, **hub_kwargs)
         return load_member_slice(*_slice_loader(cls, model_ids, revision, options), allow_label_mismatch)
-    ids = [model_ids] if isinstance(model_ids, str) else list(model_ids)
+    ids = as_ids(model_ids)
     if not ids:
         raise ValueError("WideModel.from_pretrained needs at least one model id; got an empty list.")
     torch_dtype, device = resolve_dtype(dtype), resolve_device(device, device_map)
@@ -285,10 +285,18 @@ def load_wide(
     return wide
 
 
+def as_ids(model_ids) -> list[str]:
+    """One id (a repo id, or a folder as a string or a path, as transformers takes it) or several, as a list of
+    strings."""
+    if isinstance(model_ids, (str, os.PathLike)):
+        return [os.fspath(model_ids)]
+    return [os.fspath(i) if isinstance(i, os.PathLike) else i for i in model_ids]
+
+
 def _slice_loader(cls, model_ids, revision, options: dict):
     """(N, load(members) -> the wide model of those members) for a member-parallel rank: member repos, each
     rank loading its own; or one fused repo, which every rank downloads and reads its members' bytes from."""
-    ids = [model_ids] if isinstance(model_ids, str) else list(model_ids)
+    ids = as_ids(model_ids)
     if len(ids) > 1:
         revisions = list(revision) if isinstance(revision, (list, tuple)) else [revision] * len(ids)
         if len(revisions) != len(ids):

@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import os
 import threading
 import warnings
 from collections.abc import Sequence
@@ -120,7 +121,7 @@ class WideModel(nn.Module):
                            copy_shared=copy_shared)
 
     @classmethod
-    def from_pretrained(cls, model_ids: Sequence[str] | str, **kwargs) -> "WideModel":
+    def from_pretrained(cls, model_ids: Sequence[str | os.PathLike] | str | os.PathLike, **kwargs) -> "WideModel":
         """Download (or read) N checkpoints and fuse them, or load one fused repo (a single id whose config.json
         has an ``hf_wide`` section, as written by :meth:`save_pretrained`). Options (``revision``, ``dtype``,
         ``device``, ``device_map``, ``token``, ``allow_pickle``, ...): see :func:`hf_wide.hub.load_wide`."""

@@ -48,10 +48,12 @@ def test_unsupported_adapters_are_refused_and_merge_is_the_way_out(llama_adapter
     ia3.save_pretrained(tmp_path / "ia3")
     dora = save_adapter(LLAMA, base, tmp_path / "dora", 3, r=4, lora_alpha=8, use_dora=True,
                         target_modules=["q_proj"], task_type="CAUSAL_LM")
+    biased = save_adapter(LLAMA, base, tmp_path / "biased", 4, r=4, lora_alpha=8, lora_bias=True,
+                          target_modules=["q_proj"], task_type="CAUSAL_LM")
     with pytest.raises(NotImplementedError, match=r"member 0 .*ia3.* IA3 adapter.*merge=True"):
         WideModel.from_pretrained([str(tmp_path / "ia3"), dora])
-    with pytest.raises(NotImplementedError, match=r"member 1 .*dora.* use_dora=True.*merge=True"):
-        WideModel.from_pretrained([str(base), dora])
+    with pytest.raises(NotImplementedError, match=r"member 1 .*biased.* lora_bias=True.*merge=True"):
+        WideModel.from_pretrained([str(base), biased])
     wide = WideModel.from_pretrained([str(tmp_path / "ia3"), dora], merge=True)
     references = [alone(LLAMA, base, str(tmp_path / "ia3")), alone(LLAMA, base, dora)]
     assert max_member_error(wide, references, LLAMA.inputs(2, padded=True)) <= 1e-4  # merged weights round

@@ -4,6 +4,8 @@ import json
 import os
 import re
 
+from pathlib import Path
+
 import pytest
 import torch
 import transformers
@@ -34,6 +36,16 @@ def test_from_pretrained_local_folders_is_exact(saved_members):
     wide = WideModel.from_pretrained(paths)
     assert wide.member_ids == paths
     assert max_member_error(wide, members, CASES["bert-seqcls"].inputs(3, padded=True)) <= TOLERANCE
+
+
+def test_folders_given_as_paths(saved_members, tmp_path):
+    # as transformers takes them: a folder as a pathlib.Path, alone (a fused repo) or in the list
+    members, paths = saved_members
+    wide = WideModel.from_pretrained([Path(p) for p in paths])
+    assert wide.member_ids == paths
+    wide.save_pretrained(tmp_path / "fused")
+    again = WideModel.from_pretrained(tmp_path / "fused")
+    assert max_member_error(again, members, CASES["bert-seqcls"].inputs(3, padded=True)) <= TOLERANCE
 
 
 def test_dtype_request(saved_members):

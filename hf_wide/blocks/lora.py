@@ -10,10 +10,11 @@ is a ``WideLinear`` where the weights differ. The updates run as two batched mat
 differ: ``A`` and ``B`` are zero-padded to the largest rank (the padded rows and columns add zeros).
 ``lora_alpha`` and ``use_rslora``, and so the scaling, may differ: ``scale`` holds each member's.
 
-Only vanilla LoRA with one adapter, active, unmerged, over an exact ``nn.Linear`` or transformers' ``Conv1D``
-(GPT-2's, which PEFT wraps with ``fan_in_fan_out``: that flag only transposes the merged delta, the forward is
-the same) is taken: DoRA and PEFT's other variants, a bias on ``lora_B`` or any other base layer are declined, and
-the module then runs as each member's own code.
+Only LoRA with one adapter, active, unmerged, over an exact ``nn.Linear`` or transformers' ``Conv1D`` (GPT-2's,
+which PEFT wraps with ``fan_in_fan_out``: that flag only transposes the merged delta, the forward is the same) is
+taken, vanilla or DoRA (over an ``nn.Linear``: :mod:`hf_wide.blocks.lora_dora`, ``magnitude`` (N, D_out)); PEFT's
+other variants, a bias on ``lora_B`` or any other base layer are declined, and the module then runs as each
+member's own code.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from ..primitives.base import keeps_storage, kept, meta_copies, same_value
 from ..primitives.linear import WideConv1D, WideLinear
 from ..registry import register_block
 from .base import WideBlock
+from .lora_dora import DoraLinearLayer, dora_output, dora_refusal, is_dora, stacked_magnitudes
 
 try:
     from peft.tuners.lora import Linear as LoraLinear
@@ -50,8 +52,10 @@ def lora_refusal(module: nn.Module) -> str | None:
     (name,) = names
     if module.merged or module.disable_adapters:
         return "its adapter is merged into the base weight or disabled"
+    if is_dora(module, name):
+        return dora_refusal(module)
     if name in module.lora_variant:
-        return f"its adapter is a {type(module.lora_variant[name]).__name__} (not vanilla LoRA)"
+        return f"its adapter is a {type(module.lora_variant[name]).__name__} (not vanilla LoRA or DoRA)"
     if BASE_LAYERS.get(type(module.base_layer)) != module.fan_in_fan_out:  # Conv1D's weight is (D_in, D_out)
         return f"its base layer is a {type(module.base_layer).__name__} (fan_in_fan_out={module.fan_in_fan_out})"
     if module.lora_B[name].bias is not None or module.lora_A[name].bias is not None:
@@ -62,19 +66,21 @@ def lora_refusal(module: nn.Module) -> str | None:
 class WideLoraLinear(WideBlock):
     """N members' ``lora.Linear`` layers: ``base_layer`` shared or wide, ``base_bias`` (N, D_out) or None (a
     shared base layer's biases, where they differ), ``lora_A`` (N, r, D_in), ``lora_B`` (N, D_out, r), ``scaling``
-    (N,), ``rank`` (N,) each member's own rank (``r`` is the padded one)."""
+    (N,), ``rank`` (N,) each member's own rank (``r`` is the padded one), ``magnitude`` (N, D_out) DoRA's, or None."""
 
     @staticmethod
     def member_attribute(path: str, name: str) -> bool:
         """Whether attribute ``name`` of the submodule at ``path`` (relative; "" is the layer) may differ between
         members, taken here per member: the rank and the scaling it comes from (and ``kwargs``, PEFT's record of
         how the layer was made, which its forward does not read), and the dropout, whole (:func:`member_dropout`)."""
-        if not path:
-            return name in ("r", "lora_alpha", "scaling", "use_rslora", "kwargs")
+        if not path:  # lora_variant: PEFT's DoRA object, one per member (DoRA in all of them, or in none: planner)
+            return name in ("r", "lora_alpha", "scaling", "use_rslora", "kwargs", "lora_variant")
         if path.startswith("lora_dropout."):  # each member's own, whatever it is (nn.Identity where p is 0)
             return True
         return (path.startswith("lora_A.") and name == "out_features") or (
             path.startswith("lora_B.") and name == "in_features")
+
+    own_modules = () if DoraLinearLayer is None else (DoraLinearLayer,)  # DoRA's magnitude: lora_dora.py
 
     @classmethod
     def accepts(cls, module: nn.Module) -> bool:
@@ -124,6 +130,7 @@ class WideLoraLinear(WideBlock):
         self.register_buffer("scaling", torch.tensor([m.scaling[self.adapter] for m in mods],
                                                      dtype=dtype, device=bases[0].weight.device))
         self.register_buffer("rank", torch.tensor(ranks), persistent=False)
+        self.register_parameter("magnitude", stacked_magnitudes(mods, self.adapter, bases[0].weight.device))  # DoRA
         if keeps_storage():  # our own members (adapters loaded here): theirs become views of these, held once
             for i, (m, rank) in enumerate(zip(mods, ranks)):
                 _rebind(m.lora_A[self.adapter], self.lora_A.detach()[i, :rank])
@@ -145,6 +152,8 @@ class WideLoraLinear(WideBlock):
         rows = (self.lora_dropout(rows) if self.training else rows).reshape(n, -1, x.shape[-1])  # (N, M, D_in)
         # x_m @ A_m.T computed as A_m @ x_m.T, with the rank as the GEMM's rows: about twice as fast on CPU
         low = torch.bmm(self.lora_A, rows.transpose(1, 2)).transpose(1, 2)  # (N, M, r): a view of (N, r, M)
+        if self.magnitude is not None:
+            return dora_output(self, x, rows, low)
         scale = one_scale(self)
         if scale is None:  # the members' scalings differ: each member's on its (small) low-rank activations
             low = low.mul_(self.scaling.view(n, 1, 1))
@@ -206,6 +215,8 @@ class WideLoraLinear(WideBlock):
                 state["base_layer.bias"] = self.base_bias[i]
         state[f"lora_A.{self.adapter}.weight"] = self.lora_A[i, :rank]
         state[f"lora_B.{self.adapter}.weight"] = self.lora_B[i, :, :rank]
+        if self.magnitude is not None:
+            state[f"lora_magnitude_vector.{self.adapter}.weight"] = self.magnitude[i]
         return state
 
     def to_module(self, i: int, share: bool = False) -> nn.Module:

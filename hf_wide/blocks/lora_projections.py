@@ -48,7 +48,8 @@ def lora_projections_refusal(layers: Sequence[nn.Module], out: nn.Module | None 
         return "on CPU LoRA projections run apart (fused, they are no faster: see hf_wide.blocks.lora_projections)"
     for layer in layers:
         why = lora_refusal(layer) or (None if type(layer.base_layer) is nn.Linear else
-                                      f"its base layers are {type(layer.base_layer).__name__}s, not nn.Linear")
+                                      f"its base layers are {type(layer.base_layer).__name__}s, not nn.Linear") or (
+            "its adapters are DoRA: projections run apart" if layer.lora_variant else None)
         if why is not None:
             return why
     if len({tuple(layer.lora_A) for layer in layers}) != 1:

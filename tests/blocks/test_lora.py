@@ -155,13 +155,3 @@ def test_members_with_their_own_base_weights_stack_the_base():
     assert max_member_error(wide, members, LLAMA.inputs(2, padded=True)) <= TOLERANCE
     block = wide.model.get_submodule(next(e.fqn for e in wide.plan.entries.values() if e.wide_class == "WideLoraLinear"))
     assert block.base_layer.weight.shape[0] == 3  # a WideLinear
-
-
-def test_dora_is_declined_and_runs_as_each_members_own_code():
-    base = LLAMA.build(0)
-    members = [adapted(base, seed, r=4, lora_alpha=8, use_dora=True, target_modules=["q_proj"]) for seed in range(2)]
-    wide = WideModel.from_models(members)
-    assert max_member_error(wide, members, LLAMA.inputs(2, padded=True)) <= TOLERANCE
-    assert not any(e.wide_class == "WideLoraLinear" for e in wide.plan.entries.values())
-    loops = {e.name: e.reason for e in wide.plan.loops}
-    assert "lora_variant" in loops["base_model.model.model.layers.0.self_attn.q_proj"]  # DoRA: a variant
