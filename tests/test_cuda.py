@@ -16,7 +16,7 @@ import pytest
 import torch
 import transformers as tf
 from conftest import CASES
-from lora_members import LLAMA, alone, save_llama_adapters
+from lora_members import LLAMA, alone, save_adapter, save_llama_adapters
 from oracle import TOLERANCE, main_output, max_member_error
 
 import test_architectures as arch
@@ -167,6 +167,20 @@ def test_lora_members(tmp_path):
     inputs = to_device(LLAMA.inputs(3, padded=True))
     assert max_member_error(wide, members, inputs) <= TOLERANCE
     assert_generates_as_members(wide, members, inputs)
+
+
+def test_dora_members(tmp_path):
+    base = tmp_path / "base"
+    torch.manual_seed(0)
+    LLAMA.build(0).save_pretrained(base)
+    adapters = [save_adapter(LLAMA, base, tmp_path / f"dora{seed}", seed, r=4 * (seed + 1), lora_alpha=8,
+                             use_dora=True, target_modules=["q_proj", "v_proj", "o_proj", "down_proj"],
+                             task_type="CAUSAL_LM") for seed in range(3)]
+    wide = WideModel.from_pretrained(adapters, device=DEVICE)
+    assert_same_plan(wide, WideModel.from_pretrained(adapters))
+    members = on_device([alone(LLAMA, base, adapter) for adapter in adapters])
+    inputs = to_device(LLAMA.inputs(3, padded=True))
+    assert max_member_error(wide, members, inputs) <= TOLERANCE
 
 
 def test_loaded_saved_and_loaded_back_on_the_device(tmp_path):

@@ -173,3 +173,26 @@ def test_compiled():
     members = [dora(LLAMA, base, seed, r=4, lora_alpha=8, target_modules=["q_proj"]) for seed in range(2)]
     wide = torch.compile(WideModel.from_models(members))
     assert max_member_error(wide, members, LLAMA.inputs(2, padded=True)) <= TOLERANCE
+
+
+def test_each_members_gradients_are_its_own():
+    """In training the norms get no gradient (PEFT detaches them); the magnitudes, A and B get each member's."""
+    base = LLAMA.build(0)
+    members = [dora(LLAMA, base, seed, r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]) for seed in range(2)]
+    for member in members:
+        for name, p in member.named_parameters():
+            p.requires_grad_("lora_" in name)
+        member.train()
+    wide = WideModel.from_models(members, share_identical=False).train()
+    x = LLAMA.inputs(2, padded=True)
+    wide(**x).logits.square().sum().backward()
+    for member in members:
+        member(**x).logits.square().sum().backward()
+    for block in blocks(wide):
+        path = next(e.fqn for e in wide.plan.entries.values() if wide.model.get_submodule(e.fqn) is block)
+        for i, member in enumerate(members):
+            layer = member.get_submodule(path)
+            for got, want in [(block.magnitude.grad[i], layer.lora_magnitude_vector["default"].weight.grad),
+                              (block.lora_A.grad[i], layer.lora_A["default"].weight.grad),
+                              (block.lora_B.grad[i], layer.lora_B["default"].weight.grad)]:
+                assert (got - want).abs().max().item() <= TOLERANCE * max(1.0, want.abs().max().item())
