@@ -55,9 +55,11 @@ def test_members_with_their_own_biases_or_base_weights():
                 module.bias = torch.nn.Parameter(0.1 * torch.randn(module.out_features))
     apart = [dora(LLAMA, LLAMA.build(seed), seed, r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
              for seed in range(2)]
-    for members in (biased, apart):
+    apart_with_biases = [dora(BERT, BERT.build(seed), seed, r=4, lora_alpha=8, target_modules=["query", "value"],
+                              task_type="SEQ_CLS") for seed in range(2)]
+    for case, members in ((LLAMA, biased), (LLAMA, apart), (BERT, apart_with_biases)):
         wide = WideModel.from_models(members)
-        assert max_member_error(wide, members, LLAMA.inputs(2, padded=True)) <= TOLERANCE
+        assert max_member_error(wide, members, case.inputs(2, padded=True)) <= TOLERANCE
         assert blocks(wide) and not wide.plan.loops
 
 
