@@ -49,8 +49,8 @@ class _Recorder:
     """Forward hooks that keep the first call of each named module: ``calls[path] = (args, kwargs, output)``.
     ``running`` holds the paths entered and not yet left: after an exception, where it was raised.
     With ``inputs=False`` only outputs are kept (``_NO_INPUTS`` for the inputs); a call for which
-    ``agrees(path, args, kwargs, output)`` holds is kept as ``_AGREED`` alone. The sample's activations are not small next to a
-    model's weights, and only a module that disagrees needs its inputs."""
+    ``agrees(path, args, kwargs, output)`` holds is kept as ``_AGREED`` alone. The sample's activations are not
+    small next to a model's weights, and only a module that disagrees needs its inputs."""
 
     def __init__(self, model: nn.Module, paths: Sequence[str], inputs: bool = True, agrees=None):
         self.calls: dict[str, tuple] = {}
@@ -183,13 +183,14 @@ def verify_modules(wide, paths: Sequence[str], references: Sequence[nn.Module], 
     rows = wide.num_members * _sample_batch(args, kwargs)
     budget = RECORD_SHARE * held_bytes(wide.model)
     tf32 = tf32_possible(references[0])
-    here = checked_here(wide, paths, references)  # primitives, checked in the first wide forward: nothing recorded
+    here = checked_here(wide, paths, references)  # blocks and primitives: checked in the first wide forward
     kept = [p for p in paths if p not in here]
     suspects: dict[str, tuple] = {}  # path -> the wide module's call, from the first group it disagreed with
     output, start, n = None, 0, len(references)
     while start < n:
         group = {start: _recorded(references[start], recorded[start], kept, args, kwargs)}
-        held = _bytes([call for path, call in group[start].items() if path is not None])  # the whole output: kept anyway
+        # what the group's recordings hold (not the whole output, which is kept for every member anyway)
+        held = _bytes([call for path, call in group[start].items() if path is not None])
         size = n if not held else max(1, int(budget // held), -(-n // MAX_GROUPS))
         for i in range(start + 1, min(n, start + size)):
             group[i] = _recorded(references[i], recorded[i], kept, args, kwargs)

@@ -8,8 +8,8 @@ of their own but for their whole outputs. Over adapters of one base, whose wide 
 member, the members' recorded module outputs were most of what the check held (5 MiB per adapter of a BERT-base
 on the 2 x 8-token sample), and needed a wide forward per group of members.
 
-It decides nothing by itself. A module that agrees here computes each member's module on that member's rows, what it
-was built to do; one that does not, or whose call does not split so (an input that is neither the folded rows nor
+Only agreement is decided here: a module that agrees computes each member's module on that member's rows, what it
+was built to do. One that does not, or whose call does not split so (an input that is neither the folded rows nor
 the same for every member, or an object a member's module might change), is checked as before on its members' own
 recorded inputs (:func:`hf_wide.verify.check_module`), which alone may find it wrong. A wide module whose call
 takes one tensor per member stacked ``(N, ...)`` (DeBERTa's relative-position table) says so

@@ -117,7 +117,8 @@ def test_dora_and_plain_lora_on_one_layer_are_refused(plain_targets):
     base = LLAMA.build(0)
     members = [dora(LLAMA, base, 0, r=4, lora_alpha=8, target_modules=["q_proj"]),
                lora_members.adapted(base, 1, r=4, lora_alpha=8, target_modules=plain_targets)]
-    with pytest.raises(IncompatibleMembersError, match=r"Member 0's LoRA on .*q_proj is DoRA.*member 1's is not.*merge"):
+    refusal = r"Member 0's LoRA on .*q_proj is DoRA.*member 1's is not.*merge"
+    with pytest.raises(IncompatibleMembersError, match=refusal):
         WideModel.from_models(members)
 
 
