@@ -12,7 +12,7 @@ differ: ``A`` and ``B`` are zero-padded to the largest rank (the padded rows and
 
 Only LoRA with one adapter, active, unmerged, over an exact ``nn.Linear`` or transformers' ``Conv1D`` (GPT-2's,
 which PEFT wraps with ``fan_in_fan_out``: that flag only transposes the merged delta, the forward is the same) is
-taken, vanilla or DoRA (over an ``nn.Linear``: :mod:`hf_wide.blocks.lora_dora`, ``magnitude`` (N, D_out)); PEFT's
+taken, vanilla or DoRA (:mod:`hf_wide.blocks.lora_dora`, ``magnitude`` (N, D_out)); PEFT's
 other variants, a bias on ``lora_B`` or any other base layer are declined, and the module then runs as each
 member's own code.
 """
@@ -32,7 +32,7 @@ from ..primitives.base import keeps_storage, kept, meta_copies, same_value
 from ..primitives.linear import WideConv1D, WideLinear
 from ..registry import register_block
 from .base import WideBlock
-from .lora_dora import DoraLinearLayer, dora_output, dora_refusal, is_dora, stacked_magnitudes
+from .lora_dora import DoraLinearLayer, dora_output, is_dora, stacked_magnitudes
 
 try:
     from peft.tuners.lora import Linear as LoraLinear
@@ -52,10 +52,10 @@ def lora_refusal(module: nn.Module) -> str | None:
     (name,) = names
     if module.merged or module.disable_adapters:
         return "its adapter is merged into the base weight or disabled"
-    if is_dora(module, name):
-        return dora_refusal(module)
-    if name in module.lora_variant:
+    if name in module.lora_variant and not is_dora(module, name):
         return f"its adapter is a {type(module.lora_variant[name]).__name__} (not vanilla LoRA or DoRA)"
+    if is_dora(module, name) and module.ephemeral_gpu_offload:
+        return "its DoRA adapter is set to ephemeral_gpu_offload"
     if BASE_LAYERS.get(type(module.base_layer)) != module.fan_in_fan_out:  # Conv1D's weight is (D_in, D_out)
         return f"its base layer is a {type(module.base_layer).__name__} (fan_in_fan_out={module.fan_in_fan_out})"
     if module.lora_B[name].bias is not None or module.lora_A[name].bias is not None:

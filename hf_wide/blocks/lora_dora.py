@@ -9,8 +9,8 @@ For N members: ``magnitude`` (N, D_out), and the norms (N, D_out), computed one 
 in memory, as in each PEFT member's forward) and kept until a tensor they come from changes (its storage or its
 version: an optimiser's step, a state dict loaded): a forward then costs the LoRA update and two elementwise passes
 over the output, not N weight-sized products. Under ``torch.compile`` they are computed in the graph at every call.
-Taken over one ``nn.Linear`` base (adapters of one base) or a ``WideLinear`` (members whose base weights differ);
-GPT-2's ``Conv1D`` and PEFT's DoRA on convolutions and embeddings run as each member's own code.
+Taken over one ``nn.Linear`` or GPT-2 ``Conv1D`` base (adapters of one base), or their wide classes (members whose
+base weights differ); PEFT's DoRA on convolutions and embeddings runs as each member's own code.
 """
 
 from __future__ import annotations
@@ -20,8 +20,9 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 from torch import nn
+from transformers.pytorch_utils import Conv1D
 
-from ..primitives.linear import WideLinear
+from ..primitives.linear import WideConv1D, WideLinear
 
 try:
     from peft.tuners.lora.dora import DoraLinearLayer
@@ -33,15 +34,6 @@ except ImportError:  # peft is optional
 def is_dora(module: nn.Module, adapter: str) -> bool:
     """Whether ``module`` (a ``lora.Linear``) runs ``adapter`` as DoRA."""
     return DoraLinearVariant is not None and type(module.lora_variant.get(adapter)) is DoraLinearVariant
-
-
-def dora_refusal(module: nn.Module) -> str | None:
-    """Why a DoRA ``lora.Linear`` cannot be taken, or None."""
-    if type(module.base_layer) is not nn.Linear:
-        return f"its adapter is DoRA over a {type(module.base_layer).__name__}: taken over an nn.Linear only"
-    if module.ephemeral_gpu_offload:
-        return "its DoRA adapter is set to ephemeral_gpu_offload"
-    return None
 
 
 def stacked_magnitudes(mods: Sequence[nn.Module], adapter: str, device: torch.device) -> nn.Parameter | None:
@@ -70,12 +62,19 @@ def weight_norms(layer: nn.Module) -> torch.Tensor:
     return kept[1]
 
 
+def base_weights(layer: nn.Module) -> torch.Tensor:
+    """The members' base weights as (N or 1, D_out, D_in) (a view: GPT-2's ``Conv1D`` holds (D_in, D_out))."""
+    base = layer.base_layer
+    weight = base.weight if isinstance(base, (WideLinear, WideConv1D)) else base.weight.unsqueeze(0)
+    return weight.transpose(1, 2) if isinstance(base, (Conv1D, WideConv1D)) else weight
+
+
 @torch.no_grad()
 def _norms(layer: nn.Module) -> torch.Tensor:
-    dtype, base = layer.lora_A.dtype, layer.base_layer
+    dtype, weights = layer.lora_A.dtype, base_weights(layer)
     norms = []
     for i, rank in enumerate(layer.rank.tolist()):
-        weight = base.weight[i] if isinstance(base, WideLinear) else base.weight  # (D_out, D_in)
+        weight = weights[i if weights.shape[0] > 1 else 0]  # (D_out, D_in)
         a, b = layer.lora_A[i, :rank], layer.lora_B[i, :, :rank]  # (r, D_in), (D_out, r): the member's own rank
         lora_weight = F.linear(a.t(), b).t()  # B @ A, as PEFT computes it: lora_B(lora_A(eye)).T
         adapted = weight.to(dtype) + layer.scaling[i].item() * lora_weight
@@ -108,7 +107,7 @@ def dora_output(layer: nn.Module, x: torch.Tensor, rows: torch.Tensor, low: torc
     # PEFT's own order: over a half-precision base, the update in the adapters' float32, added and rounded once; in
     # training with a dropout, the base again on the dropped rows
     if dropped:
-        weight = base.weight if isinstance(base, WideLinear) else base.weight.expand(n, *base.weight.shape)
+        weight = base_weights(layer).expand(n, -1, -1)  # (N, D_out, D_in)
         base_result = torch.bmm(rows, weight.to(rows.dtype).transpose(1, 2))  # (N, M, D_out), no bias
     else:
         base_result = out if bias is None else out - bias
