@@ -10,6 +10,7 @@ text-generation (per-member continuations, or ensemble decoding with ``combine=`
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 
 from ..model import WideModel
@@ -55,7 +56,9 @@ def pipeline(
     """
     if task not in TASKS:
         raise ValueError(f"Unknown task {task!r}: hf-wide has {', '.join(sorted(TASKS))}.")
-    sources = [model] if isinstance(model, str) else None if isinstance(model, WideModel) else list(model)
+    from ..hub import as_ids
+
+    sources = None if isinstance(model, WideModel) else as_ids(model)  # ids: a folder may be a pathlib.Path
     wide = model if isinstance(model, WideModel) else WideModel.from_pretrained(
         sources, revision=revision, token=token, dtype=dtype if dtype is not None else torch_dtype,
         **(model_kwargs or {})
@@ -64,7 +67,7 @@ def pipeline(
     kind = "tokenizer" if task != "image-classification" else "image_processor"
     if (tokenizer if kind == "tokenizer" else image_processor) is None:
         # a fused repo by its id: its own files; else each member's own (an adapter's base's, where it has none)
-        found = load_preprocessors([(model, revision)] if isinstance(model, str) else
+        found = load_preprocessors([(sources[0], revision)] if isinstance(model, (str, os.PathLike)) else
                                    preprocessor_sources(wide, kind, token=token), kind, token=token)
         tokenizer, image_processor = (found, None) if kind == "tokenizer" else (None, found)
     return pipeline_class(wide, tokenizer=tokenizer, image_processor=image_processor, **kwargs)

@@ -177,12 +177,12 @@ def fetch_members(model_ids: Sequence[str] | str, options: dict) -> list[Path]:
     """Fetch every member here, with ``options``' revision, token and download options: a local Ray's replicas then
     find them in the cache, and a typo, a private repo without a token or a revision that is not there is a
     :class:`~hf_wide.hub.MemberLoadError` now, rather than each replica's failure in turn. Returns their folders."""
-    from ..hub import HUB_KWARGS, download_members
+    from ..hub import HUB_KWARGS, as_ids, download_members
 
     hub_kwargs = {k: v for k, v in (options.get("model_kwargs") or {}).items() if k in HUB_KWARGS}
     if options.get("token") is not None:
         hub_kwargs["token"] = options["token"]
-    ids = [model_ids] if isinstance(model_ids, str) else list(model_ids)
+    ids = as_ids(model_ids)
     allow_pickle = bool((options.get("model_kwargs") or {}).get("allow_pickle", False))
     return download_members(ids, options.get("revision"), allow_pickle=allow_pickle, **hub_kwargs)
 

@@ -2,6 +2,8 @@
 they share or a refusal that names the member, never a preprocessor that would read the inputs wrongly; and members
 with the head its task reads (hf_wide/pipelines/base.py)."""
 
+from pathlib import Path
+
 import pytest
 import transformers
 from conftest import CASES
@@ -39,7 +41,8 @@ def test_members_from_the_hub_and_from_folders_share_their_tokenizer(members, tm
     paths = save_members(tmp_path, members, bert_tokenizer(tmp_path / "tok"))
     hub.publish("alice/m0", paths[0])
     assert pipeline("text-classification", model=["alice/m0", paths[1]])(TEXTS) == pipeline(
-        "text-classification", model=paths)(TEXTS)
+        "text-classification", model=paths)(TEXTS) == pipeline(
+        "text-classification", model=[Path(p) for p in paths])(TEXTS)  # folders as paths, as transformers takes them
 
 
 def test_members_whose_tokenizers_differ_are_refused(members, tmp_path):
