@@ -49,8 +49,8 @@ def dora_paths(models: Sequence[nn.Module]) -> set[str]:
             with_dora = next(i for i, found in enumerate(layers) if found.get(path))
             raise IncompatibleMembersError(
                 f"Member {with_dora}'s LoRA on {path.removeprefix('base_model.model.')} is DoRA (use_dora=True), "
-                f"member {plain[0]}'s is not: hf-wide fuses a layer that is DoRA in every member that adapts it, or in none. "
-                f"{MERGE_INSTEAD}")
+                f"member {plain[0]}'s is not: hf-wide fuses a layer that is DoRA in every member that adapts it, or "
+                f"in none. {MERGE_INSTEAD}")
     return dora
 
 
