@@ -13,7 +13,7 @@ from hf_wide import IncompatibleMembersError, WideModel
 LLAMA, BERT, GPT2 = CASES["llama-causallm"], CASES["bert-seqcls"], CASES["gpt2-causallm"]
 
 
-def dora(case, base, seed: int, **config) -> peft.PeftModel:
+def dora(base, seed: int, **config) -> peft.PeftModel:
     return lora_members.adapted(base, seed, use_dora=True, **config)
 
 
@@ -23,9 +23,9 @@ def blocks(wide) -> list:
 
 def test_ranks_alphas_and_rslora_that_differ_are_one_block_per_layer():
     base = LLAMA.build(0)
-    members = [dora(LLAMA, base, 0, r=4, lora_alpha=8, target_modules=lora_members.EVERY_LINEAR),
-               dora(LLAMA, base, 1, r=8, lora_alpha=16, target_modules=lora_members.EVERY_LINEAR),
-               dora(LLAMA, base, 2, r=2, lora_alpha=8, use_rslora=True, target_modules=lora_members.EVERY_LINEAR)]
+    members = [dora(base, 0, r=4, lora_alpha=8, target_modules=lora_members.EVERY_LINEAR),
+               dora(base, 1, r=8, lora_alpha=16, target_modules=lora_members.EVERY_LINEAR),
+               dora(base, 2, r=2, lora_alpha=8, use_rslora=True, target_modules=lora_members.EVERY_LINEAR)]
     wide = WideModel.from_models(members)
     assert max_member_error(wide, members, LLAMA.inputs(2, padded=True)) <= TOLERANCE
     assert not wide.plan.loops and len(blocks(wide)) == 7 * LLAMA.make_config().num_hidden_layers
@@ -39,7 +39,7 @@ def test_ranks_alphas_and_rslora_that_differ_are_one_block_per_layer():
 
 def test_a_classifier_with_biases_and_a_saved_head():
     base = BERT.build(0)
-    members = [dora(BERT, base, seed, r=4 * (seed + 1), lora_alpha=8, target_modules=["query", "value", "dense"],
+    members = [dora(base, seed, r=4 * (seed + 1), lora_alpha=8, target_modules=["query", "value", "dense"],
                     modules_to_save=["classifier"], task_type="SEQ_CLS") for seed in range(3)]
     wide = WideModel.from_models(members)
     assert max_member_error(wide, members, BERT.inputs(3, padded=True)) <= TOLERANCE
@@ -48,14 +48,14 @@ def test_a_classifier_with_biases_and_a_saved_head():
 
 def test_members_with_their_own_biases_or_base_weights():
     base = LLAMA.build(0)
-    biased = [dora(LLAMA, base, seed, r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]) for seed in range(2)]
+    biased = [dora(base, seed, r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]) for seed in range(2)]
     for member in biased:  # each with biases of its own on q and v (Llama's have none: given here)
         for name, module in member.named_modules():
             if name.endswith(("q_proj.base_layer", "v_proj.base_layer")):
                 module.bias = torch.nn.Parameter(0.1 * torch.randn(module.out_features))
-    apart = [dora(LLAMA, LLAMA.build(seed), seed, r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
+    apart = [dora(LLAMA.build(seed), seed, r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
              for seed in range(2)]
-    apart_with_biases = [dora(BERT, BERT.build(seed), seed, r=4, lora_alpha=8, target_modules=["query", "value"],
+    apart_with_biases = [dora(BERT.build(seed), seed, r=4, lora_alpha=8, target_modules=["query", "value"],
                               task_type="SEQ_CLS") for seed in range(2)]
     for case, members in ((LLAMA, biased), (LLAMA, apart), (BERT, apart_with_biases)):
         wide = WideModel.from_models(members)
@@ -65,7 +65,7 @@ def test_members_with_their_own_biases_or_base_weights():
 
 def test_the_norms_follow_the_adapters_when_they_change():
     base = LLAMA.build(0)
-    members = [dora(LLAMA, base, seed, r=4, lora_alpha=8, target_modules=["q_proj"]) for seed in range(2)]
+    members = [dora(base, seed, r=4, lora_alpha=8, target_modules=["q_proj"]) for seed in range(2)]
     wide = WideModel.from_models(members)
     x = LLAMA.inputs(2, padded=True)
     with torch.no_grad():
@@ -80,7 +80,7 @@ def test_the_norms_follow_the_adapters_when_they_change():
 
 def test_dropouts_in_training():
     base = LLAMA.build(0)
-    members = [dora(LLAMA, base, seed, r=4, lora_alpha=8, lora_dropout=p, target_modules=["q_proj", "v_proj"])
+    members = [dora(base, seed, r=4, lora_alpha=8, lora_dropout=p, target_modules=["q_proj", "v_proj"])
                for seed, p in enumerate((0.0, 1.0))]
     wide = WideModel.from_models(members)
     lora_members.check_own_dropouts(wide, members, LLAMA.inputs(2, padded=True), TOLERANCE)
@@ -90,7 +90,7 @@ def test_targets_that_differ_are_given_dora_no_ops():
     """A member without an adapter on a layer that others adapt with DoRA gets a DoRA layer whose update is zero and
     whose magnitude is the base weight's norms: each output scaled by exactly 1."""
     base = LLAMA.build(0)
-    members = [dora(LLAMA, base, seed, r=4, lora_alpha=8, target_modules=t)
+    members = [dora(base, seed, r=4, lora_alpha=8, target_modules=t)
                for seed, t in enumerate([["q_proj"], ["q_proj", "v_proj"], ["v_proj", "down_proj"]])]
     wide = WideModel.from_models(members)
     assert max_member_error(wide, members, LLAMA.inputs(2, padded=True)) <= TOLERANCE
@@ -115,7 +115,7 @@ def test_the_base_beside_dora_adapters(tmp_path):
 @pytest.mark.parametrize("plain_targets", [["q_proj", "v_proj"], ["q_proj"]], ids=["padded", "alike"])
 def test_dora_and_plain_lora_on_one_layer_are_refused(plain_targets):
     base = LLAMA.build(0)
-    members = [dora(LLAMA, base, 0, r=4, lora_alpha=8, target_modules=["q_proj"]),
+    members = [dora(base, 0, r=4, lora_alpha=8, target_modules=["q_proj"]),
                lora_members.adapted(base, 1, r=4, lora_alpha=8, target_modules=plain_targets)]
     refusal = r"Member 0's LoRA on .*q_proj is DoRA.*member 1's is not.*merge"
     with pytest.raises(IncompatibleMembersError, match=refusal):
@@ -125,7 +125,7 @@ def test_dora_and_plain_lora_on_one_layer_are_refused(plain_targets):
 def test_over_gpt2s_conv1d():
     """GPT-2's Conv1D holds its weight as (D_in, D_out), which PEFT transposes for the norms."""
     base = GPT2.build(0)
-    members = [dora(GPT2, base, seed, r=4 + seed, lora_alpha=8, target_modules=["c_attn", "c_fc"]) for seed in range(2)]
+    members = [dora(base, seed, r=4 + seed, lora_alpha=8, target_modules=["c_attn", "c_fc"]) for seed in range(2)]
     wide = WideModel.from_models(members)
     assert max_member_error(wide, members, GPT2.inputs(2, padded=True)) <= TOLERANCE
     assert blocks(wide) and not wide.plan.loops
@@ -174,7 +174,7 @@ def test_over_a_bfloat16_base_as_peft_computes(tmp_path):
 
 def test_compiled():
     base = LLAMA.build(0)
-    members = [dora(LLAMA, base, seed, r=4, lora_alpha=8, target_modules=["q_proj"]) for seed in range(2)]
+    members = [dora(base, seed, r=4, lora_alpha=8, target_modules=["q_proj"]) for seed in range(2)]
     wide = torch.compile(WideModel.from_models(members))
     assert max_member_error(wide, members, LLAMA.inputs(2, padded=True)) <= TOLERANCE
 
@@ -182,7 +182,7 @@ def test_compiled():
 def test_each_members_gradients_are_its_own():
     """In training the norms get no gradient (PEFT detaches them); the magnitudes, A and B get each member's."""
     base = LLAMA.build(0)
-    members = [dora(LLAMA, base, seed, r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]) for seed in range(2)]
+    members = [dora(base, seed, r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]) for seed in range(2)]
     for member in members:
         for name, p in member.named_parameters():
             p.requires_grad_("lora_" in name)
