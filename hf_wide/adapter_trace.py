@@ -11,14 +11,13 @@ adapter's targets, say) it traces member 0 as it is then.
 
 from __future__ import annotations
 
-import gc
 import json
 from collections.abc import Sequence
 
 from torch import nn
 
 from .adapter_views import shared_view
-from .cpu import release_freed_memory
+from .cpu import collected
 
 # Options of an adapter's config that leave the modules PEFT builds as they are (values, not structure)
 VALUE_OPTIONS = frozenset({"base_model_name_or_path", "revision", "lora_alpha", "alpha_pattern", "use_rslora",
@@ -45,26 +44,18 @@ def trace_ahead(model: nn.Module) -> tuple | None:
     from .samples import sample_inputs
 
     # The export leaves reference cycles (3 MiB of a small BERT's), collected for the next members' objects to reuse
-    # their memory. What existed before is frozen meanwhile, so the collection looks at the trace's objects alone
-    # (6 ms against 280 over every object of the process); unless the process froze objects itself (before forking
-    # its workers, say), which unfreezing would undo: then a full collection.
-    freeze = gc.get_freeze_count() == 0
-    if freeze:
-        gc.freeze()
-    view = shared_view(model)
-    try:
-        sample = sample_inputs(view)
-        return sample, trace_members(view, (), sample, built=True), module_structure(model)
-    except Exception as exc:
-        if device_lost(exc):
-            raise
-        return None
-    finally:
-        del view
-        gc.collect()
-        if freeze:
-            gc.unfreeze()
-        release_freed_memory()
+    # their memory
+    with collected():
+        view = shared_view(model)
+        try:
+            sample = sample_inputs(view)
+            return sample, trace_members(view, (), sample, built=True), module_structure(model)
+        except Exception as exc:
+            if device_lost(exc):
+                raise
+            return None
+        finally:
+            del view
 
 
 def alike_structure(configs: Sequence[dict | None]) -> bool:

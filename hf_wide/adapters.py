@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import json
 import sys
 import warnings
@@ -156,21 +157,28 @@ def grow(model: nn.Module, grown: dict[str, int], name: str) -> None:
             "their new rows would be drawn at random.")
 
 
-def load_adapter_members(ids, folders, configs, *, base_model=None, base_revision=None, merge=False,
-                         allow_pickle=False, dtype=None, device=None, trust_remote_code=False, hub_kwargs=None,
-                         model_kwargs=None, trace_first=True):
-    """The members of a list that holds adapters, where they came from (:class:`AdapterSources`, for saving;
-    None after ``merge`` or with full checkpoints other than the base), the paths of each member's no-ops
-    (:func:`~hf_wide.adapter_layers.pad_targets`, :func:`~hf_wide.adapter_layers.pad_saved_modules`; None after
-    ``merge``) and member 0's trace (:func:`~hf_wide.adapter_trace.trace_ahead`, for
-    :func:`~hf_wide.fuse.fuse_models`' ``traced``; None where it was not taken, or not asked for: ``trace_first``, or
-    member 0 has changed since). Each
-    adapter is a ``PeftModel`` over a view of the one base (or, with ``merge``, merged into its own copy); each full
-    checkpoint is loaded and, like the base when it is in the list, given zero LoRA layers."""
-    from .hub import MemberLoadError, commit_sha, download_members
+@dataclasses.dataclass
+class AdapterBase:
+    """The one base a list of adapters loads over (:func:`load_adapter_base`): the model, its id, the revision the
+    adapters name (or the caller gave), its folder, how errors name it, and its transformers class."""
+
+    model: nn.Module
+    model_id: str
+    revision: str | None
+    folder: str
+    name: str
+    klass: type
+
+
+def load_adapter_base(ids, folders, configs, *, base_model=None, base_revision=None, merge=False, allow_pickle=False,
+                      dtype=None, device=None, trust_remote_code=False, hub_kwargs=None,
+                      model_kwargs=None) -> AdapterBase:
+    """Check every adapter of the list (its weights, and what hf-wide cannot fuse unless merged), then download and
+    load the base they name (or ``base_model`` at ``base_revision``), once."""
+    from .hub import MemberLoadError, download_members
     from .loading import load_member, weights_format
 
-    peft = require_peft()
+    require_peft()
     names = [f"member {i} ({model_id})" for i, model_id in enumerate(ids)]
     for name, folder, config in zip(names, folders, configs):
         if config is None:
@@ -194,10 +202,38 @@ def load_adapter_members(ids, folders, configs, *, base_model=None, base_revisio
     base = load_member(base_folder, base_name, dtype, device=device, klass=klass, trust_remote_code=trust_remote_code,
                        use_safetensors=weights_format(Path(base_folder), base_name, allow_pickle),
                        may_miss=held_by_every_adapter(folders, configs), **extra, **(model_kwargs or {}))
+    return AdapterBase(base, base_id, base_revision, base_folder, base_name, klass)
 
+
+def load_adapter_members(ids, folders, configs, *, base_model=None, base_revision=None, merge=False,
+                         allow_pickle=False, dtype=None, device=None, trust_remote_code=False, hub_kwargs=None,
+                         model_kwargs=None, trace_first=True, base: AdapterBase | None = None, first: int = 0,
+                         desc: str = "Loading members"):
+    """The members of a list that holds adapters, where they came from (:class:`AdapterSources`, for saving;
+    None after ``merge`` or with full checkpoints other than the base), the paths of each member's no-ops
+    (:func:`~hf_wide.adapter_layers.pad_targets`, :func:`~hf_wide.adapter_layers.pad_saved_modules`; None after
+    ``merge``) and member 0's trace (:func:`~hf_wide.adapter_trace.trace_ahead`, for
+    :func:`~hf_wide.fuse.fuse_models`' ``traced``; None where it was not taken, or not asked for: ``trace_first``, or
+    member 0 has changed since). Each
+    adapter is a ``PeftModel`` over a view of the one base (or, with ``merge``, merged into its own copy); each full
+    checkpoint is loaded and, like the base when it is in the list, given zero LoRA layers. ``base``: the base,
+    loaded already (:func:`load_adapter_base`, which otherwise runs here); ``first``: the index of ``ids[0]`` in the
+    whole list, for names (a group of it: :mod:`hf_wide.adapter_groups`), and ``desc`` its progress bar's."""
+    from .hub import commit_sha
+    from .loading import load_member, weights_format
+
+    peft = require_peft()
+    if base is None:
+        base = load_adapter_base(ids, folders, configs, base_model=base_model, base_revision=base_revision,
+                                 merge=merge, allow_pickle=allow_pickle, dtype=dtype, device=device,
+                                 trust_remote_code=trust_remote_code, hub_kwargs=hub_kwargs, model_kwargs=model_kwargs)
+    names = [f"member {i} ({model_id})" for i, model_id in enumerate(ids, first)]
+    base_id, base_revision, base_folder, base_name, klass = (base.model_id, base.revision, base.folder, base.name,
+                                                             base.klass)
+    base = base.model
     models, ahead = [], None
     show_bar = len(ids) > 1 and transformers.utils.logging.is_progress_bar_enabled()
-    for name, model_id, folder, config in hf_tqdm(list(zip(names, ids, folders, configs)), desc="Loading members",
+    for name, model_id, folder, config in hf_tqdm(list(zip(names, ids, folders, configs)), desc=desc,
                                                   unit="member", disable=not show_bar):
         if config is None:  # a full checkpoint: the base itself, or one of its architecture
             if str(model_id) == str(base_id):

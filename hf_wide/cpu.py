@@ -17,10 +17,13 @@ rather than going back to the system. :func:`peak_rss` reads that peak (the memo
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
+import gc
 import os
 import sys
+from collections.abc import Iterator
 
 # mallopt parameters, from glibc's malloc.h
 _M_TRIM_THRESHOLD = -1
@@ -74,6 +77,25 @@ def release_freed_memory() -> None:
         _state["trim"] = trim
     if _state["trim"] is not None:
         _state["trim"](0)
+
+
+@contextlib.contextmanager
+def collected() -> Iterator[None]:
+    """Collect the reference cycles made within the block as it ends (PEFT's module trees hold some, and so does
+    ``torch.export``), then give the freed pages back (:func:`release_freed_memory`). What existed before is frozen
+    meanwhile, so the collection looks at the block's objects alone (6 ms against 280 over every object of a process
+    that traced a BERT); unless the process froze objects itself (before forking its workers, say), which unfreezing
+    would undo: then a full collection."""
+    freeze = gc.get_freeze_count() == 0
+    if freeze:
+        gc.freeze()
+    try:
+        yield
+    finally:
+        gc.collect()
+        if freeze:
+            gc.unfreeze()
+        release_freed_memory()
 
 
 def allocator_state() -> str:

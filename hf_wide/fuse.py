@@ -38,7 +38,7 @@ MAX_VERIFY_ROUNDS = 16  # each round moves every module that disagreed one strat
 def fuse_models(cls: type[WideModel], models: Sequence[nn.Module], sample_inputs: dict | tuple | None = None, *,
                 validate: bool = False, allow_label_mismatch: bool = False, member_ids: Sequence[str] | None = None,
                 share_identical: bool = True, verify: bool = True, atol: float = 1e-4,
-                copy_shared: bool = True, traced: tuple | None = None) -> WideModel:
+                copy_shared: bool = True, traced: tuple | None = None, outputs: list | None = None) -> WideModel:
     """``cls.from_models(models, ...)``: see :meth:`WideModel.from_models` for the options. ``traced``: (sample,
     :func:`~hf_wide.planner.trace_members`' result) of ``models[0]`` as it is, traced already
     (:func:`hf_wide.adapter_trace.trace_ahead`): the sample to check the members on, and its trace."""
@@ -97,6 +97,8 @@ def fuse_models(cls: type[WideModel], models: Sequence[nn.Module], sample_inputs
             raise WideValidationError(f"hf-wide could not verify a plan in {MAX_VERIFY_ROUNDS} rounds:\n{plan}")
         if verify and not args:
             require_cache_agrees(wide, models, ids, kwargs)
+        if verify and outputs is not None:
+            outputs.extend({None: calls[None]} for calls in recorded)
     finally:
         for m, training in zip(models, was_training):
             m.train(training)

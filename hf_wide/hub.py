@@ -247,16 +247,16 @@ def load_wide(
             raise ValueError(f"{fused[0]} is a fused hf-wide repo: load it on its own, not as a member.")
         wide = load_fused(cls, folders[0], name=ids[0], dtype=torch_dtype, device=device, **model_kwargs)
     elif any(adapters):
-        from .fuse import fuse_models
+        from .adapter_groups import fuse_adapters
 
-        models, sources, padded, traced = load_adapter_members(
-            ids, member_folders, adapters, base_model=base_model, base_revision=base_revision, merge=merge,
-            allow_pickle=allow_pickle, dtype=torch_dtype, device=device, trust_remote_code=trust_remote_code,
-            hub_kwargs=hub_kwargs, model_kwargs=model_kwargs)
-        wide = fuse_models(cls, models, validate=validate, allow_label_mismatch=allow_label_mismatch, member_ids=ids,
-                           share_identical=share_identical, verify=verify, traced=traced,
-                           copy_shared=False)  # our own members: the base's tensors become the wide model's
-        del models
+        # (fused with copy_shared=False: our own members, whose base's tensors become the wide model's)
+        wide, sources, padded = fuse_adapters(
+            cls, ids, member_folders, adapters,
+            load=dict(base_model=base_model, base_revision=base_revision, merge=merge, allow_pickle=allow_pickle,
+                      dtype=torch_dtype, device=device, trust_remote_code=trust_remote_code, hub_kwargs=hub_kwargs,
+                      model_kwargs=model_kwargs),
+            fuse=dict(validate=validate, allow_label_mismatch=allow_label_mismatch, share_identical=share_identical,
+                      verify=verify))
         wide.adapter_sources, wide._source_dirs = sources, source_dirs
         if not merge:  # (merged, every member is a plain model already)
             wide.full_members = frozenset(i for i, config in enumerate(adapters) if config is None)

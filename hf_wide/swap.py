@@ -89,14 +89,21 @@ def member_copy(
     for module in member.modules():
         if isinstance(module, rewrite_classes()):  # one member's module runs the source's method
             module.__class__ = module.source_class
-        uninstall_member_losses(module)  # its own loss function, not the wide model's split by member
-        for key, hook in list(module._forward_pre_hooks.items()):
-            if isinstance(hook, Fold):  # the wide model's row recorder: nothing to record in one member
-                del module._forward_pre_hooks[key]
-                module._forward_pre_hooks_with_kwargs.pop(key, None)
+    remove_fold_hooks(member)
     remove_packing_hooks(member)  # a pipeline's padding-free encoder (hf_wide.packing): one member packs nothing
     retie(member, aliases)
     return reset_capture_hooks(member)  # hooks copied from the wide model sit on wide modules
+
+
+def remove_fold_hooks(model: nn.Module) -> None:
+    """Take out what a :class:`~hf_wide.WideModel` puts on the model it wraps: the fold's row recorder (a pre-hook)
+    and each member's loss function, for one member taken out of it, or for another wide model to wrap it."""
+    for module in model.modules():
+        uninstall_member_losses(module)  # its own loss function, not the wide model's split by member
+        for key, hook in list(module._forward_pre_hooks.items()):
+            if isinstance(hook, Fold):  # the wide model's row recorder
+                del module._forward_pre_hooks[key]
+                module._forward_pre_hooks_with_kwargs.pop(key, None)
 
 
 def member_model(wide, i: int, share: bool = False) -> nn.Module:

@@ -123,22 +123,60 @@ class WideLoraLinear(WideBlock):
             for i, (m, rank) in enumerate(zip(mods, ranks)):
                 a[i, :rank] = m.lora_A[self.adapter].weight.detach()
                 b[i, :, :rank] = m.lora_B[self.adapter].weight.detach()
-        trainable = mods[0].lora_A[self.adapter].weight.requires_grad  # as the source's: PEFT trains only these
-        self.lora_A = nn.Parameter(a.to(bases[0].weight.device), requires_grad=trainable)
-        self.lora_B = nn.Parameter(b.to(bases[0].weight.device), requires_grad=trainable)
-        self.__dict__.pop("scaling", None)  # member 0's {adapter: scaling}, copied from the source: each member's here
-        self.register_buffer("scaling", torch.tensor([m.scaling[self.adapter] for m in mods],
-                                                     dtype=dtype, device=bases[0].weight.device))
-        self.register_buffer("rank", torch.tensor(ranks), persistent=False)
-        self.register_parameter("magnitude", stacked_magnitudes(mods, self.adapter, bases[0].weight.device))  # DoRA
+        self.hold(a, b, torch.tensor([m.scaling[self.adapter] for m in mods], dtype=dtype), torch.tensor(ranks),
+                  stacked_magnitudes(mods, self.adapter, bases[0].weight.device),
+                  member_dropout([m.lora_dropout[self.adapter] for m in mods]), meta_copies(mods, self.proto),
+                  trainable=mods[0].lora_A[self.adapter].weight.requires_grad)  # as the source's: PEFT trains these
         if keeps_storage():  # our own members (adapters loaded here): theirs become views of these, held once
             for i, (m, rank) in enumerate(zip(mods, ranks)):
                 _rebind(m.lora_A[self.adapter], self.lora_A.detach()[i, :rank])
                 _rebind(m.lora_B[self.adapter], self.lora_B.detach()[i, :, :rank])
                 if self.base_bias is not None:
                     m.base_layer.bias = nn.Parameter(self.base_bias.detach()[i], m.base_layer.bias.requires_grad)
-        self.lora_dropout = member_dropout([m.lora_dropout[self.adapter] for m in mods])
-        object.__setattr__(self, "protos", meta_copies(mods, self.proto))  # each member's ranks and attributes
+
+    def hold(self, a: torch.Tensor, b: torch.Tensor, scaling: torch.Tensor, ranks: torch.Tensor,
+             magnitude: nn.Parameter | None, dropout: nn.Module, protos: list, trainable: bool) -> None:
+        """Take the members' stacked tensors (``a`` (N, r, D_in), ``b`` (N, D_out, r), ``scaling`` and ``ranks``
+        (N,), DoRA's ``magnitude``), their dropout and their meta copies, on the base layer's device."""
+        device = self.base_layer.weight.device
+        self.lora_A = nn.Parameter(a.to(device), requires_grad=trainable)
+        self.lora_B = nn.Parameter(b.to(device), requires_grad=trainable)
+        self.__dict__.pop("scaling", None)  # member 0's {adapter: scaling}, copied from the source: each member's here
+        self.register_buffer("scaling", scaling.to(device))
+        self.register_buffer("rank", ranks, persistent=False)
+        self.register_parameter("magnitude", magnitude)  # DoRA
+        self.lora_dropout = dropout
+        object.__setattr__(self, "protos", protos)  # each member's ranks and attributes
+
+    @classmethod
+    def join(cls, layers: Sequence["WideLoraLinear"], fold) -> "WideLoraLinear | None":
+        """One layer of the members of ``layers`` (wide LoRA layers over one base layer: groups of adapters,
+        :mod:`hf_wide.adapter_groups`), in order, their stacked tensors concatenated; None where they do not join so
+        (a base layer of the members' own, adapters padded to other ranks, each member's own dropout)."""
+        first = layers[0]
+        if (isinstance(first.base_layer, (WideLinear, WideConv1D)) or isinstance(first.lora_dropout, MemberDropout)
+                or any(not equal_tensors(layer.base_layer, first.base_layer) or layer.adapter != first.adapter
+                       or layer.lora_A.shape[1:] != first.lora_A.shape[1:] or type(layer.lora_dropout) is not type(
+                           first.lora_dropout) or getattr(layer.lora_dropout, "p", None) != getattr(
+                           first.lora_dropout, "p", None) or (layer.base_bias is None) != (first.base_bias is None)
+                       or (layer.magnitude is None) != (first.magnitude is None) for layer in layers)):
+            return None
+        joined = cls(fold, first.proto)
+        joined.adapter, joined.base_layer = first.adapter, first.base_layer
+
+        def cat(name: str) -> torch.Tensor | None:
+            tensors = [getattr(layer, name) for layer in layers]
+            return None if tensors[0] is None else torch.cat([t.detach() for t in tensors])
+
+        bias = cat("base_bias")
+        joined.register_parameter("base_bias", None if bias is None else nn.Parameter(
+            bias, requires_grad=first.base_bias.requires_grad))
+        magnitude = cat("magnitude")
+        joined.hold(cat("lora_A"), cat("lora_B"), cat("scaling"), cat("rank"), None if magnitude is None else
+                    nn.Parameter(magnitude, requires_grad=first.magnitude.requires_grad), copy.deepcopy(
+                        first.lora_dropout), [proto for layer in layers for proto in layer.protos],
+                    trainable=first.lora_A.requires_grad)
+        return joined
 
     def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:  # x: (N*B, ..., D_in)
         # Kept to the ops themselves: at 16 rows per member a layer's Python costs as much as its update.
