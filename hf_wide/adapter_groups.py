@@ -6,13 +6,15 @@ hold hardly more than the base, they are what the load adds: PEFT's wrappers of 
 of Python objects (16 adapters: 38 MiB, against the 50 MiB that 10% of the base and the adapters allow), and the
 check's wide forward holds activations for every member's rows beside them.
 
-So adapters whose configs build the same modules (:func:`~hf_wide.adapter_trace.alike_structure`) are loaded and
-fused :data:`GROUP_SIZE` at a time over the one base, each group checked against its own members as any fusion is and
-its members' trees let go before the next group loads. The groups' wide models are then joined
-(:func:`concatenate`): each wide module is built anew from the groups' members' modules (views of the groups'
-tensors), whose tensors are freed path by path, and the joined model's output on the sample is checked against every
-member's own output, recorded as its group was checked. Where the groups' plans differ (a module that one group's
-members share and another's hold apart, say), or hold modules this join does not build (loops, vectorised modules),
+So eight adapters or more whose configs build the same modules (:func:`~hf_wide.adapter_trace.alike_structure`) are
+loaded and fused in groups of :data:`GROUP_SIZE` to twice that less one (:func:`group_slices`) over the one base,
+each group checked against its own members as any fusion is and its members' trees let go before the next group
+loads (16 adapters of a BERT-base: 1.15x -> 1.09x of the base and adapters held). The groups' wide models are then
+joined (:func:`concatenate`): each wide module's stacked tensors concatenated where its class can
+(:meth:`~hf_wide.blocks.lora.WideLoraLinear.join`), else built anew from the groups' members' modules, the groups'
+own freed path by path; and the joined model's output on the sample is checked against every member's own output,
+recorded as its group was checked (:func:`check_by_rows`). Where the groups' plans differ (a module that one group's
+members hold alike and another's do not, say), or hold modules this join does not build (loops, vectorised modules),
 or the joined model fails that check, the adapters are loaded again and fused all at once.
 """
 
@@ -39,7 +41,7 @@ from .swap import remove_fold_hooks
 
 logger = logging.getLogger(__name__)
 
-GROUP_SIZE = 4  # adapters loaded and fused at a time: 4 adapters of a BERT-base load within 1.07x of their bytes
+GROUP_SIZE = 4  # the fewest adapters a group holds: 4 adapters of a BERT-base load within 1.07x of their bytes
 JOINED = (Kind.BLOCK, Kind.PRIMITIVE)  # the wide modules concatenate() builds anew; SHARED ones it keeps
 
 
@@ -79,8 +81,8 @@ def group_slices(n: int, size: int) -> list[slice]:
 
 
 def _fuse_in_groups(cls, ids, folders, configs, base: AdapterBase, load: dict, fuse: dict):
-    """(wide model, sources, no-ops) of the adapters fused :data:`GROUP_SIZE` at a time and joined; None where
-    they cannot be (the caller then fuses them all at once)."""
+    """(wide model, sources, no-ops) of the adapters fused in groups and joined; None where they cannot be (the
+    caller then fuses them all at once)."""
     from .fuse import _as_args_kwargs, fuse_models
 
     n, wides, outputs, padded = len(ids), [], [], []
@@ -157,15 +159,17 @@ def joins(wides: Sequence) -> str | None:
     for group, wide in enumerate(wides[1:], 1):
         if layout(wide.plan) != layout(first.plan):
             return f"group {group}'s plan differs from group 0's"
+    built = _joined_paths(first.plan)
     for fqn, entry in first.plan.entries.items():
-        if entry.kind not in (*JOINED, Kind.SHARED) and not _inside(fqn, _joined_paths(first.plan)):
+        if _inside(fqn, built):
+            continue
+        if entry.kind != Kind.SHARED:
             return f"{entry.name} is {entry.kind.value}, which the groups' join does not build"
-        if entry.kind == Kind.SHARED and not _inside(fqn, _joined_paths(first.plan)):
-            ours = _tensors(first.model.get_submodule(fqn))
-            for wide in wides[1:]:
-                theirs = _tensors(wide.model.get_submodule(fqn))
-                if ours.keys() != theirs.keys() or not all(same_value(t, theirs[k]) for k, t in ours.items()):
-                    return f"{entry.name}, shared within each group, differs between groups"
+        ours = _tensors(first.model.get_submodule(fqn))
+        for wide in wides[1:]:
+            theirs = _tensors(wide.model.get_submodule(fqn))
+            if ours.keys() != theirs.keys() or not all(same_value(t, theirs[k]) for k, t in ours.items()):
+                return f"{entry.name}, shared within each group, differs between groups"
     return None
 
 

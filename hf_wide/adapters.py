@@ -12,6 +12,9 @@ target different modules, a member without an adapter on a module gets one whose
 of the base's module (:mod:`hf_wide.adapter_layers`); where the list also holds full checkpoints of the base's
 architecture (the base itself, say), they are wrapped the same way.
 
+Eight adapters or more that build the same modules are loaded and fused a group at a time, then joined
+(:mod:`hf_wide.adapter_groups`): the members' module trees are what a load of many adapters holds beyond the base.
+
 LoRA is fused as such, DoRA (``use_dora``) too (:mod:`hf_wide.blocks.lora_dora`). Any other PEFT type (IA3, LoHa,
 prompt tuning, ...) or LoRA variant (``lora_bias``, aLoRA, ...) is refused with the member and the option named,
 unless ``merge=True``: then each adapter is merged into its own copy of the base (N full weight sets) and the members

@@ -6,6 +6,7 @@ import logging
 
 import pytest
 import torch
+from safetensors.torch import load_file
 from conftest import CASES
 from lora_members import EVERY_LINEAR, LLAMA, alone, save_adapter
 from oracle import TOLERANCE, max_member_error
@@ -72,6 +73,21 @@ def test_bert_adapters_in_groups_equal_each_adapter_alone(joined, tmp_path):
     with torch.no_grad():
         assert torch.equal(back(**inputs).logits, wide(**inputs).logits)
     assert back.adapter_sources.configs == wide.adapter_sources.configs and len(back.adapter_sources.configs) == 5
+
+
+def test_the_joined_model_holds_the_base_once_and_each_adapter_once(joined, tmp_path):
+    """The groups' tensors are freed as the join builds its own: what the joined model holds is the base's tensors
+    and the adapters' (their files' bytes), beside each layer's scalings."""
+    adapters = bert_adapters(tmp_path, range(4))
+    wide = WideModel.from_pretrained(adapters)
+    assert joined == [2]
+    held = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in (*wide.parameters(), *wide.buffers())}
+    base = BERT.model_class.from_pretrained(tmp_path / "base")
+    base_bytes = sum(t.untyped_storage().nbytes() for t in {id(t): t for t in (*base.parameters(), *base.buffers())}
+                     .values())
+    adapter_bytes = sum(t.numel() * t.element_size() for a in adapters
+                        for t in load_file(f"{a}/adapter_model.safetensors").values())
+    assert base_bytes + adapter_bytes <= sum(held.values()) <= base_bytes + adapter_bytes + 4096
 
 
 def test_llama_adapters_in_groups_generate_as_each_adapter_alone(joined, tmp_path):

@@ -29,7 +29,7 @@ from ..primitives.base import kept, meta_copies
 from ..primitives.embedding import WideEmbedding, no_padding_gradient
 from ..registry import register_block
 from .base import WideBlock
-from .lora import equal_tensors, one_scale
+from .lora_parts import equal_tensors, one_scale
 
 try:
     from peft.tuners.lora import Embedding as LoraEmbedding

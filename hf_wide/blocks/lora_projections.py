@@ -31,8 +31,8 @@ from ..fold import Fold
 from ..primitives.base import keeps_storage, kept, same_value
 from ..primitives.linear import WideLinear, wide_linear
 from .base import member_slices
-from .lora import (LoraLinear, WideLoraLinear, adapter_dtype, equal_tensors, lora_refusal, member_dropout,
-                   one_scale)
+from .lora import LoraLinear, WideLoraLinear, lora_refusal
+from .lora_parts import adapter_dtype, equal_tensors, member_dropout, one_scale
 
 
 FUSE_ON_CPU = False  # see the module's docstring; tests set it to run the fused path on CPU
