@@ -41,7 +41,9 @@ def fuse_models(cls: type[WideModel], models: Sequence[nn.Module], sample_inputs
                 copy_shared: bool = True, traced: tuple | None = None, outputs: list | None = None) -> WideModel:
     """``cls.from_models(models, ...)``: see :meth:`WideModel.from_models` for the options. ``traced``: (sample,
     :func:`~hf_wide.planner.trace_members`' result) of ``models[0]`` as it is, traced already
-    (:func:`hf_wide.adapter_trace.trace_ahead`): the sample to check the members on, and its trace."""
+    (:func:`hf_wide.adapter_trace.trace_ahead`): the sample to check the members on, and its trace. ``outputs``: a
+    list that each member's whole output on that sample, as verification recorded it, is added to (a
+    :func:`~hf_wide.verify.check_whole` record; nothing without ``verify``), for :mod:`hf_wide.adapter_groups`."""
     if traced is not None and sample_inputs is not None:
         raise ValueError("Pass sample inputs or a trace taken on its own sample, not both.")
     models, padded, full = aligned_adapters(models)  # LoRA members that differ, or beside plain models: views
