@@ -44,6 +44,12 @@ def bert_adapters(root, seeds, **config):
     return [save_adapter(BERT, root / "base", root / f"a{k}", seed, **options()) for k, seed in enumerate(seeds)]
 
 
+def each_alone(wide, root, adapters) -> None:
+    """The oracle: member i of ``wide`` is BERT adapter i over the base at ``root`` run alone."""
+    references = [alone(BERT, root / "base", a) for a in adapters]
+    assert max_member_error(wide, references, BERT.inputs(3, padded=True)) <= TOLERANCE
+
+
 def test_bert_adapters_in_groups_equal_each_adapter_alone(joined, tmp_path):
     adapters = bert_adapters(tmp_path, range(5))
     adapters[3] = save_adapter(BERT, tmp_path / "base", tmp_path / "rs", 3, r=4, lora_alpha=16, use_rslora=True,
@@ -109,8 +115,7 @@ def test_dora_adapters_and_adapters_with_their_own_biases_join(joined, config, t
     adapters = bert_adapters(tmp_path, range(4), **config)
     wide = WideModel.from_pretrained(adapters)
     assert joined == [2]
-    references = [alone(BERT, tmp_path / "base", a) for a in adapters]
-    assert max_member_error(wide, references, BERT.inputs(3, padded=True)) <= TOLERANCE
+    each_alone(wide, tmp_path, adapters)
     layer = wide.model.get_submodule(next(e.fqn for e in wide.plan.entries.values()
                                           if e.wide_class == "WideLoraLinear"))
     held = layer.magnitude if "use_dora" in config else layer.base_bias
@@ -121,28 +126,19 @@ def test_unverified_groups_join_too(joined, tmp_path):
     adapters = bert_adapters(tmp_path, range(4))
     wide = WideModel.from_pretrained(adapters, verify=False)
     assert joined == [2]
-    references = [alone(BERT, tmp_path / "base", a) for a in adapters]
-    assert max_member_error(wide, references, BERT.inputs(3, padded=True)) <= TOLERANCE
+    each_alone(wide, tmp_path, adapters)
 
 
-def test_groups_whose_plans_differ_are_fused_all_at_once(joined, tmp_path, caplog):
-    """Members 0 and 1 are one adapter twice: their group keeps every module whole (shared), the other group
-    stacks its LoRA layers."""
-    adapters = bert_adapters(tmp_path, [0, 0, 1, 2])
+@pytest.mark.parametrize("seeds, why", [
+    ([0, 0, 1, 2], "plan differs"),  # members 0 and 1 one adapter twice: their group keeps every module whole
+    ([0, 0, 1, 1], "differs between groups"),  # each group keeps its modules whole, and they differ
+], ids=["plans-differ", "shared-apart"])
+def test_groups_that_do_not_join_are_fused_all_at_once(joined, seeds, why, tmp_path, caplog):
+    adapters = bert_adapters(tmp_path, seeds)
     with caplog.at_level(logging.INFO, logger="hf_wide.adapter_groups"):
         wide = WideModel.from_pretrained(adapters)
-    assert joined == [] and "plan differs" in caplog.text
-    references = [alone(BERT, tmp_path / "base", a) for a in adapters]
-    assert max_member_error(wide, references, BERT.inputs(3, padded=True)) <= TOLERANCE
-
-
-def test_a_module_shared_within_groups_but_not_between_them_is_fused_all_at_once(joined, tmp_path, caplog):
-    adapters = bert_adapters(tmp_path, [0, 0, 1, 1])
-    with caplog.at_level(logging.INFO, logger="hf_wide.adapter_groups"):
-        wide = WideModel.from_pretrained(adapters)
-    assert joined == [] and "differs between groups" in caplog.text
-    references = [alone(BERT, tmp_path / "base", a) for a in adapters]
-    assert max_member_error(wide, references, BERT.inputs(3, padded=True)) <= TOLERANCE
+    assert joined == [] and why in caplog.text
+    each_alone(wide, tmp_path, adapters)
     layer = wide.model.get_submodule(next(e.fqn for e in wide.plan.entries.values()
                                           if e.wide_class == "WideLoraLinear"))
     assert layer.lora_A.shape[0] == 4
@@ -164,8 +160,7 @@ def test_a_join_that_went_wrong_is_found_by_the_final_check(joined, monkeypatch,
     with caplog.at_level(logging.WARNING, logger="hf_wide.adapter_groups"):
         wide = WideModel.from_pretrained(adapters)
     assert joined == [2] and "joined" in caplog.text and "fusing them all at once" in caplog.text
-    references = [alone(BERT, tmp_path / "base", a) for a in adapters]
-    assert max_member_error(wide, references, BERT.inputs(3, padded=True)) <= TOLERANCE
+    each_alone(wide, tmp_path, adapters)
 
 
 def test_adapters_that_build_different_modules_are_not_grouped(joined, tmp_path):
@@ -174,8 +169,7 @@ def test_adapters_that_build_different_modules_are_not_grouped(joined, tmp_path)
                      modules_to_save=["classifier"], task_type="SEQ_CLS")]
     wide = WideModel.from_pretrained(adapters)
     assert joined == []
-    references = [alone(BERT, tmp_path / "base", a) for a in adapters]
-    assert max_member_error(wide, references, BERT.inputs(3, padded=True)) <= TOLERANCE
+    each_alone(wide, tmp_path, adapters)
 
 
 def test_check_by_rows_takes_the_whole_sample_where_rows_do_not_split(monkeypatch):
