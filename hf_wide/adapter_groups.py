@@ -14,8 +14,9 @@ joined (:func:`concatenate`): each wide module's stacked tensors concatenated wh
 (:meth:`~hf_wide.blocks.lora.WideLoraLinear.join`), else built anew from the groups' members' modules, the groups'
 own freed path by path; and the joined model's output on the sample is checked against every member's own output,
 recorded as its group was checked (:func:`check_by_rows`). Where the groups' plans differ (a module that one group's
-members hold alike and another's do not, say), or hold modules this join does not build (loops, vectorised modules),
-or the joined model fails that check, the adapters are loaded again and fused all at once.
+members hold alike and another's do not, say), or the joined model fails that check, or (known from the first group's
+plan, before the others load: :func:`unjoinable`) the plan holds modules the join does not build or would copy the
+base's tensors to build, the adapters are loaded again and fused all at once.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from .configs import configs_in_place, configs_replaced, module_configs
 from .cpu import collected, release_freed_memory
 from .fold import Fold
 from .plan import Kind, WidePlan
-from .primitives.base import keeping_storage, same_value
+from .primitives.base import WideModule, keeping_storage, same_value
 from .registry import find_block, get_wide
 from .swap import remove_fold_hooks
 
@@ -105,6 +106,10 @@ def _fuse_in_groups(cls, ids, folders, configs, base: AdapterBase, load: dict, f
                                      outputs=outputs, **fuse))
             padded += group_padded
             del models
+            why = unjoinable(wides[0]) if start == 0 else None
+            if why is not None:  # known from the first group's plan: before the others load
+                logger.info("hf-wide: fusing the adapters all at once: %s", why)
+                return None
     why = joins(wides)
     if why is not None:
         logger.info("hf-wide: fusing the adapters all at once: %s", why)
@@ -150,8 +155,9 @@ def joins(wides: Sequence) -> str | None:
     holds modules it does not build, or a module one group keeps whole (shared by its members) holds other
     tensors in another group."""
     first = wides[0]
-    if "" in first.plan.entries and first.plan.entries[""].kind != Kind.SHARED:
-        return "the whole model is one module of the plan"
+    why = unjoinable(first)
+    if why is not None:
+        return why
 
     def layout(plan: WidePlan) -> list[tuple]:
         return [(fqn, e.module_class, e.kind, e.wide_class) for fqn, e in plan.entries.items()]
@@ -163,13 +169,29 @@ def joins(wides: Sequence) -> str | None:
     for fqn, entry in first.plan.entries.items():
         if _inside(fqn, built):
             continue
-        if entry.kind != Kind.SHARED:
-            return f"{entry.name} is {entry.kind.value}, which the groups' join does not build"
-        ours = _tensors(first.model.get_submodule(fqn))
+        ours = _tensors(first.model.get_submodule(fqn))  # a shared module (unjoinable: nothing else is left)
         for wide in wides[1:]:
             theirs = _tensors(wide.model.get_submodule(fqn))
             if ours.keys() != theirs.keys() or not all(same_value(t, theirs[k]) for k, t in ours.items()):
                 return f"{entry.name}, shared within each group, differs between groups"
+    return None
+
+
+def unjoinable(wide) -> str | None:
+    """Why the groups' wide models cannot be joined, read from the first group's (``wide``; None where they can): a
+    module the join does not build (a loop, a vectorised module, the whole model as one), or a block that it would build anew from its
+    members' modules, copying the base's tensors it holds (the q, k and v of attention with LoRA projections, a LoRA
+    embedding's table): only LoRA linears (:meth:`~hf_wide.blocks.lora.WideLoraLinear.join`) and primitives, whose
+    tensors are all their members' own, are joined."""
+    built = _joined_paths(wide.plan)
+    for fqn, entry in wide.plan.entries.items():
+        if entry.kind != Kind.SHARED and not _inside(fqn, built):
+            return f"{entry.name} is {entry.kind.value}, which the groups' join does not build"
+    for fqn in built:
+        module = wide.model.get_submodule(fqn) if fqn else wide.model
+        if not fqn or not (hasattr(type(module), "join") or isinstance(module, WideModule)):
+            return (f"{wide.plan.entries[fqn].name} is a {type(module).__name__}, which the groups' join would build "
+                    "anew from its members' modules")
     return None
 
 

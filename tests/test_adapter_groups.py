@@ -144,6 +144,28 @@ def test_groups_that_do_not_join_are_fused_all_at_once(joined, seeds, why, tmp_p
     assert layer.lora_A.shape[0] == 4
 
 
+def test_a_plan_whose_join_would_copy_the_base_is_fused_all_at_once_after_one_group(joined, tmp_path, caplog,
+                                                                                    monkeypatch):
+    """A LoRA on the embedding holds the base's table: the join would build it anew from its members' modules (a copy
+    of the table), so the first group's plan sends the adapters to be fused all at once, before the others load."""
+    loads, load = [], groups.load_adapter_members
+
+    def counted(ids, *args, **kwargs):
+        loads.append(len(ids))
+        return load(ids, *args, **kwargs)
+
+    monkeypatch.setattr(groups, "load_adapter_members", counted)
+    LLAMA.build(0).save_pretrained(tmp_path / "base")
+    adapters = [save_adapter(LLAMA, tmp_path / "base", tmp_path / f"a{seed}", seed, r=4,
+                             target_modules=["embed_tokens", "q_proj"]) for seed in range(4)]
+    with caplog.at_level(logging.INFO, logger="hf_wide.adapter_groups"):
+        wide = WideModel.from_pretrained(adapters)
+    assert joined == [] and "would build anew" in caplog.text
+    assert loads == [2, 4]  # the first group, then all at once
+    references = [alone(LLAMA, tmp_path / "base", a) for a in adapters]
+    assert max_member_error(wide, references, LLAMA.inputs(2, padded=True)) <= TOLERANCE
+
+
 def test_a_join_that_went_wrong_is_found_by_the_final_check(joined, monkeypatch, tmp_path, caplog):
     """A join that gives member 1 member 0's update: the joined model's output is checked against every member's
     own, and the members are then fused all at once."""
