@@ -82,8 +82,8 @@ def test_bert_adapters_in_groups_equal_each_adapter_alone(joined, tmp_path):
 
 
 def test_the_joined_model_holds_the_base_once_and_each_adapter_once(joined, tmp_path):
-    """The groups' tensors are freed as the join builds its own: what the joined model holds is the base's tensors
-    and the adapters' (their files' bytes), beside each layer's scalings."""
+    """What the joined model holds is the base's tensors, once, and the adapters' (their files' bytes), beside each
+    layer's scalings: no copy of the base's weights in the joined LoRA layers."""
     adapters = bert_adapters(tmp_path, range(4))
     wide = WideModel.from_pretrained(adapters)
     assert joined == [2]

@@ -156,11 +156,7 @@ class WideLoraLinear(WideBlock):
         (a base layer of the members' own, adapters padded to other ranks, each member's own dropout)."""
         first = layers[0]
         if (isinstance(first.base_layer, (WideLinear, WideConv1D)) or isinstance(first.lora_dropout, MemberDropout)
-                or any(not equal_tensors(layer.base_layer, first.base_layer) or layer.adapter != first.adapter
-                       or layer.lora_A.shape[1:] != first.lora_A.shape[1:] or type(layer.lora_dropout) is not type(
-                           first.lora_dropout) or getattr(layer.lora_dropout, "p", None) != getattr(
-                           first.lora_dropout, "p", None) or (layer.base_bias is None) != (first.base_bias is None)
-                       or (layer.magnitude is None) != (first.magnitude is None) for layer in layers)):
+                or not all(_alike(layer, first) for layer in layers[1:])):
             return None
         joined = cls(fold, first.proto)
         joined.adapter, joined.base_layer = first.adapter, first.base_layer
@@ -302,6 +298,16 @@ def _without_bias(layer: nn.Module) -> nn.Module:
     if keeps_storage():
         memo[id(layer.weight)] = layer.weight
     return copy.deepcopy(layer, memo)
+
+
+def _alike(a: WideLoraLinear, b: WideLoraLinear) -> bool:
+    """Whether two wide LoRA layers' members concatenate as they are (:meth:`WideLoraLinear.join`): one base layer's
+    tensors, one adapter name, one padded rank, one dropout, and the same optional tensors (biases, DoRA's)."""
+    same_dropout = type(a.lora_dropout) is type(b.lora_dropout) and getattr(a.lora_dropout, "p", None) == getattr(
+        b.lora_dropout, "p", None)
+    return (equal_tensors(a.base_layer, b.base_layer) and a.adapter == b.adapter and same_dropout
+            and a.lora_A.shape[1:] == b.lora_A.shape[1:] and (a.base_bias is None) == (b.base_bias is None)
+            and (a.magnitude is None) == (b.magnitude is None))
 
 
 def _rebind(linear: nn.Linear, view: torch.Tensor) -> None:
