@@ -169,6 +169,34 @@ def test_lora_members(tmp_path):
     assert_generates_as_members(wide, members, inputs)
 
 
+@pytest.mark.parametrize("targets", [["o_proj", "down_proj"], ["q_proj", "k_proj", "v_proj", "o_proj"]],
+                         ids=["joined", "fused-projections"])
+def test_lora_members_in_groups(targets, tmp_path, monkeypatch):
+    """Adapters fused a group at a time (hf_wide/adapter_groups.py, groups of two here): LoRA on layers the device
+    does not fuse are joined on it; with q, k and v (fused LoRA projections on a GPU) the first group's plan sends the
+    adapters to be fused all at once. Either way every member is its adapter alone."""
+    import hf_wide.adapter_groups as groups
+
+    monkeypatch.setattr(groups, "GROUP_SIZE", 2)
+    joins, concatenate = [], groups.concatenate
+
+    def counted(cls, wides, ids):
+        joins.append(len(wides))
+        return concatenate(cls, wides, ids)
+
+    monkeypatch.setattr(groups, "concatenate", counted)
+    base = tmp_path / "base"
+    LLAMA.build(0).save_pretrained(base)
+    adapters = [save_adapter(LLAMA, base, tmp_path / f"a{seed}", seed, r=4, lora_alpha=4 + seed,
+                             target_modules=targets, task_type="CAUSAL_LM") for seed in range(4)]
+    wide = WideModel.from_pretrained(adapters, device=DEVICE)
+    assert joins == ([2] if targets == ["o_proj", "down_proj"] or DEVICE.type == "cpu" else []), str(wide.plan)
+    members = on_device([alone(LLAMA, base, adapter) for adapter in adapters])
+    inputs = to_device(LLAMA.inputs(3, padded=True))
+    assert max_member_error(wide, members, inputs) <= TOLERANCE
+    assert_generates_as_members(wide, members, inputs)
+
+
 def test_dora_members(tmp_path):
     base = tmp_path / "base"
     torch.manual_seed(0)
