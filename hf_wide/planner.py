@@ -1,7 +1,8 @@
 """Planning: decide, for every module of the template that owns tensors, what it becomes.
 
 First, whatever its tensors: a module that must run as each member's own code (a forward hook, a plain
-attribute that differs between members: :mod:`hf_wide.structure`) or that is parametrized is a **fallback**.
+attribute that differs between members: :mod:`hf_wide.structure`) or that is parametrized (unless every member
+holds its tensors alike: then rule 1 shares it) is a **fallback**.
 Then rules, in order, for a module M with parameters or buffers of its own:
 
 0. **block** if M's exact class has a fused block (attention, MLP) that accepts it, everything inside it is a
@@ -39,7 +40,7 @@ from .fallback_roots import (common_ancestor, is_under, loop_reason, rewriting_a
                              unbatched_root)
 from .plan import OWN_CODE_LOOP, STACKED_LOOP, Demotions, Kind, ModulePlan, WidePlan
 from .primitives.base import same_value
-from .structure import Opaque, block_structure_known, opaque_modules
+from .structure import Opaque, block_structure_known, opaque_modules, without_alike_parametrized
 from .registry import (
     declares_stacked_reads,
     find_block,
@@ -96,6 +97,8 @@ def make_plan(
     modules = dict(template.named_modules())
     entries: dict[str, ModulePlan] = {}
     opaque = opaque_modules(members) if opaque is None else opaque
+    if share_identical:  # a parametrized module the members hold alike: shared (rule 1)
+        opaque = without_alike_parametrized(opaque, member_modules)
     fallback_roots: dict[str, str] = {**{p: o.reason for p, o in opaque.items() if not o.block_may_take},
                                       **demotions.per_member}
     stacked_reads = []  # (module, its declared reader, consumer classes, differs between members, plan fields)

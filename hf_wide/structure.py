@@ -9,7 +9,8 @@ reason for the planner to run it (and its subtree) per member instead:
 - **parametrizations** (``torch.nn.utils.parametrizations.weight_norm``, ...): the weight is computed from
   other tensors on every call. Where every member's module has the same parametrizations, member 0's code
   computes any member's weight from that member's tensors: the module is vectorised (``vectorisable``), not
-  looped;
+  looped; where the members hold its tensors alike too (adapters of one base), it is shared like any identical
+  module (:func:`without_alike_parametrized`);
 - **state of its own**: a module whose forward keeps tensors in its plain attributes from one call to the next
   (RecurrentGemma's recurrent block: its convolution state, and its RG-LRU's recurrent state). Run as one code for
   every member, each member would read the state another left; each member's own module keeps its own;
@@ -123,6 +124,26 @@ def opaque_modules(members: Sequence[nn.Module]) -> dict[str, Opaque]:
         if reason is not None:
             found[fqn] = reason
     return found
+
+
+def without_alike_parametrized(opaque: dict[str, Opaque],
+                               member_modules: Sequence[dict[str, nn.Module]]) -> dict[str, Opaque]:
+    """``opaque`` less the parametrized modules whose tensors (their parametrizations' originals included) are the
+    same in every member, with nothing opaque inside them: each member's module computes the same weight, so one
+    serves every member, as any identical module does (LoRA members of wav2vec2 hold the base's weight-normed
+    positional convolution alike; vectorised, it was stacked N times and run per member)."""
+    def alike(fqn: str) -> bool:
+        mods = [modules[fqn] for modules in member_modules]
+        tensors = [dict((*m.named_parameters(), *m.named_buffers())) for m in mods]
+        return all(t.keys() == tensors[0].keys() and all(same_value(t[k], tensors[0][k]) for k in t)
+                   for t in tensors[1:])
+
+    def inside(fqn: str) -> bool:
+        return any(other.startswith(f"{fqn}.") or (not fqn and other) for other in opaque)
+
+    return {fqn: why for fqn, why in opaque.items()
+            if not (why.vectorisable and parametrize.is_parametrized(member_modules[0][fqn]) and not inside(fqn)
+                    and alike(fqn))}
 
 
 def _taken_by_blocks(fqn: str, modules: dict[str, nn.Module]) -> Callable[[str], bool]:

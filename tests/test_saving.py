@@ -100,6 +100,35 @@ def test_stacked_layout_ties_and_fallbacks(fused, tmp_path):
     assert [e.fqn for e in back.plan.fallbacks] == [e.fqn for e in wide.plan.fallbacks]
 
 
+def test_a_parametrized_module_held_alike_is_stored_once(tmp_path):
+    """wav2vec2's positional convolution is weight-normed; where every member holds it alike (the base's, left as it
+    was) it is shared, and stored so, and loads back shared."""
+    config = transformers.Wav2Vec2Config(
+        vocab_size=32, hidden_size=32, num_hidden_layers=1, num_attention_heads=4, intermediate_size=64,
+        conv_dim=(16, 16), conv_stride=(5, 2), conv_kernel=(10, 3), num_conv_pos_embeddings=16,
+        num_conv_pos_embedding_groups=4, num_labels=3)
+    members = []
+    for seed in range(3):
+        torch.manual_seed(seed)
+        members.append(transformers.Wav2Vec2ForSequenceClassification(config).eval())
+    for member in members[1:]:  # (the model's own masked_spec_embed too, which would leave it vectorised whole)
+        member.wav2vec2.encoder.pos_conv_embed.load_state_dict(members[0].wav2vec2.encoder.pos_conv_embed.state_dict())
+        member.wav2vec2.masked_spec_embed.data.copy_(members[0].wav2vec2.masked_spec_embed.data)
+    for i, member in enumerate(members):
+        member.save_pretrained(tmp_path / f"m{i}")
+    wide = WideModel.from_pretrained([str(tmp_path / f"m{i}") for i in range(3)])
+    conv = "wav2vec2.encoder.pos_conv_embed.conv"
+    assert kinds(wide)[conv] == kinds(wide)[f"{conv}.parametrizations.weight"] == Kind.SHARED
+    assert not wide.plan.fallbacks
+    inputs = {"input_values": torch.randn(2, 400, generator=torch.Generator().manual_seed(0))}
+    assert max_member_error(wide, members, inputs) <= TOLERANCE
+    wide.save_pretrained(tmp_path / "fused")
+    assert stored_shapes(tmp_path / "fused")[f"{conv}.parametrizations.weight.original1"] == (32, 8, 16)
+    back = WideModel.from_pretrained(str(tmp_path / "fused"))
+    assert kinds(back) == kinds(wide)
+    assert max_member_error(back, members, inputs) <= TOLERANCE
+
+
 @pytest.fixture(scope="module")
 def sharing_members(tmp_path_factory):
     """Three BERT checkpoints with the same embeddings and classifier bias, saved to folders."""

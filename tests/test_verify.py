@@ -97,6 +97,24 @@ def test_weight_norm_parametrizations_are_vectorised():
     assert not wide.plan.loops
 
 
+def test_weight_norm_parametrizations_held_alike_are_shared():
+    # A parametrized module whose tensors every member holds alike computes one weight for all: shared, one copy
+    # (it ran vectorised, its tensors stacked N times); one whose members differ is vectorised still.
+    members = weight_normed()
+    for member in members[1:]:
+        member.bert.encoder.layer[0].attention.self.query.load_state_dict(
+            members[0].bert.encoder.layer[0].attention.self.query.state_dict())
+    wide = WideModel.from_models(members)
+    assert max_member_error(wide, members, CASES["bert-seqcls"].inputs(3, padded=True)) <= TOLERANCE
+    query = "bert.encoder.layer.0.attention.self.query"
+    kinds = {e.fqn: e.kind for e in wide.plan.entries.values()}
+    assert kinds[query] == kinds[f"{query}.parametrizations.weight"] == Kind.SHARED
+    assert kinds["bert.encoder.layer.0.output.dense"] == Kind.VECTORISED
+    assert wide.model.get_submodule(query).parametrizations.weight.original1.shape == (32, 32)  # no member dim
+    apart = WideModel.from_models(members, share_identical=False)  # to be trained apart: every member's own
+    assert {e.fqn: e.kind for e in apart.plan.entries.values()}[query] == Kind.VECTORISED
+
+
 class Scaled(nn.Module):
     """A parametrization with a plain attribute of its own."""
 
