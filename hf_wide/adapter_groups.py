@@ -84,7 +84,7 @@ def group_slices(n: int, size: int) -> list[slice]:
 def _fuse_in_groups(cls, ids, folders, configs, base: AdapterBase, load: dict, fuse: dict):
     """(wide model, sources, no-ops) of the adapters fused in groups and joined; None where they cannot be (the
     caller then fuses them all at once)."""
-    from .fuse import _as_args_kwargs, fuse_models
+    from .fuse import as_args_kwargs, fuse_models
 
     n, wides, outputs, padded = len(ids), [], [], []
     traced = structure = sources = None
@@ -118,7 +118,7 @@ def _fuse_in_groups(cls, ids, folders, configs, base: AdapterBase, load: dict, f
     del wides
     release_freed_memory()
     if fuse.get("verify", True):
-        whole = check_by_rows(wide, outputs, *_as_args_kwargs(traced[0]))
+        whole = check_by_rows(wide, outputs, *as_args_kwargs(traced[0]))
         if whole is not None:
             logger.warning("hf-wide: the groups of adapters, joined, %s; fusing them all at once", whole)
             return None

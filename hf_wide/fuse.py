@@ -51,7 +51,7 @@ def fuse_models(cls: type[WideModel], models: Sequence[nn.Module], sample_inputs
     check_compatible(models, member_ids, allow_label_mismatch)
     template = models[0]
     sample = sample_inputs if sample_inputs is not None else traced[0] if traced else build_sample_inputs(template)
-    args, kwargs = _as_args_kwargs(sample)
+    args, kwargs = as_args_kwargs(sample)
     ids = member_ids or [getattr(getattr(m, "config", None), "_name_or_path", "") or f"member-{i}"
                          for i, m in enumerate(models)]
     was_training = [m.training for m in models]
@@ -123,7 +123,8 @@ def _describe(failures: dict[str, str]) -> str:
     return "; ".join(f"{path or '(model)'} {reason}" for path, reason in failures.items())
 
 
-def _as_args_kwargs(sample: dict | tuple | torch.Tensor) -> tuple[tuple, dict]:
+def as_args_kwargs(sample: dict | tuple | torch.Tensor) -> tuple[tuple, dict]:
+    """A sample as a forward's ``(args, kwargs)``: a dict is keyword arguments, a tensor or a tuple positional."""
     if isinstance(sample, dict):
         return (), dict(sample)
     if isinstance(sample, torch.Tensor):
