@@ -119,6 +119,8 @@ def zero_update(layer: nn.Module) -> None:
     for table in (layer.lora_B, layer.lora_embedding_B):  # a ModuleDict of linears, a ParameterDict
         for tensor in table.parameters():
             nn.init.zeros_(tensor)
+    if not layer.lora_magnitude_vector:  # (a LoRA on a parameter, PEFT's ParamWrapper, has no .weight to read)
+        return
     weight = layer.get_base_layer().weight
     with torch.no_grad():
         for name, dora in layer.lora_magnitude_vector.items():

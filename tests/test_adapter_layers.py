@@ -82,6 +82,22 @@ def test_a_module_one_member_saves_whole_and_another_adapts_is_refused_with_both
             WideModel.from_models(order)
 
 
+def test_an_adapter_of_the_experts_parameters_beside_the_base_itself(tmp_path):
+    """A LoRA on Mixtral's experts' stacked ``gate_up_proj`` (``target_parameters``) beside the base in the list: the
+    base, wrapped as the adapter is with a zero update, failed ("'MixtralExperts' object has no attribute 'weight'",
+    read for a DoRA magnitude it does not have)."""
+    from lora_members import save_adapter
+
+    mixtral = CASES["mixtral-causallm"]
+    mixtral.build(0).save_pretrained(tmp_path / "base")
+    adapter = save_adapter(mixtral, tmp_path / "base", tmp_path / "a0", 0, r=4, target_modules=["q_proj"],
+                           target_parameters=["mlp.experts.gate_up_proj"], task_type="CAUSAL_LM")
+    wide = WideModel.from_pretrained([adapter, str(tmp_path / "base")])
+    references = [alone(mixtral, tmp_path / "base", adapter), mixtral.model_class.from_pretrained(tmp_path / "base")]
+    assert max_member_error(wide, [r.eval() for r in references], mixtral.inputs(2, padded=True)) <= TOLERANCE
+    assert type(wide.member(1)) is mixtral.model_class
+
+
 def test_an_adapter_of_parameters_beside_one_of_modules(tmp_path):
     """PEFT's ``target_parameters`` (a LoRA on a parameter, ``ParamWrapper``) in one adapter: its tuner's record of the
     parameters it adapted differed from the other member's, and the whole model ran as each member's own code; now
