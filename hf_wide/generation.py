@@ -3,6 +3,10 @@
 The members' rows are folded into one batch of N*B and transformers' ``generate`` runs on the wide model: each step
 is one wide forward over a KV cache of N*B rows. The fold's pre-hook records the rows of every forward it makes
 (beams and several sequences per input multiply them), so the output is cut back into members by the last one.
+
+That one ``generate`` runs one generation config for every row, member 0's: where the members' own configs
+(``generation_config.json``) differ in a setting the call does not give, the call is refused
+(:func:`check_generation_configs`), since a member would not continue as it does alone.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ def generate_wide(wide, args: tuple, kwargs: dict):
     """:meth:`hf_wide.WideModel.generate`: ``(N, B, T')`` tokens, or transformers' output with every member's."""
     if not hasattr(wide.model, "generate"):
         raise TypeError(f"{type(wide.model).__name__} cannot generate.")
+    check_generation_configs(wide.member_generation_configs, kwargs)
     group = wide.members_group
     if group is not None:
         args, kwargs = local_inputs(group, args, kwargs)
@@ -48,6 +53,37 @@ def generate_wide(wide, args: tuple, kwargs: dict):
     # Each rank stops when its own members are done; padded as one process pads members done early.
     pad = kwargs.get("pad_token_id", getattr(getattr(wide.model, "generation_config", None), "pad_token_id", None))
     return gather_members(group, sequences, 0 if pad is None else pad)
+
+
+# What a generation config records of where it came from, not of how to generate
+PROVENANCE = frozenset({"transformers_version", "_from_model_config", "_commit_hash", "_original_object_hash"})
+# A setting given to generate that makes a config's other one moot (transformers: max_new_tokens over max_length)
+OVERRIDES = {"max_length": "max_new_tokens", "min_length": "min_new_tokens"}
+
+
+def check_generation_configs(configs, kwargs: dict) -> None:
+    """Refuse a ``generate`` whose members' own generation configs differ in a setting that ``kwargs`` does not
+    give (nor a ``generation_config``): it would run member 0's for every member. The settings are named, with the
+    ways out."""
+    if not configs or kwargs.get("generation_config") is not None or any(c is None for c in configs):
+        return
+    given = set(kwargs) | {moot for moot, by in OVERRIDES.items() if kwargs.get(by) is not None}
+    settings = [c.to_dict() for c in configs]
+    differ = {}  # setting -> (the first member whose value differs from member 0's, its value)
+    for i, theirs in enumerate(settings[1:], start=1):
+        for key in sorted((theirs.keys() | settings[0].keys()) - PROVENANCE - given):
+            if theirs.get(key) != settings[0].get(key):
+                differ.setdefault(key, (i, theirs.get(key)))
+    if differ:
+        listed = "; ".join(f"{key}: member 0 {settings[0].get(key)!r}, member {i} {value!r}"
+                           for key, (i, value) in differ.items())
+        first = min(i for i, _ in differ.values())
+        give = ", ".join(f"{key}=..." for key in differ)
+        raise ValueError(
+            f"The members' generation configs differ ({listed}), and one generate runs member 0's for every member: "
+            f"member {first} would not continue as it does alone. Give the settings to generate (generate(..., "
+            f"{give})) or pass generation_config=, to run every member with them; or run wide.member(i).generate(...) "
+            "for a member's own.")
 
 
 def _returns_dict(kwargs: dict, model: nn.Module) -> bool:

@@ -249,10 +249,12 @@ class WideModel(nn.Module):
     def generate(self, *args, **kwargs):
         """Each member's own continuation: ``(N, B, T')`` tokens. Rows are folded into one ``generate`` on
         the wide model (KV cache of N*B rows), so each step is one wide forward. Rows that finish early are
-        padded with ``pad_token_id``, as in transformers. Uses member 0's generation config. With
-        ``return_dict_in_generate=True``, transformers' output with every member's: ``sequences`` ``(N, B, T')``,
-        and each step's ``scores``, ``logits``, attentions and hidden states ``(N, B, ...)`` (B times the beams or
-        returned sequences, where there are some, as for each member alone)."""
+        padded with ``pad_token_id``, as in transformers. Uses member 0's generation config, and is refused
+        where the members' differ in a setting the call does not give
+        (:func:`~hf_wide.generation.check_generation_configs`). With ``return_dict_in_generate=True``,
+        transformers' output with every member's: ``sequences`` ``(N, B, T')``, and each step's ``scores``,
+        ``logits``, attentions and hidden states ``(N, B, ...)`` (B times the beams or returned sequences, where
+        there are some, as for each member alone)."""
         return generate_wide(self, args, kwargs)
 
     def train(self, mode: bool = True) -> "WideModel":

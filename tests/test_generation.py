@@ -1,10 +1,14 @@
 """hf_wide/generation.py: WideModel.generate gives each member's own continuation, and transformers' output with
 every member's when asked (more cases: tests/test_architectures.py, tests/primitives/, tests/test_routers.py)."""
 
+import copy
+
 import pytest
 import torch
 from conftest import CASES, NUM_MEMBERS
 from oracle import TOLERANCE
+
+from hf_wide import WideModel
 
 
 @pytest.mark.parametrize("case_id", [c for c in CASES if CASES[c].causal_lm])
@@ -37,3 +41,27 @@ def test_generate_returns_each_members_scores_and_beams_as_transformers_does(fus
         if search:  # the beams' rows are member i's own, as if it had run alone
             assert torch.equal(out.beam_indices[i], alone.beam_indices)
             assert (out.sequences_scores[i] - alone.sequences_scores).abs().max().item() <= TOLERANCE
+
+
+def test_members_whose_generation_configs_differ_are_refused_unless_the_call_gives_the_settings():
+    """Members saved with generation settings of their own: one generate ran member 0's for every member, and member
+    1's continuation was not its own (shorter, without its repetition penalty), silently."""
+    case = CASES["llama-causallm"]
+    members = [case.build(seed) for seed in range(2)]
+    for member, own in zip(members, (dict(max_new_tokens=3), dict(max_new_tokens=5, repetition_penalty=1.8))):
+        member.generation_config.update(pad_token_id=0, eos_token_id=None, do_sample=False, **own)
+    wide = WideModel.from_models(members)
+    inputs = case.inputs(2, padded=True)
+    with pytest.raises(ValueError, match=r"max_new_tokens: member 0 3, member 1 5; repetition_penalty: member 0 "
+                                         r"None, member 1 1\.8\).*member 1 would not continue as it does alone"):
+        wide.generate(**inputs)
+    given = dict(max_new_tokens=4, repetition_penalty=1.3)  # every member with these
+    out = wide.generate(**inputs, **given)
+    for i, member in enumerate(members):
+        assert torch.equal(out[i], member.generate(**inputs, **given))
+    config = copy.deepcopy(members[1].generation_config)
+    out = wide.generate(**inputs, generation_config=config)
+    for i, member in enumerate(members):
+        assert torch.equal(out[i], member.generate(**inputs, generation_config=config))
+    for i, member in enumerate(members):  # each member's own settings: its own model
+        assert torch.equal(wide.member(i).generate(**inputs), member.generate(**inputs))
