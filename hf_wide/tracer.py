@@ -82,17 +82,24 @@ def _batch_symbols(shape) -> set:
     return {s for d in shape if isinstance(d, torch.SymInt) for s in d.node.expr.free_symbols}
 
 
+def _batch_dims(shape, batch_symbol) -> int:
+    """How many dims of ``shape`` hold the batch (its symbol, alone or in a product: B, B*T)."""
+    return sum(isinstance(d, torch.SymInt) and batch_symbol in d.node.expr.free_symbols for d in shape)
+
+
 def _mixes_rows(node: torch.fx.Node, batch_symbol) -> bool:
-    """An op whose tensor input carries the batch dim but whose float output has lost it."""
+    """An op whose tensor input carries the batch dim but whose float output has lost it, or holds it in more dims
+    than any input does: a product of rows by rows (CLIP's texts by its images, ``(B, D) @ (D, B)``), where each
+    member's rows would meet every member's."""
     if "batch_norm" in str(node.target):  # args: input, weight, bias, mean, var, training, ...
         return "no_training" not in str(node.target) and len(node.args) > 5 and node.args[5] is True
     out = node.meta.get("val")
     if not isinstance(out, torch.Tensor) or not out.dtype.is_floating_point:
         return False
-    if batch_symbol in _batch_symbols(out.shape):
-        return False
     inputs = [a.meta.get("val") for a in node.all_input_nodes]
-    return any(isinstance(t, torch.Tensor) and batch_symbol in _batch_symbols(t.shape) for t in inputs)
+    batched = [_batch_dims(t.shape, batch_symbol) for t in inputs if isinstance(t, torch.Tensor)]
+    held = _batch_dims(out.shape, batch_symbol)
+    return any(batched) and (held == 0 or held > max(batched))
 
 
 def _unbatched_input(node: torch.fx.Node, weights: set[str], batch_symbol) -> bool:

@@ -31,6 +31,18 @@ class CentreOverBatch(nn.Module):
         return h - h.mean(0)
 
 
+class RowsByRows(nn.Module):
+    """Scores every row against every row (a contrastive model's texts by its images): ``(B, D) @ (D, B)``."""
+
+    def __init__(self, dim):
+        super().__init__()
+        self.proj = nn.Linear(dim, dim)
+
+    def forward(self, x):
+        h = self.proj(x)
+        return h @ h.t()
+
+
 class DataDependent(nn.Module):
     """Python control flow on tensor values: torch.export cannot capture it."""
 
@@ -95,6 +107,17 @@ def test_row_mixing_op_is_caught_and_runs_per_member():
     (entry,) = wide.plan.fallbacks
     assert entry.fqn == "1" and "mixes batch rows" in entry.reason
     assert wide.plan.entries["0"].kind == Kind.PRIMITIVE
+    assert exact(wide, members, torch.randn(3, 4)) <= 1e-6
+
+
+def test_a_product_of_rows_by_rows_is_caught_unverified():
+    """The batch in two dims of an op's output and one of each input's: it kept the batch dim, and the plan kept the
+    module, whose output then held every member's rows by every member's (the wrong shape, unverified; verification
+    caught it: CLIP's logits)."""
+    members = members_of(lambda: nn.Sequential(nn.Linear(4, 4), RowsByRows(4)))
+    wide = WideModel.from_models(members, torch.randn(2, 4), verify=False)
+    (entry,) = wide.plan.fallbacks
+    assert entry.fqn == "1" and "mixes batch rows" in entry.reason
     assert exact(wide, members, torch.randn(3, 4)) <= 1e-6
 
 
