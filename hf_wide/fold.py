@@ -15,8 +15,10 @@ This module holds the bookkeeping for that layout:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import threading
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -61,6 +63,18 @@ class Fold:
     @recording.setter
     def recording(self, value: bool) -> None:
         self._calls.recording = value
+
+    @contextlib.contextmanager
+    def rows_of(self, x: torch.Tensor) -> Iterator[None]:
+        """``x``'s rows as the forward's within the block: for a model that runs a part of it on an input with a
+        batch of its own (CLIP's image tower on its N*B' images, beside its N*B texts: :mod:`hf_wide.rewrites`),
+        whose wide modules expand broadcasts and split members by the forward's rows."""
+        before = self.anchor
+        self.anchor = x.new_empty(x.shape[0], 0)
+        try:
+            yield
+        finally:
+            self.anchor = before
 
     def __deepcopy__(self, memo) -> "Fold":
         return Fold(self.num_members)  # per-call state is never copied
@@ -166,11 +180,14 @@ def _batch_of(value: Any, n: int) -> int | None:
     return None
 
 
-def fold_inputs(n: int, args: tuple, kwargs: dict) -> tuple[tuple, dict, int]:
+def fold_inputs(n: int, args: tuple, kwargs: dict, own_batches: bool = False) -> tuple[tuple, dict, int]:
     """Fold the user's inputs into ``(N*B, ...)`` rows. Returns ``(args, kwargs, B)``.
 
     B is read from the first tensor input. Shared tensors with leading dim B are repeated member-major;
-    ``PerMember`` tensors are flattened; other tensors (leading dim 1 broadcasts, 0-dim) pass unchanged.
+    ``PerMember`` tensors are flattened; other tensors (leading dim 1 broadcasts, 0-dim) pass unchanged, but with
+    ``own_batches`` (a model whose wide code takes every member's images: :mod:`hf_wide.rewrites`) the
+    :data:`BATCHED_INPUTS` that hold a batch of their own (CLIP's B' images beside its B texts, one image too) are
+    repeated as well, ``(N*B', ...)``.
     """
     if kwargs.get("mems") is not None:
         raise ValueError(
@@ -188,14 +205,15 @@ def fold_inputs(n: int, args: tuple, kwargs: dict) -> tuple[tuple, dict, int]:
                 f"Per-member inputs must share one batch size: got B={value.tensor.shape[1]} and B={batch}."
             )
 
-    def fold(value):
+    def fold(value, own_batch: bool = False):
         if isinstance(value, PerMember):
             return value.tensor.reshape(-1, *value.tensor.shape[2:])
-        if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape[0] == batch:
+        if isinstance(value, torch.Tensor) and value.dim() > 0 and (value.shape[0] == batch or own_batch):
             return torch.cat([value] * n)  # member-major and contiguous (several times faster than repeat)
         return value
 
-    return tuple(fold(a) for a in args), {k: fold(v) for k, v in kwargs.items()}, batch
+    return (tuple(fold(a) for a in args), {k: fold(v, own_batches and k in BATCHED_INPUTS) for k, v in kwargs.items()},
+            batch)
 
 
 # ModelOutput keys of per-layer tuples, whose tensors may hold rows flattened from the N*B, batch first

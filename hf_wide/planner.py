@@ -16,11 +16,13 @@ Then rules, in order, for a module M with parameters or buffers of its own:
 3. **primitive** if a wide builder is registered for M's class;
 4. **fallback** at M otherwise (raw parameters read outside a known block, unknown layers).
 
-A module whose own ops mix batch rows becomes a fallback too, and so does a module that runs its tensors
-on an input without the batch dim (T5's relative position bias), together with what uses the result until it
-leaves a module with the batch dim or as a broadcast ``(1, ...)``, unless an ancestor has a **rewrite**
-(:mod:`hf_wide.rewrites`: MPNet's encoder computes every member's position bias from the stacked table) and the
-children it reads are stacked or shared. The outermost fallback wins: its subtree runs per member as a whole.
+A module whose own ops mix batch rows becomes a fallback too, unless it has a **rewrite** that computes them per
+member (:mod:`hf_wide.rewrites`: CLIP's model scores each member's texts against its own images) and its own
+tensors are shared; and so does a module that runs its tensors on an input without the batch dim (T5's relative
+position bias), together with what uses the result until it leaves a module with the batch dim or as a broadcast
+``(1, ...)``, unless an ancestor has a rewrite (MPNet's encoder computes every member's position bias from the
+stacked table) and the children it reads are stacked or shared. The outermost fallback wins: its subtree runs per
+member as a whole.
 A fallback is **vectorised** (the members' stacked tensors, one vmapped call of the source's forward) unless
 vmap cannot run it (data-dependent routing, or verification saw vmap refuse it): then it is a **loop** of member
 0's code over each member's stacked tensors, or, where the members' code differs, of each member's own module;
@@ -176,9 +178,13 @@ def make_plan(
             fallback_roots.setdefault(reader, f"{fqn} is read stacked in {reader or '(model)'}, {why}")
         else:
             entries[fqn] = ModulePlan(kind=Kind.PRIMITIVE, wide_class=wide_cls.__name__, **kind_args)
-    for path, op in trace.mixing.items():
-        fallback_roots.setdefault(path, f"{op} mixes batch rows")
     rewrites: dict[str, str] = {}
+    for path, op in trace.mixing.items():
+        rewrite = find_rewrite(modules[path]) if path in modules else None
+        if rewrite and getattr(rewrite[0], "mixes_rows", False) and path not in fallback_roots and path not in demoted:
+            rewrites[path] = f"{op} mixes batch rows in its own code"  # (CLIP's texts by its images)
+        else:
+            fallback_roots.setdefault(path, f"{op} mixes batch rows")
     for path, (op, uses) in trace.unbatched.items():
         shared = path in entries and entries[path].kind == Kind.SHARED  # one copy: every member sees the same
         handled = any(is_under(path, b) for b in blocks) or any(  # a block or a declared reader feeds it stacked

@@ -1,5 +1,5 @@
 """Rewrites: a template module kept as it is, but for one method that runs a child's tensors on an input without
-the batch dim.
+the batch dim, or whose own code multiplies the batch's rows by its rows.
 
 MPNet's encoder computes one position bias for the whole batch: its ``relative_attention_bias`` embedding looks
 up a ``(T, T)`` bucket table, and the result is expanded to the batch. Fused, that table has one row of weights
@@ -10,13 +10,24 @@ source class (:func:`~hf_wide.registry.register_rewrite`) whose method reads the
 included, runs as planned: wide linears, fused blocks. The planner uses a rewrite only while the children it
 reads are stacked or shared, and verification checks the rewritten module's output with the rest (a kept module
 that disagrees becomes a fallback).
+
+CLIP's model scores every text against every image of the batch, ``(B, D) @ (D, B')``: folded, each member's texts
+would meet every member's images, so the whole model ran vectorised, its towers too (N copies of a base that LoRA
+members share). Its rewrite (``mixes_rows``: it computes per member what its source's own code computes over the
+batch's rows) scores each member's texts against its own images in one batched product; the towers run as planned.
+The planner takes it while the model's own tensor (``logit_scale``) is the same in every member (adapters of one
+base); where the members' differ, the model still runs vectorised whole.
 """
 
 from __future__ import annotations
 
 import torch
 from torch import nn
+from transformers.modeling_outputs import BaseModelOutputWithPooling
+from transformers.models.clip.modeling_clip import (CLIPModel, CLIPOutput, _get_vector_norm,
+                                                    image_text_contrastive_loss)
 from transformers.models.mpnet.modeling_mpnet import MPNetEncoder
+from transformers.utils.generic import can_return_tuple
 
 from .packing import active as packing_of_this_call
 from .primitives.embedding import WideEmbedding
@@ -41,3 +52,43 @@ class WideMPNetEncoder(MPNetEncoder):
         values = values.reshape(-1, length, length, table.shape[-1]).permute(0, 3, 1, 2)  # (n, H, T, T), n in {N, 1}
         n = values.shape[0]  # (N*B, H, T, T) below: the padded layout, which the attentions use in a packed encoder
         return values[:, None].expand(n, rows // n, *values.shape[1:]).reshape(rows, *values.shape[1:]).contiguous()
+
+
+@register_rewrite(CLIPModel, reads=())
+class WideCLIPModel(CLIPModel):
+    """CLIP's model; each member's texts scored against its own images (transformers' ``CLIPModel.forward``, but
+    for the product of texts by images, batched over the members). ``fold``: the wide model's, given at the swap."""
+
+    mixes_rows = True
+
+    @can_return_tuple
+    def forward(self, input_ids=None, pixel_values=None, attention_mask=None, position_ids=None, return_loss=None,
+                interpolate_pos_encoding=False, **kwargs) -> CLIPOutput:
+        # Every batched input comes folded (WideModel's own_batches); each tower runs with its own rows as the
+        # forward's, for its wide modules to split members and expand broadcasts by: N*B' images, N*B texts
+        with self.fold.rows_of(pixel_values):
+            vision_outputs: BaseModelOutputWithPooling = self.get_image_features(
+                pixel_values=pixel_values, interpolate_pos_encoding=interpolate_pos_encoding, **kwargs)
+        with self.fold.rows_of(input_ids):
+            text_outputs: BaseModelOutputWithPooling = self.get_text_features(
+                input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, **kwargs)
+        image_embeds = vision_outputs.pooler_output  # (N*B', P): each member's images
+        text_embeds = text_outputs.pooler_output  # (N*B, P): each member's texts
+        image_embeds = image_embeds / _get_vector_norm(image_embeds)
+        text_embeds = text_embeds / _get_vector_norm(text_embeds)
+        n = self.fold.num_members
+        texts, images = text_embeds.view(n, -1, text_embeds.shape[-1]), image_embeds.view(n, -1, image_embeds.shape[-1])
+        logits_per_text = torch.matmul(texts, images.transpose(1, 2).to(texts.device))  # (N, B, B')
+        logits_per_text = logits_per_text * self.logit_scale.exp().to(texts.device)
+        loss = None
+        if return_loss:  # each member's, (N,)
+            loss = torch.stack([image_text_contrastive_loss(member) for member in logits_per_text])
+        return CLIPOutput(
+            loss=loss,
+            logits_per_image=logits_per_text.transpose(1, 2).reshape(-1, logits_per_text.shape[1]),  # (N*B', B)
+            logits_per_text=logits_per_text.reshape(-1, logits_per_text.shape[2]),  # (N*B, B')
+            text_embeds=text_embeds,
+            image_embeds=image_embeds,
+            text_model_output=text_outputs,
+            vision_model_output=vision_outputs,
+        )

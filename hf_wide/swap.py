@@ -62,6 +62,7 @@ def build_wide(members: Sequence[nn.Module], plan: WidePlan, fold: Fold) -> nn.M
         if entry.kind == Kind.REWRITTEN:  # the copy is the template's own module: its class takes the rewrite
             module = wide.get_submodule(fqn)
             module.__class__ = find_rewrite(module)[0]
+            module.fold = fold  # (the number of members, for a method that computes each member's)
     retie(wide, tensor_aliases(template))
     return reset_capture_hooks(wide)  # hooks copied from members may sit inside wide modules
 
@@ -89,6 +90,7 @@ def member_copy(
     for module in member.modules():
         if isinstance(module, rewrite_classes()):  # one member's module runs the source's method
             module.__class__ = module.source_class
+            module.__dict__.pop("fold", None)
     remove_fold_hooks(member)
     remove_packing_hooks(member)  # a pipeline's padding-free encoder (hf_wide.packing): one member packs nothing
     retie(member, aliases)
