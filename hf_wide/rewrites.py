@@ -11,12 +11,13 @@ included, runs as planned: wide linears, fused blocks. The planner uses a rewrit
 reads are stacked or shared, and verification checks the rewritten module's output with the rest (a kept module
 that disagrees becomes a fallback).
 
-CLIP's model scores every text against every image of the batch, ``(B, D) @ (D, B')``: folded, each member's texts
-would meet every member's images, so the whole model ran vectorised, its towers too (N copies of a base that LoRA
-members share). Its rewrite (``mixes_rows``: it computes per member what its source's own code computes over the
-batch's rows) scores each member's texts against its own images in one batched product; the towers run as planned.
-The planner takes it while the model's own tensor (``logit_scale``) is the same in every member (adapters of one
-base); where the members' differ, the model still runs vectorised whole.
+CLIP's model (and SigLIP's) scores every text against every image of the batch, ``(B, D) @ (D, B')``: folded, each
+member's texts would meet every member's images, so the whole model ran vectorised, its towers too (N copies of a
+base that LoRA members share). Its rewrite (``mixes_rows``: it computes per member what its source's own code
+computes over the batch's rows) scores each member's texts against its own images in one batched product; the
+towers run as planned. The planner takes it while the model's own tensors (``logit_scale``, SigLIP's ``logit_bias``)
+are the same in every member (adapters of one base); where the members' differ, the model still runs vectorised
+whole.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from transformers.modeling_outputs import BaseModelOutputWithPooling
 from transformers.models.clip.modeling_clip import (CLIPModel, CLIPOutput, _get_vector_norm,
                                                     image_text_contrastive_loss)
 from transformers.models.mpnet.modeling_mpnet import MPNetEncoder
+from transformers.models.siglip.modeling_siglip import SiglipModel, SiglipOutput
 from transformers.utils.generic import can_return_tuple
 
 from .packing import active as packing_of_this_call
@@ -54,6 +56,19 @@ class WideMPNetEncoder(MPNetEncoder):
         return values[:, None].expand(n, rows // n, *values.shape[1:]).reshape(rows, *values.shape[1:]).contiguous()
 
 
+def _per_member(fold, texts: torch.Tensor, images: torch.Tensor) -> torch.Tensor:
+    """Each member's texts against its own images: ``(N*B, P)`` and ``(N*B', P)`` -> ``(N, B, B')``."""
+    n = fold.num_members
+    texts, images = texts.view(n, -1, texts.shape[-1]), images.view(n, -1, images.shape[-1])
+    return torch.matmul(texts, images.transpose(1, 2).to(texts.device))
+
+
+def _folded(logits_per_text: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(N, B, B')`` -> (logits per image ``(N*B', B)``, logits per text ``(N*B, B')``), member-major."""
+    n, texts, images = logits_per_text.shape
+    return logits_per_text.transpose(1, 2).reshape(n * images, texts), logits_per_text.reshape(n * texts, images)
+
+
 @register_rewrite(CLIPModel, reads=())
 class WideCLIPModel(CLIPModel):
     """CLIP's model; each member's texts scored against its own images (transformers' ``CLIPModel.forward``, but
@@ -76,17 +91,56 @@ class WideCLIPModel(CLIPModel):
         text_embeds = text_outputs.pooler_output  # (N*B, P): each member's texts
         image_embeds = image_embeds / _get_vector_norm(image_embeds)
         text_embeds = text_embeds / _get_vector_norm(text_embeds)
-        n = self.fold.num_members
-        texts, images = text_embeds.view(n, -1, text_embeds.shape[-1]), image_embeds.view(n, -1, image_embeds.shape[-1])
-        logits_per_text = torch.matmul(texts, images.transpose(1, 2).to(texts.device))  # (N, B, B')
-        logits_per_text = logits_per_text * self.logit_scale.exp().to(texts.device)
+        logits_per_text = _per_member(self.fold, text_embeds, image_embeds)  # (N, B, B')
+        logits_per_text = logits_per_text * self.logit_scale.exp().to(text_embeds.device)
         loss = None
         if return_loss:  # each member's, (N,)
             loss = torch.stack([image_text_contrastive_loss(member) for member in logits_per_text])
+        logits_per_image, logits_per_text = _folded(logits_per_text)
         return CLIPOutput(
             loss=loss,
-            logits_per_image=logits_per_text.transpose(1, 2).reshape(-1, logits_per_text.shape[1]),  # (N*B', B)
-            logits_per_text=logits_per_text.reshape(-1, logits_per_text.shape[2]),  # (N*B, B')
+            logits_per_image=logits_per_image,
+            logits_per_text=logits_per_text,
+            text_embeds=text_embeds,
+            image_embeds=image_embeds,
+            text_model_output=text_outputs,
+            vision_model_output=vision_outputs,
+        )
+
+
+@register_rewrite(SiglipModel, reads=())
+class WideSiglipModel(SiglipModel):
+    """SigLIP's model; each member's texts scored against its own images, as :class:`WideCLIPModel` does CLIP's
+    (transformers' ``SiglipModel.forward``, the product batched over the members)."""
+
+    mixes_rows = True
+
+    @can_return_tuple
+    def forward(self, input_ids=None, pixel_values=None, attention_mask=None, position_ids=None, return_loss=None,
+                interpolate_pos_encoding=False, **kwargs) -> SiglipOutput:
+        with self.fold.rows_of(pixel_values):  # (as WideCLIPModel's: every input folded, each tower its own rows)
+            vision_outputs: BaseModelOutputWithPooling = self.vision_model(
+                pixel_values=pixel_values, interpolate_pos_encoding=interpolate_pos_encoding, **kwargs)
+        with self.fold.rows_of(input_ids):
+            text_outputs: BaseModelOutputWithPooling = self.text_model(
+                input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, **kwargs)
+        image_embeds = vision_outputs.pooler_output
+        text_embeds = text_outputs.pooler_output
+        image_embeds = image_embeds / image_embeds.norm(p=2, dim=-1, keepdim=True)
+        text_embeds = text_embeds / text_embeds.norm(p=2, dim=-1, keepdim=True)
+        logits_per_text = _per_member(self.fold, text_embeds, image_embeds)  # (N, B, B')
+        logit_scale, logit_bias = self.logit_scale.to(text_embeds.device), self.logit_bias.to(text_embeds.device)
+        logits_per_text = logits_per_text * logit_scale.exp() + logit_bias
+        loss = None
+        if return_loss:  # each member's, (N,): SigLIP's sigmoid loss on its own (B, B) logits
+            eye = torch.eye(logits_per_text.shape[1], device=logits_per_text.device)
+            loglik = torch.nn.functional.logsigmoid((2 * eye - 1) * logits_per_text)
+            loss = -loglik.sum(-1).mean(-1)
+        logits_per_image, logits_per_text = _folded(logits_per_text)
+        return SiglipOutput(
+            loss=loss,
+            logits_per_image=logits_per_image,
+            logits_per_text=logits_per_text,
             text_embeds=text_embeds,
             image_embeds=image_embeds,
             text_model_output=text_outputs,

@@ -1,6 +1,6 @@
 """Rewrites (hf_wide.rewrites): MPNet's encoder computes each member's position bias from its stacked table, and
-CLIP's model scores each member's texts against its own images; everything else in them runs as planned (wide
-primitives, fused blocks)."""
+CLIP's model (SigLIP's) scores each member's texts against its own images; everything else in them runs as planned
+(wide primitives, fused blocks)."""
 
 import peft
 import pytest
@@ -12,7 +12,7 @@ from transformers.models.mpnet.modeling_mpnet import MPNetEncoder
 
 from hf_wide import Kind, WideModel
 from hf_wide.adapters import peft_quietly
-from hf_wide.rewrites import WideCLIPModel, WideMPNetEncoder
+from hf_wide.rewrites import WideCLIPModel, WideMPNetEncoder, WideSiglipModel
 
 MPNET = CASES["mpnet-seqcls"]
 
@@ -54,14 +54,20 @@ def test_a_table_that_cannot_be_stacked_leaves_the_encoder_vectorised():
     assert "WideMPNetEncoder needs" in wide.plan.entries["mpnet.encoder"].reason
 
 
-def clip(seed: int) -> tf.CLIPModel:
+TOWERS = dict(text_config={"vocab_size": 64, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+                           "num_attention_heads": 4, "max_position_embeddings": 16},
+              vision_config={"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4,
+                             "intermediate_size": 64, "image_size": 16, "patch_size": 4})
+PAIRS = {  # a contrastive pair of encoders: (model class, config class, rewrite)
+    "clip": (tf.CLIPModel, lambda: tf.CLIPConfig(projection_dim=16, **TOWERS), WideCLIPModel),
+    "siglip": (tf.SiglipModel, lambda: tf.SiglipConfig(**TOWERS), WideSiglipModel),
+}
+
+
+def pair(name: str, seed: int) -> torch.nn.Module:
+    model_class, config, _ = PAIRS[name]
     torch.manual_seed(seed)
-    return tf.CLIPModel(tf.CLIPConfig(
-        text_config={"vocab_size": 64, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
-                     "num_attention_heads": 4, "max_position_embeddings": 16, "bos_token_id": 0, "eos_token_id": 2,
-                     "pad_token_id": 1}, projection_dim=16,
-        vision_config={"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4, "intermediate_size": 64,
-                       "image_size": 16, "patch_size": 4})).eval()
+    return model_class(config()).eval()
 
 
 def texts_and_images(texts: int, images: int, seed: int = 5) -> dict:
@@ -70,10 +76,10 @@ def texts_and_images(texts: int, images: int, seed: int = 5) -> dict:
             "pixel_values": torch.randn(images, 3, 16, 16, generator=gen)}
 
 
-CLIP_OUTPUTS = ("logits_per_image", "logits_per_text", "text_embeds", "image_embeds")
+PAIR_OUTPUTS = ("logits_per_image", "logits_per_text", "text_embeds", "image_embeds")
 
 
-def clip_error(wide, references, inputs: dict, outputs=CLIP_OUTPUTS) -> float:
+def pair_error(wide, references, inputs: dict, outputs=PAIR_OUTPUTS) -> float:
     with torch.no_grad():
         got = wide(**inputs)
         wanted = [reference(**inputs) for reference in references]
@@ -81,55 +87,57 @@ def clip_error(wide, references, inputs: dict, outputs=CLIP_OUTPUTS) -> float:
     return max((got[key][i] - want[key]).abs().max().item() for key in outputs for i, want in enumerate(wanted))
 
 
-@pytest.mark.parametrize("verify", [True, False])
-def test_clip_adapters_score_each_members_texts_against_its_own_images(verify, tmp_path):
-    """CLIP's forward multiplies its texts by its images: LoRA members of one CLIP ran vectorised whole, the base's
-    towers stacked N times and run per member. Rewritten, the towers are fused over the one base, each member's
-    texts scored against its own images; texts and images in numbers of their own, one image, each member's loss."""
-    clip(0).save_pretrained(tmp_path / "base")
+@pytest.mark.parametrize("name, verify", [("clip", True), ("clip", False), ("siglip", True)])
+def test_adapters_of_a_contrastive_pair_score_each_members_texts_against_its_own_images(name, verify, tmp_path):
+    """CLIP's forward (and SigLIP's) multiplies its texts by its images: LoRA members of one base ran vectorised
+    whole, the base's towers stacked N times and run per member (and SigLIP's, whose adapters' ranks differ, in a
+    loop that failed on images as many as the texts). Rewritten, the towers are fused over the one base, each
+    member's texts scored against its own images; texts and images in numbers of their own, each member's loss."""
+    model_class, _, rewrite = PAIRS[name]
+    pair(name, 0).save_pretrained(tmp_path / "base")
     adapters = []
     for seed, r in enumerate((2, 4, 4)):
         torch.manual_seed(seed)
         with peft_quietly():
-            model = peft.get_peft_model(tf.CLIPModel.from_pretrained(tmp_path / "base"), peft.LoraConfig(
+            model = peft.get_peft_model(model_class.from_pretrained(tmp_path / "base"), peft.LoraConfig(
                 r=r, lora_alpha=8, init_lora_weights=False, target_modules=["q_proj", "v_proj", "fc1"]))
         model.save_pretrained(tmp_path / f"a{seed}")
         adapters.append(str(tmp_path / f"a{seed}"))
     wide = WideModel.from_pretrained(adapters, verify=verify)
     entry = wide.plan.entries["base_model.model"]
-    assert entry.kind == Kind.REWRITTEN and entry.wide_class == "WideCLIPModel" and "mixes batch rows" in entry.reason
+    assert entry.kind == Kind.REWRITTEN and entry.wide_class == rewrite.__name__ and "mixes batch rows" in entry.reason
     assert not wide.plan.fallbacks and wide.plan.by_kind(Kind.BLOCK)
-    base = sum(p.numel() for p in clip(0).parameters())
+    base = sum(p.numel() for p in pair(name, 0).parameters())
     assert sum(p.numel() for p in wide.parameters()) < 1.5 * base  # the base once (vectorised: 3x)
-    references = [peft.PeftModel.from_pretrained(tf.CLIPModel.from_pretrained(tmp_path / "base"), a).eval()
+    references = [peft.PeftModel.from_pretrained(model_class.from_pretrained(tmp_path / "base"), a).eval()
                   for a in adapters]
     for texts, images in ((2, 2), (3, 2), (2, 1)):
-        assert clip_error(wide, references, texts_and_images(texts, images)) <= TOLERANCE
+        assert pair_error(wide, references, texts_and_images(texts, images)) <= TOLERANCE
     square = {**texts_and_images(2, 2), "return_loss": True}
-    assert clip_error(wide, references, square, ("loss",)) <= TOLERANCE  # each member's, (N,)
+    assert pair_error(wide, references, square, ("loss",)) <= TOLERANCE  # each member's, (N,)
     member = wide.member(1)
-    assert type(member.base_model.model) is tf.CLIPModel and "fold" not in vars(member.base_model.model)
-    assert clip_error(wide, references, texts_and_images(3, 2)) <= TOLERANCE
+    assert type(member.base_model.model) is model_class and "fold" not in vars(member.base_model.model)
+    assert pair_error(wide, references, texts_and_images(3, 2)) <= TOLERANCE
 
 
 def test_clip_checkpoints_with_one_logit_scale_are_rewritten_and_round_trip(tmp_path):
     """Full checkpoints that keep one ``logit_scale`` (the rewrite reads the model's own tensor shared); their towers
     hold wide modules that split members and expand broadcasts by the rows of the tower's own input (the images,
     B' of them beside B texts). Where the members' logit scales differ, the model runs vectorised whole still."""
-    members = [clip(seed) for seed in range(3)]
+    members = [pair("clip", seed) for seed in range(3)]
     for member in members[1:]:
         member.logit_scale.data.copy_(members[0].logit_scale.data)
     wide = WideModel.from_models(members)
     assert wide.plan.entries[""].kind == Kind.REWRITTEN and type(wide.model) is WideCLIPModel
     assert wide.plan.by_kind(Kind.PRIMITIVE)
     for texts, images in ((3, 2), (1, 3), (2, 1)):  # (1, 3): as many images as the folded texts
-        assert clip_error(wide, members, texts_and_images(texts, images)) <= TOLERANCE
+        assert pair_error(wide, members, texts_and_images(texts, images)) <= TOLERANCE
     wide.save_pretrained(tmp_path / "fused")
     back = WideModel.from_pretrained(str(tmp_path / "fused"))
     assert back.plan.entries[""].kind == Kind.REWRITTEN
-    assert clip_error(back, members, texts_and_images(3, 2)) <= TOLERANCE
+    assert pair_error(back, members, texts_and_images(3, 2)) <= TOLERANCE
     with torch.no_grad():
         members[2].logit_scale.add_(0.5)
     apart = WideModel.from_models(members)
     assert [(e.fqn, e.kind) for e in apart.plan.fallbacks] == [("", Kind.VECTORISED)]
-    assert clip_error(apart, members, texts_and_images(3, 2)) <= TOLERANCE
+    assert pair_error(apart, members, texts_and_images(3, 2)) <= TOLERANCE
