@@ -220,10 +220,11 @@ def fold_inputs(n: int, args: tuple, kwargs: dict, own_batches: bool = False) ->
 LAYER_OUTPUTS = ("hidden_states", "attentions")
 
 
-def _unfold_layer(t: Any, n: int, rows: int) -> Any:
-    """One layer's hidden states or attentions: N*B rows, or rows flattened from them with the batch first (a
-    multiple-choice head's N*B*C, a windowed attention's N*B*W), member-major: ``(N, rows / N, ...)``."""
-    if isinstance(t, torch.Tensor) and t.dim() and t.shape[0] and t.shape[0] % rows == 0:
+def _unfold_layer(t: Any, n: int, rows: tuple[int, ...]) -> Any:
+    """One layer's hidden states or attentions: N*B rows (or N*B' of an input with a batch of its own: CLIP's image
+    tower), or rows flattened from them with the batch first (a multiple-choice head's N*B*C, a windowed attention's
+    N*B*W), member-major: ``(N, rows / N, ...)``."""
+    if isinstance(t, torch.Tensor) and t.dim() and t.shape[0] and any(t.shape[0] % r == 0 for r in rows):
         return t.view(n, t.shape[0] // n, *t.shape[1:])
     return t
 
@@ -263,7 +264,7 @@ def unfold_outputs(outputs: Any, n: int, batch: int, keep: tuple[torch.Tensor, .
     if isinstance(outputs, dict):  # ModelOutput is a dict whose items mirror its attributes
         for key, value in outputs.items():
             if isinstance(value, tuple) and key.endswith(LAYER_OUTPUTS):
-                outputs[key] = tuple(_unfold_layer(t, n, rows) for t in value)
+                outputs[key] = tuple(_unfold_layer(t, n, (rows, *(n * b for b in others))) for t in value)
             elif key == "mems" and isinstance(value, tuple):  # XLNet's, time-major: (N*T, B, D) -> (N, T, B, D)
                 outputs[key] = tuple(t.view(n, -1, *t.shape[1:]) if isinstance(t, torch.Tensor) and t.dim() > 1
                                      and t.shape[1] == batch and t.shape[0] % n == 0 else t for t in value)

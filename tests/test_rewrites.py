@@ -123,7 +123,8 @@ def test_adapters_of_a_contrastive_pair_score_each_members_texts_against_its_own
 def test_clip_checkpoints_with_one_logit_scale_are_rewritten_and_round_trip(tmp_path):
     """Full checkpoints that keep one ``logit_scale`` (the rewrite reads the model's own tensor shared); their towers
     hold wide modules that split members and expand broadcasts by the rows of the tower's own input (the images,
-    B' of them beside B texts). Where the members' logit scales differ, the model runs vectorised whole still."""
+    B' of them beside B texts), and the image tower's hidden states come back per member as its outputs do (they
+    came back folded, (N*B', ...)). Where the members' logit scales differ, the model runs vectorised whole still."""
     members = [pair("clip", seed) for seed in range(3)]
     for member in members[1:]:
         member.logit_scale.data.copy_(members[0].logit_scale.data)
@@ -132,6 +133,14 @@ def test_clip_checkpoints_with_one_logit_scale_are_rewritten_and_round_trip(tmp_
     assert wide.plan.by_kind(Kind.PRIMITIVE)
     for texts, images in ((3, 2), (1, 3), (2, 1)):  # (1, 3): as many images as the folded texts
         assert pair_error(wide, members, texts_and_images(texts, images)) <= TOLERANCE
+    hidden = {**texts_and_images(3, 2), "output_hidden_states": True}  # each tower's layers, (N, B or B', ...)
+    with torch.no_grad():
+        got, wanted = wide(**hidden), [member(**hidden) for member in members]
+    for tower in ("text_model_output", "vision_model_output"):
+        for layer, states in enumerate(got[tower].hidden_states):
+            assert states.shape == (3, *wanted[0][tower].hidden_states[layer].shape)
+            assert max((states[i] - want[tower].hidden_states[layer]).abs().max().item()
+                       for i, want in enumerate(wanted)) <= TOLERANCE
     wide.save_pretrained(tmp_path / "fused")
     back = WideModel.from_pretrained(str(tmp_path / "fused"))
     assert back.plan.entries[""].kind == Kind.REWRITTEN
