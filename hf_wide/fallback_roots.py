@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from torch import nn
 
 from .plan import Demotions
-from .primitives.fallback import takes_token_rows
+from .primitives.fallback import token_rows
 from .registry import find_rewrite
 from .structure import Opaque
 
@@ -83,7 +83,7 @@ def loop_reason(root: str, modules: dict[str, nn.Module], opaque: dict[str, Opaq
         return f"{differing} differs in shape between members (LoRA ranks): each member's own module", True
     if root in demotions.looped:
         return demotions.looped[root], False
-    routed = next((p for p, m in modules.items() if is_under(p, root) and takes_token_rows(type(m))), None)
+    routed = next((p for p, m in modules.items() if is_under(p, root) and token_rows(m)), None)
     if routed is not None:
         return f"{routed} routes tokens to experts by their values (data-dependent control flow)", False
     return None, False

@@ -98,6 +98,24 @@ def test_an_adapter_of_the_experts_parameters_beside_the_base_itself(tmp_path):
     assert type(wide.member(1)) is mixtral.model_class
 
 
+@pytest.mark.parametrize("targets", [dict(target_modules=["q_proj", "gate"]),
+                                     dict(target_modules=["q_proj"], target_parameters=["mlp.experts.gate_up_proj"])],
+                         ids=["router", "experts"])
+def test_loras_of_different_ranks_on_a_mixture_of_experts_run_on_token_rows_unverified(targets, tmp_path):
+    """A LoRA on Mixtral's router or its experts' parameters whose rank differs between members runs each member's
+    own layer, in a loop; that loop split the rows it was given as batch rows, where they are tokens, and every
+    forward of more than one token failed unless verification had moved the loop up to the MoE block."""
+    from lora_members import save_adapter
+
+    mixtral = CASES["mixtral-causallm"]
+    mixtral.build(0).save_pretrained(tmp_path / "base")
+    adapters = [save_adapter(mixtral, tmp_path / "base", tmp_path / f"a{r}", r, r=r, task_type="CAUSAL_LM", **targets)
+                for r in (4, 2)]
+    wide = WideModel.from_pretrained(adapters, verify=False)
+    references = [alone(mixtral, tmp_path / "base", a) for a in adapters]
+    assert max_member_error(wide, references, mixtral.inputs(2, padded=True)) <= TOLERANCE
+
+
 def test_an_adapter_of_parameters_beside_one_of_modules(tmp_path):
     """PEFT's ``target_parameters`` (a LoRA on a parameter, ``ParamWrapper``) in one adapter: its tuner's record of the
     parameters it adapted differed from the other member's, and the whole model ran as each member's own code; now

@@ -37,6 +37,13 @@ TOKEN_ROWS = tuple(transformers_classes(*(f"{family}.{prefix}{part}" for family,
 ] for part in ("TopKRouter", "Experts"))))
 
 
+def token_rows(module: nn.Module) -> bool:
+    """Whether ``module`` is called on token rows (:func:`takes_token_rows`), a PEFT layer around one too (a LoRA on
+    Mixtral's router, or on its experts' parameters: loops of them split batch rows, and failed unverified)."""
+    base = module.get_base_layer() if callable(getattr(module, "get_base_layer", None)) else module
+    return takes_token_rows(type(base))
+
+
 @functools.cache  # asked on every call of a loop
 def takes_token_rows(module_class: type) -> bool:
     """Whether ``module_class`` is called on token rows: the classes in :data:`TOKEN_ROWS`, every experts class that
@@ -75,7 +82,7 @@ class PerMemberFallback(nn.Module):
         super().__init__()
         self.fold = fold
         self.members = nn.ModuleList(mods)
-        self.token_rows = takes_token_rows(type(mods[0]))
+        self.token_rows = token_rows(mods[0])
 
     @classmethod
     def from_modules(cls, mods: Sequence[nn.Module], fold: Fold) -> "PerMemberFallback":

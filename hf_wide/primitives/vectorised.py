@@ -34,7 +34,7 @@ from transformers.cache_utils import Cache
 from ..fold import Fold, enter_member_code, leave_member_code
 from . import member_cache
 from .base import copy_module, meta_copy
-from .fallback import is_own_method, per_member_method, run_per_member, takes_token_rows
+from .fallback import is_own_method, per_member_method, run_per_member, token_rows
 
 
 def _rebuild(module: nn.Module, source: nn.Module, make: Callable[[torch.Tensor, str], torch.Tensor]) -> nn.Module:
@@ -114,7 +114,7 @@ class VectorisedFallback(nn.Module):
             value = getattr(view, name)
             if is_own_method(value, view):  # a method of the source's class: every member's, on its rows
                 views = [view, *(self.to_module(i, share=True) for i in range(1, self.num_members))]
-                tokens = takes_token_rows(type(self.proto))
+                tokens = token_rows(self.proto)
                 return per_member_method(self.fold, [getattr(v, name) for v in views], tokens)
             if not isinstance(value, nn.Module):
                 return value
@@ -186,7 +186,7 @@ class VectorisedFallback(nn.Module):
         state, code = self._state(), self._code()
         calls = [lambda *a, i=i, **k: functional_call(code, {n: t[i] for n, t in state.items()}, a, k)
                  for i in range(self.num_members)]
-        tokens = takes_token_rows(type(self.proto))
+        tokens = token_rows(self.proto)
         return run_per_member(self.fold, calls, tokens, args, kwargs, self.expands_broadcasts)
 
     def _vmap(self, leaves: list, spec):
