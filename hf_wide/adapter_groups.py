@@ -128,8 +128,8 @@ def _fuse_in_groups(cls, ids, folders, configs, base: AdapterBase, load: dict, f
 
 def check_by_rows(wide, outputs: list[dict], args: tuple, kwargs: dict) -> str | None:
     """:func:`~hf_wide.verify.check_whole` of the joined model against the members' recorded ``outputs``, one row
-    of the sample at a time where every input and output tensor holds the sample's rows first, else on the whole
-    sample. Its forward, over every member's rows, is the peak of the load: 16 adapters of a BERT-base peaked at 544
+    of the sample at a time where every input and output tensor holds the sample's rows first and no row is scored
+    against the others (CLIP's texts against its images), else on the whole sample. Its forward, over every member's rows, is the peak of the load: 16 adapters of a BERT-base peaked at 544
     MiB so, 549-552 MiB on the whole sample. The groups' own checks took the whole sample, rows together."""
     from .verify import check_whole, tf32_possible
 
@@ -137,7 +137,7 @@ def check_by_rows(wide, outputs: list[dict], args: tuple, kwargs: dict) -> str |
     leaves = pytree.tree_leaves((args, kwargs, [calls[None] for calls in outputs]))
     tensors = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
     batch = tensors[0].shape[0] if tensors and tensors[0].dim() else 0
-    if batch < 2 or any(t.dim() == 0 or t.shape[0] != batch for t in tensors):
+    if batch < 2 or wide.own_batches or any(t.dim() == 0 or t.shape[0] != batch for t in tensors):
         return check_whole(wide, outputs, args, kwargs, tf32=tf32)
     for row in range(batch):
         def cut(t):
@@ -184,8 +184,8 @@ def unjoinable(wide) -> str | None:
     embedding's table): only LoRA linears (:meth:`~hf_wide.blocks.lora.WideLoraLinear.join`) and primitives, whose
     tensors are all their members' own, are joined."""
     built = _joined_paths(wide.plan)
-    for fqn, entry in wide.plan.entries.items():
-        if entry.kind != Kind.SHARED and not _inside(fqn, built):
+    for fqn, entry in wide.plan.entries.items():  # (a rewritten module is kept, as a shared one: given the new fold)
+        if entry.kind not in (Kind.SHARED, Kind.REWRITTEN) and not _inside(fqn, built):
             return f"{entry.name} is {entry.kind.value}, which the groups' join does not build"
     for fqn in built:
         module = wide.model.get_submodule(fqn) if fqn else wide.model
@@ -214,6 +214,9 @@ def concatenate(cls, wides: Sequence, ids: Sequence[str]):
             for wide in wides:  # the groups' own: freed now, not when every path is built
                 _replace(wide.model, fqn, built if wide is first else nn.Module())
             release_freed_memory()  # their pages, which the larger tensors of the next path do not reuse
+    for fqn, entry in first.plan.entries.items():
+        if entry.kind == Kind.REWRITTEN:  # (its method reads the number of members: CLIP's)
+            model.get_submodule(fqn).fold = fold
     remove_fold_hooks(model)
     joined = cls(model, dataclasses.replace(first.plan, num_members=n), fold, first._aliases, list(ids),
                  _joined_list(wides, "member_configs"), _joined_list(wides, "member_generation_configs"))

@@ -78,7 +78,7 @@ class WideModel(nn.Module):
             model.expands_broadcasts = False  # outputs are the caller's (CLIP's one image beside texts: (N, 1, ...))
         self._inner = runs_inner_model(model)  # a LoRA PeftModel: its transformers model is called directly
         # a rewritten model that scores each member's rows against its own (CLIP's): every batched input folded
-        self._own_batches = any(getattr(m, "mixes_rows", False) for m in model.modules())
+        self.own_batches = any(getattr(m, "mixes_rows", False) for m in model.modules())
         install_member_losses(model.base_model.model if self._inner else model, fold)  # each member's loss
         # generate() calls the model's forward itself (and an encoder-decoder's encoder first), with rows it may
         # expand (beams, several sequences per input): this pre-hook records the rows of each call, in the thread
@@ -203,7 +203,7 @@ class WideModel(nn.Module):
         given = (args, kwargs)  # (what every rank must agree on: before PerMember inputs are cut to the rank's)
         n = self.fold.num_members
         args, kwargs, batch = fold_inputs(n, *(given if group is None else local_inputs(group, args, kwargs)),
-                                          own_batches=self._own_batches)
+                                          own_batches=self.own_batches)
         self.fold.anchor = first_tensor((*args, *kwargs.values())).new_empty(n * batch, 0)
         labelled = not LABEL_ARGUMENTS.isdisjoint(kwargs)  # each member's loss, on its own rows
         routed = asks_for_router_logits(kwargs, self.config)  # each member's router logits and balancing loss

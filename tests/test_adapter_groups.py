@@ -8,6 +8,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 from conftest import CASES
+from contrastive_pairs import adapter_alone, pair_adapters, pair_error, texts_and_images
 from lora_members import EVERY_LINEAR, LLAMA, alone, save_adapter
 from oracle import TOLERANCE, max_member_error
 
@@ -185,6 +186,19 @@ def test_a_join_that_went_wrong_is_found_by_the_final_check(joined, monkeypatch,
     each_alone(wide, tmp_path, adapters)
 
 
+@pytest.mark.parametrize("name", ["clip", "siglip"])
+def test_adapters_of_a_contrastive_pair_join(joined, name, tmp_path):
+    """CLIP's model (SigLIP's), rewritten to score each member's texts against its own images, is kept as a shared
+    module is and reads the joined model's number of members; the last check takes the whole sample, whose texts
+    are scored against every image (it was refused a join, and the first group loaded twice)."""
+    adapters = pair_adapters(name, tmp_path, (4, 4, 4, 4))
+    wide = WideModel.from_pretrained(adapters)
+    assert joined == [2] and wide.plan.entries["base_model.model"].kind == Kind.REWRITTEN
+    references = [adapter_alone(name, tmp_path, a) for a in adapters]
+    for texts, images in ((2, 2), (3, 2)):
+        assert pair_error(wide, references, texts_and_images(texts, images)) <= TOLERANCE
+
+
 def test_adapters_that_build_different_modules_are_not_grouped(joined, tmp_path):
     adapters = bert_adapters(tmp_path, range(3)) + [
         save_adapter(BERT, tmp_path / "base", tmp_path / "k", 3, r=4, lora_alpha=8, target_modules=["key"],
@@ -197,6 +211,7 @@ def test_adapters_that_build_different_modules_are_not_grouped(joined, tmp_path)
 def test_check_by_rows_takes_the_whole_sample_where_rows_do_not_split(monkeypatch):
     class Wide:  # what check_by_rows reads of a wide model
         model = torch.nn.Linear(1, 1)
+        own_batches = False
 
     seen = []
 
@@ -210,6 +225,10 @@ def test_check_by_rows_takes_the_whole_sample_where_rows_do_not_split(monkeypatc
     seen.clear()
     assert groups.check_by_rows(Wide(), rows, (), {"x": torch.zeros(2, 4), "table": torch.zeros(5)}) is None
     assert seen == [(2, 2)]  # a tensor without the sample's rows first: the whole sample
+    seen.clear()
+    Wide.own_batches = True  # rows scored against other rows (CLIP's texts against its images): the whole sample
+    assert groups.check_by_rows(Wide(), rows, (), {"x": torch.zeros(2, 4)}) is None
+    assert seen == [(2, 2)]
 
 
 def test_groups_are_as_even_as_can_be_and_never_of_one_member():

@@ -2,17 +2,15 @@
 CLIP's model (SigLIP's) scores each member's texts against its own images; everything else in them runs as planned
 (wide primitives, fused blocks)."""
 
-import peft
 import pytest
 import torch
-import transformers as tf
 from conftest import CASES
+from contrastive_pairs import PAIRS, adapter_alone, pair, pair_adapters, pair_error, texts_and_images
 from oracle import TOLERANCE, max_member_error
 from transformers.models.mpnet.modeling_mpnet import MPNetEncoder
 
 from hf_wide import Kind, WideModel
-from hf_wide.adapters import peft_quietly
-from hf_wide.rewrites import WideCLIPModel, WideMPNetEncoder, WideSiglipModel
+from hf_wide.rewrites import WideCLIPModel, WideMPNetEncoder
 
 MPNET = CASES["mpnet-seqcls"]
 
@@ -54,39 +52,6 @@ def test_a_table_that_cannot_be_stacked_leaves_the_encoder_vectorised():
     assert "WideMPNetEncoder needs" in wide.plan.entries["mpnet.encoder"].reason
 
 
-TOWERS = dict(text_config={"vocab_size": 64, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
-                           "num_attention_heads": 4, "max_position_embeddings": 16},
-              vision_config={"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4,
-                             "intermediate_size": 64, "image_size": 16, "patch_size": 4})
-PAIRS = {  # a contrastive pair of encoders: (model class, config class, rewrite)
-    "clip": (tf.CLIPModel, lambda: tf.CLIPConfig(projection_dim=16, **TOWERS), WideCLIPModel),
-    "siglip": (tf.SiglipModel, lambda: tf.SiglipConfig(**TOWERS), WideSiglipModel),
-}
-
-
-def pair(name: str, seed: int) -> torch.nn.Module:
-    model_class, config, _ = PAIRS[name]
-    torch.manual_seed(seed)
-    return model_class(config()).eval()
-
-
-def texts_and_images(texts: int, images: int, seed: int = 5) -> dict:
-    gen = torch.Generator().manual_seed(seed)
-    return {"input_ids": torch.randint(5, 64, (texts, 7), generator=gen),
-            "pixel_values": torch.randn(images, 3, 16, 16, generator=gen)}
-
-
-PAIR_OUTPUTS = ("logits_per_image", "logits_per_text", "text_embeds", "image_embeds")
-
-
-def pair_error(wide, references, inputs: dict, outputs=PAIR_OUTPUTS) -> float:
-    with torch.no_grad():
-        got = wide(**inputs)
-        wanted = [reference(**inputs) for reference in references]
-    assert all(got[key].shape == (len(references), *wanted[0][key].shape) for key in outputs)
-    return max((got[key][i] - want[key]).abs().max().item() for key in outputs for i, want in enumerate(wanted))
-
-
 @pytest.mark.parametrize("name, verify", [("clip", True), ("clip", False), ("siglip", True)])
 def test_adapters_of_a_contrastive_pair_score_each_members_texts_against_its_own_images(name, verify, tmp_path):
     """CLIP's forward (and SigLIP's) multiplies its texts by its images: LoRA members of one base ran vectorised
@@ -94,23 +59,14 @@ def test_adapters_of_a_contrastive_pair_score_each_members_texts_against_its_own
     loop that failed on images as many as the texts). Rewritten, the towers are fused over the one base, each
     member's texts scored against its own images; texts and images in numbers of their own, each member's loss."""
     model_class, _, rewrite = PAIRS[name]
-    pair(name, 0).save_pretrained(tmp_path / "base")
-    adapters = []
-    for seed, r in enumerate((2, 4, 4)):
-        torch.manual_seed(seed)
-        with peft_quietly():
-            model = peft.get_peft_model(model_class.from_pretrained(tmp_path / "base"), peft.LoraConfig(
-                r=r, lora_alpha=8, init_lora_weights=False, target_modules=["q_proj", "v_proj", "fc1"]))
-        model.save_pretrained(tmp_path / f"a{seed}")
-        adapters.append(str(tmp_path / f"a{seed}"))
+    adapters = pair_adapters(name, tmp_path, (2, 4, 4))
     wide = WideModel.from_pretrained(adapters, verify=verify)
     entry = wide.plan.entries["base_model.model"]
     assert entry.kind == Kind.REWRITTEN and entry.wide_class == rewrite.__name__ and "mixes batch rows" in entry.reason
     assert not wide.plan.fallbacks and wide.plan.by_kind(Kind.BLOCK)
     base = sum(p.numel() for p in pair(name, 0).parameters())
     assert sum(p.numel() for p in wide.parameters()) < 1.5 * base  # the base once (vectorised: 3x)
-    references = [peft.PeftModel.from_pretrained(model_class.from_pretrained(tmp_path / "base"), a).eval()
-                  for a in adapters]
+    references = [adapter_alone(name, tmp_path, a) for a in adapters]
     for texts, images in ((2, 2), (3, 2), (2, 1)):
         assert pair_error(wide, references, texts_and_images(texts, images)) <= TOLERANCE
     square = {**texts_and_images(2, 2), "return_loss": True}
