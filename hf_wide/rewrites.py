@@ -63,10 +63,14 @@ def _per_member(fold, texts: torch.Tensor, images: torch.Tensor) -> torch.Tensor
     return torch.matmul(texts, images.transpose(1, 2).to(texts.device))
 
 
-def _folded(logits_per_text: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(N, B, B')`` -> (logits per image ``(N*B', B)``, logits per text ``(N*B, B')``), member-major."""
+def _output(output_class: type, loss, logits_per_text: torch.Tensor, text_embeds, image_embeds, text_outputs,
+            vision_outputs):
+    """transformers' output of a contrastive pair, its ``(N, B, B')`` logits folded member-major: per image
+    ``(N*B', B)``, per text ``(N*B, B')``."""
     n, texts, images = logits_per_text.shape
-    return logits_per_text.transpose(1, 2).reshape(n * images, texts), logits_per_text.reshape(n * texts, images)
+    return output_class(loss=loss, logits_per_image=logits_per_text.transpose(1, 2).reshape(n * images, texts),
+                        logits_per_text=logits_per_text.reshape(n * texts, images), text_embeds=text_embeds,
+                        image_embeds=image_embeds, text_model_output=text_outputs, vision_model_output=vision_outputs)
 
 
 @register_rewrite(CLIPModel, reads=())
@@ -96,16 +100,7 @@ class WideCLIPModel(CLIPModel):
         loss = None
         if return_loss:  # each member's, (N,)
             loss = torch.stack([image_text_contrastive_loss(member) for member in logits_per_text])
-        logits_per_image, logits_per_text = _folded(logits_per_text)
-        return CLIPOutput(
-            loss=loss,
-            logits_per_image=logits_per_image,
-            logits_per_text=logits_per_text,
-            text_embeds=text_embeds,
-            image_embeds=image_embeds,
-            text_model_output=text_outputs,
-            vision_model_output=vision_outputs,
-        )
+        return _output(CLIPOutput, loss, logits_per_text, text_embeds, image_embeds, text_outputs, vision_outputs)
 
 
 @register_rewrite(SiglipModel, reads=())
@@ -136,13 +131,4 @@ class WideSiglipModel(SiglipModel):
             eye = torch.eye(logits_per_text.shape[1], device=logits_per_text.device)
             loglik = torch.nn.functional.logsigmoid((2 * eye - 1) * logits_per_text)
             loss = -loglik.sum(-1).mean(-1)
-        logits_per_image, logits_per_text = _folded(logits_per_text)
-        return SiglipOutput(
-            loss=loss,
-            logits_per_image=logits_per_image,
-            logits_per_text=logits_per_text,
-            text_embeds=text_embeds,
-            image_embeds=image_embeds,
-            text_model_output=text_outputs,
-            vision_model_output=vision_outputs,
-        )
+        return _output(SiglipOutput, loss, logits_per_text, text_embeds, image_embeds, text_outputs, vision_outputs)
