@@ -129,8 +129,9 @@ def _fuse_in_groups(cls, ids, folders, configs, base: AdapterBase, load: dict, f
 def check_by_rows(wide, outputs: list[dict], args: tuple, kwargs: dict) -> str | None:
     """:func:`~hf_wide.verify.check_whole` of the joined model against the members' recorded ``outputs``, one row
     of the sample at a time where every input and output tensor holds the sample's rows first and no row is scored
-    against the others (CLIP's texts against its images), else on the whole sample. Its forward, over every member's rows, is the peak of the load: 16 adapters of a BERT-base peaked at 544
-    MiB so, 549-552 MiB on the whole sample. The groups' own checks took the whole sample, rows together."""
+    against the others (CLIP's texts against its images), else on the whole sample. Its forward, over every
+    member's rows, is the peak of the load: 16 adapters of a BERT-base peaked at 544 MiB so, 549-552 MiB on the
+    whole sample. The groups' own checks took the whole sample, rows together."""
     from .verify import check_whole, tf32_possible
 
     tf32 = tf32_possible(wide.model)
