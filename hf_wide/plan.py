@@ -80,6 +80,9 @@ class WidePlan:
     sample_shape: str = ""
     total_flops: int = 0
     warnings: list[str] = dataclasses.field(default_factory=list)
+    # fallback fqn -> {structure of a call's inputs: which inputs carry the batch}, as the trace saw them
+    # (hf_wide.primitives.roles): a fallback's table or mask of N*B rows by chance is not cut into members' rows
+    input_roles: dict[str, dict[str, list]] = dataclasses.field(default_factory=dict)
 
     def by_kind(self, kind: Kind) -> list[ModulePlan]:
         return [e for e in self.entries.values() if e.kind == kind]

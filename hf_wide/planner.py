@@ -241,6 +241,8 @@ def make_plan(
         sample_shape=sample_shape,
         total_flops=flops.get("", 0),
         warnings=notes,
+        input_roles={fqn: trace.roles[fqn] for fqn, e in entries.items()
+                     if e.kind in (Kind.VECTORISED, Kind.FALLBACK) and fqn in trace.roles},
     )
 
 

@@ -33,7 +33,7 @@ from torch import nn
 from .checkpoints import WEIGHTS_INDEX_NAME, Checkpoint, assemble, empty_model, skeleton_like, state_tensors
 from .plan import Kind, ModulePlan, WidePlan
 from .planner import tensor_aliases
-from .primitives import VectorisedFallback
+from .primitives import PerMemberFallback, VectorisedFallback
 
 FORMAT_VERSION = 1
 CONFIG_KEY = "hf_wide"
@@ -89,10 +89,10 @@ def wide_config_section(wide, shared: Sequence[str]) -> dict:
         "member_config_overrides": [config_overrides(c, configs[0]) for c in configs],
         "shared": sorted(shared),
         "plan": plan_to_dict(dataclasses.replace(wide.plan, num_members=wide.num_members)),
-        # What the vectorised modules' first calls (fusion's verification) taught them about their inputs: loaded
+        # What the fallbacks' trace and first calls (fusion's verification) taught them about their inputs: loaded
         # back, a module called first at other sizes than the sample's still tells a table from the folded rows.
-        "vectorised_roles": {path: dict(m.input_roles) for path, m in wide.model.named_modules()
-                             if isinstance(m, VectorisedFallback) and m.input_roles},
+        "input_roles": {path: dict(m.input_roles) for path, m in wide.model.named_modules()
+                        if isinstance(m, (VectorisedFallback, PerMemberFallback)) and m.input_roles},
     }
 
 
@@ -284,8 +284,9 @@ def load_fused(cls, folder: str | Path, *, name: str, dtype: torch.dtype | str |
 
         plan = dataclasses.replace(plan_from_dict(section["plan"]), num_members=len(members))
         model, fold, aliases = assemble(skeletons, plan, device, read)
-    for path, roles in section.get("vectorised_roles", {}).items():  # absent from repos saved before 2026-11-24
-        model.get_submodule(path).input_roles.update(roles)
+    roles = section.get("input_roles", section.get("vectorised_roles", {}))  # (the vectorised modules' alone before
+    for path, known in roles.items():  # 2026-11-27; neither before 2026-11-24)
+        model.get_submodule(path).input_roles.update(known)
     generation_configs = [copy.deepcopy(generation_config) for _ in members]
     wide = cls(model, plan, fold, aliases, [section["member_ids"][i] for i in members], configs, generation_configs)
     wide.member_revisions = [section["member_revisions"][i] for i in members]

@@ -63,6 +63,10 @@ def build_wide(members: Sequence[nn.Module], plan: WidePlan, fold: Fold) -> nn.M
             module = wide.get_submodule(fqn)
             module.__class__ = find_rewrite(module)[0]
             module.fold = fold  # (the number of members, for a method that computes each member's)
+    for fqn, roles in plan.input_roles.items():  # which inputs of each fallback's calls carry the rows
+        module = wide.get_submodule(fqn)
+        if isinstance(module, (VectorisedFallback, PerMemberFallback)):
+            module.input_roles.update(copy.deepcopy(roles))
     retie(wide, tensor_aliases(template))
     return reset_capture_hooks(wide)  # hooks copied from members may sit inside wide modules
 

@@ -28,6 +28,7 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 from .compare import device_lost
+from .primitives import roles as input_roles
 from .samples import sample_kwargs
 
 @dataclasses.dataclass
@@ -50,6 +51,8 @@ class Trace:
     # module path -> the leading dims of the tensors its calls take from code outside it (not its own tensors), as
     # in ``escapes``; a module that takes none (Swin's position bias, made from its table alone) is not in it
     takes: dict[str, set[str]] = dataclasses.field(default_factory=dict)
+    # module path -> {structure of a call's inputs: whether each input carries the batch} (hf_wide.primitives.roles)
+    roles: dict[str, dict[str, list]] = dataclasses.field(default_factory=dict)
 
 
 def _module_stack(node: torch.fx.Node) -> list[str]:
@@ -87,12 +90,20 @@ def _batch_dims(shape, batch_symbol) -> int:
     return sum(isinstance(d, torch.SymInt) and batch_symbol in d.node.expr.free_symbols for d in shape)
 
 
+# Ops that take a tensor for its dtype and device alone (Funnel's ``inputs_embeds.new_ones([T, T])``): their
+# output may lack the batch dim without mixing its rows.
+_READS_NO_VALUES = {torch.ops.aten.new_ones.default, torch.ops.aten.new_zeros.default, torch.ops.aten.new_empty.default,
+                    torch.ops.aten.new_full.default, torch.ops.aten.new_empty_strided.default}
+
+
 def _mixes_rows(node: torch.fx.Node, batch_symbol) -> bool:
     """An op whose tensor input carries the batch dim but whose float output has lost it, or holds it in more dims
     than any input does: a product of rows by rows (CLIP's texts by its images, ``(B, D) @ (D, B)``), where each
     member's rows would meet every member's."""
     if "batch_norm" in str(node.target):  # args: input, weight, bias, mean, var, training, ...
         return "no_training" not in str(node.target) and len(node.args) > 5 and node.args[5] is True
+    if node.target in _READS_NO_VALUES:  # ``x.new_ones(shape)``: x's dtype and device only, none of its rows
+        return False
     out = node.meta.get("val")
     if not isinstance(out, torch.Tensor) or not out.dtype.is_floating_point:
         return False
@@ -176,10 +187,12 @@ def trace(model: nn.Module, args: tuple = (), kwargs: dict | None = None) -> Tra
     dynamic_shapes = (tuple(dynamic(a) for a in args), {k: dynamic(v) for k, v in kwargs.items()})
     attempts = [("export (dynamic batch)", dynamic_shapes), ("export (static batch)", None)]
     program = None
+    roles: dict[str, dict[str, list]] = {}
     for method, shapes in attempts:
         try:
             wrapper = _KwargsWrapper(model)
-            with _no_stack_traces():
+            roles.clear()  # of the dynamic batch's export, which runs every module on its symbol
+            with _no_stack_traces(), input_roles.recording(model, roles):
                 program = torch.export.export(wrapper, (args, kwargs), dynamic_shapes=shapes, strict=False)
             break
         except Exception as exc:  # export raises many types; we report and try the next way
@@ -221,9 +234,9 @@ def trace(model: nn.Module, args: tuple = (), kwargs: dict | None = None) -> Tra
             path = _module_path(node)
             mixing.setdefault(path, str(node.target))
     if batch_symbol is None:
-        method = "export (static batch)"
+        method, roles = "export (static batch)", {}
         notes.append("the batch dim was specialised by export, so ops that mix batch rows were not checked")
-    return Trace(method, dict(users), mixing, notes, unbatched, dict(callers), escapes, takes)
+    return Trace(method, dict(users), mixing, notes, unbatched, dict(callers), escapes, takes, roles)
 
 
 def _escapes(graph: torch.fx.Graph, batch_symbol) -> dict[str, set[str]]:

@@ -64,7 +64,7 @@ def test_vectorised_modules_keep_their_inputs_roles_in_the_repo(tmp_path):
         torch.manual_seed(seed)
         members.append(transformers.Swinv2ForImageClassification(config).eval())
     WideModel.from_models(members).save_pretrained(tmp_path)
-    assert json.loads((tmp_path / "config.json").read_text())[CONFIG_KEY]["vectorised_roles"]
+    assert json.loads((tmp_path / "config.json").read_text())[CONFIG_KEY]["input_roles"]
     back = WideModel.from_pretrained(str(tmp_path))
     for batch, size in [(2, 64), (1, 40)]:
         assert max_member_error(back, members, {"pixel_values": torch.randn(batch, 3, size, size)}) <= TOLERANCE

@@ -30,6 +30,7 @@ from ..fold import Fold, enter_member_code, leave_member_code
 from ..registry import transformers_classes
 from . import member_cache
 from .base import copy_module
+from .roles import rows_and_batched
 
 # MoE routers and experts: called on (N*B*T, D) tokens, member-major, with (N*B*T, k) expert choices.
 TOKEN_ROWS = tuple(transformers_classes(*(f"{family}.{prefix}{part}" for family, prefix in [
@@ -124,8 +125,15 @@ class PerMemberFallback(nn.Module):
                 views[name] = PerMemberFallback([getattr(m, name) for m in members], self.fold)
             return views[name]
 
+    @property
+    def input_roles(self) -> dict[str, list[bool | None]]:
+        """Which of its inputs carry the folded rows, per structure of its inputs: see
+        :mod:`~hf_wide.primitives.roles` (the trace's, then what its calls taught it)."""
+        return self.__dict__.setdefault("_roles", {})
+
     def forward(self, *args, **kwargs):
-        return run_per_member(self.fold, list(self.members), self.token_rows, args, kwargs, self.expands_broadcasts)
+        return run_per_member(self.fold, list(self.members), self.token_rows, args, kwargs, self.expands_broadcasts,
+                              self.input_roles)
 
 
 def is_own_method(value, module: nn.Module) -> bool:
@@ -145,26 +153,33 @@ def _call_per_member(fold: Fold, methods: list, token_rows: bool, *args, **kwarg
     return run_per_member(fold, methods, token_rows, args, kwargs)
 
 
-def run_per_member(fold: Fold, members: Sequence, token_rows: bool, args: tuple, kwargs: dict, expand: bool = True):
+def run_per_member(fold: Fold, members: Sequence, token_rows: bool, args: tuple, kwargs: dict, expand: bool = True,
+                   roles: dict | None = None):
     """Call ``members[m]`` (a module, or any callable of member m's inputs) on member m's rows of the inputs,
     for every m, and concatenate the outputs member-major. With ``token_rows``, inputs split into N blocks of
-    token rows instead of batch rows (a mixture of experts). ``expand``: see :func:`_concat_members`."""
+    token rows instead of batch rows (a mixture of experts). ``expand``: see :func:`_concat_members`. ``roles``:
+    the fallback's roles of its inputs (:mod:`~hf_wide.primitives.roles`), which say which inputs carry the rows
+    and which, a table or a mask of as many rows by chance, do not; this call adds to them."""
     n = fold.num_members
-    rows = fold.rows
     leaves, spec = pytree.tree_flatten((args, kwargs))
-    if rows is None:  # called outside a wide forward: take the rows from the first batched input
-        rows = next((t.shape[0] for t in leaves if isinstance(t, torch.Tensor) and t.dim() > 0), n)
+    if token_rows or roles is None:
+        rows = fold.rows
+        if rows is None:  # called outside a wide forward: take the rows from the first batched input
+            rows = next((t.shape[0] for t in leaves if isinstance(t, torch.Tensor) and t.dim() > 0), n)
+        batched = [isinstance(t, torch.Tensor) and t.dim() > 0 and t.shape[0] == rows for t in leaves]
+    else:
+        rows, batched = rows_and_batched(roles, fold.rows, n, leaves, spec)
     batch = rows // n
 
-    def member_slice(t, m):
+    def member_slice(t, m, carries_rows):
         if not isinstance(t, torch.Tensor) or t.dim() == 0:
             return t
-        if t.shape[0] == rows:
+        if carries_rows:
             return t[m * batch : (m + 1) * batch]  # (B, ...)
         if token_rows and t.shape[0] % n == 0:
             block = t.shape[0] // n
             return t[m * block : (m + 1) * block]  # (B*T, ...): member m's tokens
-        return t  # broadcast (1, ...) inputs, scalars and non-tensors are the same for every member
+        return t  # broadcast (1, ...) inputs, tables, scalars and non-tensors are the same for every member
 
     caches = {id(t): t for t in leaves if isinstance(t, Cache)}
     views = {key: member_cache.split(cache, n, batch) for key, cache in caches.items()}  # each member's rows
@@ -172,7 +187,8 @@ def run_per_member(fold: Fold, members: Sequence, token_rows: bool, args: tuple,
     outer = enter_member_code()  # a loss a member computes in it is its own (hf_wide.losses)
     try:
         for m, module in enumerate(members):
-            member_leaves = [views[id(t)][m] if id(t) in views else member_slice(t, m) for t in leaves]
+            member_leaves = [views[id(t)][m] if id(t) in views else member_slice(t, m, carries)
+                             for t, carries in zip(leaves, batched)]
             m_args, m_kwargs = pytree.tree_unflatten(member_leaves, spec)
             outputs.append(module(*m_args, **m_kwargs))
     finally:

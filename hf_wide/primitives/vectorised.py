@@ -35,6 +35,7 @@ from ..fold import Fold, enter_member_code, leave_member_code
 from . import member_cache
 from .base import copy_module, meta_copy
 from .fallback import is_own_method, per_member_method, run_per_member, token_rows
+from .roles import rows_and_batched
 
 
 def _rebuild(module: nn.Module, source: nn.Module, make: Callable[[torch.Tensor, str], torch.Tensor]) -> nn.Module:
@@ -138,8 +139,8 @@ class VectorisedFallback(nn.Module):
 
     @property
     def input_roles(self) -> dict[str, list[bool | None]]:
-        """What each call of this module has taught it, per structure of its inputs (pytree's spec, as text):
-        which of the inputs carry the folded rows (True), which do not (False), unknown (None). See ``_rows``."""
+        """Which of its inputs carry the folded rows (True), which do not (False), unknown (None), per structure of
+        its inputs: the trace's, then what its calls taught it (:mod:`~hf_wide.primitives.roles`)."""
         return self.__dict__.setdefault("_roles", {})
 
     def _apply(self, fn, recurse=True):
@@ -187,7 +188,7 @@ class VectorisedFallback(nn.Module):
         calls = [lambda *a, i=i, **k: functional_call(code, {n: t[i] for n, t in state.items()}, a, k)
                  for i in range(self.num_members)]
         tokens = token_rows(self.proto)
-        return run_per_member(self.fold, calls, tokens, args, kwargs, self.expands_broadcasts)
+        return run_per_member(self.fold, calls, tokens, args, kwargs, self.expands_broadcasts, self.input_roles)
 
     def _vmap(self, leaves: list, spec):
         state, code = self._state(), self._code()  # name -> (N, ...)
@@ -230,30 +231,10 @@ class VectorisedFallback(nn.Module):
         return pytree.tree_unflatten(out_leaves, structure["spec"])
 
     def _rows(self, leaves: list, spec) -> tuple[int, list[bool]]:
-        """This call's folded rows, and which inputs carry them (member-major: member m's rows are the m-th of N
-        blocks). An input with the forward's N*B rows does, and a broadcast, a table or anything else does not,
-        unless an earlier call of this module said otherwise at that place of its inputs (the first call, at
-        fusion, is the one verification checked against the members; copies and fused repos keep what it said):
-        there, the inputs that carried the rows set this call's (N*B*W, windows of each image, in Swin at other
-        image sizes than the sample's), and an input that had another length than the rows or 1 (a table) does not
-        carry them now, whatever its length (Swin's mask of W windows, where W happens to be N*B)."""
-        rows = self.fold.rows
-        if rows is None:  # called outside a wide forward: the first batched input has the rows
-            rows = next((t.shape[0] for t in leaves if isinstance(t, torch.Tensor) and t.dim() > 0), self.num_members)
-        key = " ".join(str(spec).split())  # text, not the spec itself: saved with a fused repo (7 us a call)
-        seen = self.input_roles.get(key)  # per input: True (rows), False (not), None
-        if seen is not None:
-            lengths = {t.shape[0] for t, role in zip(leaves, seen) if role and isinstance(t, torch.Tensor) and
-                       t.dim() > 0 and t.shape[0] > 1}
-            if len(lengths) == 1 and next(iter(lengths)) % rows == 0:
-                rows = lengths.pop()
-        batched = [isinstance(t, torch.Tensor) and t.dim() > 0 and t.shape[0] == rows and
-                   (seen is None or seen[i] is not False) for i, t in enumerate(leaves)]
-        # A broadcast (1, ...) says nothing: a mask may be (1, 1, T, T) without padding and carry the rows with it.
-        roles = [b if isinstance(t, torch.Tensor) and t.dim() > 0 and (b or t.shape[0] != 1) else None
-                 for t, b in zip(leaves, batched)]
-        self._roles[key] = roles if seen is None else [r if s is None else s for r, s in zip(roles, seen)]
-        return rows, batched
+        """This call's folded rows, and which inputs carry them: see :func:`~hf_wide.primitives.roles.rows_and_batched`
+        (the roles the trace gave this module, and what its first call, at fusion, taught it: the one verification
+        checked against the members; copies and fused repos keep them)."""
+        return rows_and_batched(self.input_roles, self.fold.rows, self.num_members, leaves, spec)
 
     def _merge(self, y: torch.Tensor, batch: int) -> torch.Tensor:
         """(N, b, ...) -> (N*B, ...) with this call's B (the fold has none when ``generate`` runs an encoder
