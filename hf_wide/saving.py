@@ -77,6 +77,14 @@ def config_overrides(config, base) -> dict:
     return {k: v for k, v in a.items() if k not in NOT_OVERRIDDEN and b.get(k) != v}
 
 
+def generation_overrides(configs: Sequence | None) -> list[dict] | None:
+    """The settings of each member's generation config that differ from member 0's (None without configs)."""
+    if not configs or any(c is None for c in configs):
+        return None
+    base = configs[0].to_dict()
+    return [{k: v for k, v in c.to_dict().items() if base.get(k) != v} for c in configs]
+
+
 def wide_config_section(wide, shared: Sequence[str]) -> dict:
     """The ``hf_wide`` section of a fused repo's config.json."""
     configs = wide.member_configs or [wide.config] * wide.num_members
@@ -87,6 +95,8 @@ def wide_config_section(wide, shared: Sequence[str]) -> dict:
         "member_revisions": list(wide.member_revisions),
         "labels": [{str(k): v for k, v in (c.id2label or {}).items()} for c in configs],
         "member_config_overrides": [config_overrides(c, configs[0]) for c in configs],
+        # generation_config.json is member 0's; each member's own settings beside it (its max_new_tokens, say)
+        "member_generation_overrides": generation_overrides(wide.member_generation_configs),
         "shared": sorted(shared),
         "plan": plan_to_dict(dataclasses.replace(wide.plan, num_members=wide.num_members)),
         # What the fallbacks' trace and first calls (fusion's verification) taught them about their inputs: loaded
@@ -274,7 +284,10 @@ def load_fused(cls, folder: str | Path, *, name: str, dtype: torch.dtype | str |
         configs.append(member_config(template.config, {**section["member_config_overrides"][i], "id2label": labels,
                                                        "label2id": {v: k for k, v in labels.items()},
                                                        "_name_or_path": section["member_ids"][i]}))
-    skeletons = [skeleton_like(template, c, copy.deepcopy(generation_config)) for c in configs]
+    overrides = section.get("member_generation_overrides") or [{}] * n  # (absent before 2026-11-27)
+    generation_configs = [None if generation_config is None else member_config(generation_config, overrides[i])
+                          for i in members]
+    skeletons = [skeleton_like(template, c, copy.deepcopy(g)) for c, g in zip(configs, generation_configs)]
     shared = set(section["shared"])
     with Checkpoint(folder) as ckpt:
         keys = _check_layout(ckpt, template, shared, n, name)
@@ -287,7 +300,6 @@ def load_fused(cls, folder: str | Path, *, name: str, dtype: torch.dtype | str |
     roles = section.get("input_roles", section.get("vectorised_roles", {}))  # (the vectorised modules' alone before
     for path, known in roles.items():  # 2026-11-27; neither before 2026-11-24)
         model.get_submodule(path).input_roles.update(known)
-    generation_configs = [copy.deepcopy(generation_config) for _ in members]
     wide = cls(model, plan, fold, aliases, [section["member_ids"][i] for i in members], configs, generation_configs)
     wide.member_revisions = [section["member_revisions"][i] for i in members]
     wide._source_dirs = [folder]

@@ -70,6 +70,21 @@ def test_vectorised_modules_keep_their_inputs_roles_in_the_repo(tmp_path):
         assert max_member_error(back, members, {"pixel_values": torch.randn(batch, 3, size, size)}) <= TOLERANCE
 
 
+def test_each_members_generation_config_comes_back(tmp_path):
+    # generation_config.json is member 0's. Only it came back, for every member: generate, which refuses members
+    # whose settings differ, then ran member 1 with member 0's (20 new tokens where it makes 5 alone).
+    members = [CASES["llama-causallm"].build(seed) for seed in range(3)]
+    members[1].generation_config.max_new_tokens = 5
+    members[1].generation_config.repetition_penalty = 1.5
+    WideModel.from_models(members).save_pretrained(tmp_path)
+    back = WideModel.from_pretrained(str(tmp_path))
+    for i, member in enumerate(members):
+        assert back.member(i).generation_config.to_diff_dict() == member.generation_config.to_diff_dict()
+        assert back.member_generation_configs[i].to_dict() == member.generation_config.to_dict()
+    with pytest.raises(ValueError, match="generation configs differ.*max_new_tokens"):
+        back.generate(input_ids=torch.tensor([[5, 6, 7]]))
+
+
 def test_stacked_layout_ties_and_fallbacks(fused, tmp_path):
     members, wide = fused("llama-causallm")
     wide.save_pretrained(tmp_path)
