@@ -102,7 +102,7 @@ class TokenClassificationPipeline(WidePipeline):
         if self.combine == Combine.NONE:
             return {"members": members}
         scores = outputs["scores"][:length].float().numpy()
-        rank = outputs["ranking"][:length].float().numpy()
+        rank = outputs["ranking"][:length].numpy()  # float64: a vote tie's nudge rounds away in float32
         units = _units(tokens, scores, rank, member_probs, aggregation_strategy)
         _add_uncertainty(units)
         entities = _entities(units, labels, aggregation_strategy, ignore, self.tokenizer, with_uncertainty=True)
