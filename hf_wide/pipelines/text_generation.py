@@ -145,7 +145,9 @@ class TextGenerationPipeline(WidePipeline):
                          top_k: int | None, top_p: float | None, generator: torch.Generator | None):
         """One shared continuation per row; each step is one wide forward of N*B rows, one new token each."""
         ids, mask = batch["input_ids"], batch["attention_mask"]  # (B, T), left-padded
-        temperature = temperature or self.temperature
+        # A sampling temperature tempers each member's distribution before they are combined; greedy decoding takes
+        # none, as transformers' generate ignores one without do_sample (the calibrated temperature applies to both)
+        temperature = (temperature if do_sample else None) or self.temperature
         # Positions as transformers' generate makes them: padding does not count.
         positions = (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 0)  # (B, T)
         eos = torch.tensor(self._eos_ids(), device=ids.device, dtype=ids.dtype)

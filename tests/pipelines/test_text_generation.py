@@ -83,6 +83,9 @@ def test_ensemble_decoding_equals_stepping_the_members_without_cache(setup):
         assert u["expected_entropy"] == pytest.approx(float(entropy(p).mean()), abs=1e-5)
         assert u["member_std"] == pytest.approx(float(chosen.std(0, unbiased=False).mean()), abs=1e-6)
         assert u["agreement"] == pytest.approx(float((p.argmax(-1) == tokens).float().mean()))
+    # A sampling temperature without sampling changes nothing, as in transformers' generate (it tempered each
+    # member's distribution before the mean, and the mean's argmax moved)
+    assert pipe(PROMPTS, max_new_tokens=NEW, return_full_text=False, batch_size=2, temperature=0.05) == results
 
 
 @torch.no_grad()
