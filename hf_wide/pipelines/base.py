@@ -170,7 +170,7 @@ class WidePipeline:
             return {k: torch.cat([f[k] for f in features]) for k in keys}
         longest = max(f["input_ids"].shape[-1] for f in features)
         length = self.bucket(longest)
-        pad_id = getattr(self.tokenizer, "pad_token_id", None) or 0
+        pad_id = self._pad_id(any(f["input_ids"].shape[-1] != length for f in features))
         batch = {}
         for key in keys:
             fill = pad_id if key == "input_ids" else 0
@@ -178,6 +178,20 @@ class WidePipeline:
             batch[key] = rows if length == longest else torch.nn.functional.pad(rows, (0, length - longest), value=fill)
         return batch
 
+    def _pad_id(self, needed: bool) -> int:
+        """The id to pad ``input_ids`` with: the model's config's, which its code takes for padding (a decoder's
+        sequence classifier reads the last token that is not that id: padded with the tokenizer's 0 beside a config's
+        1, a short text was scored at a padding position), else the tokenizer's. Neither, and texts to pad:
+        refused, as transformers refuses to batch them."""
+        for source in (getattr(self.model, "config", None), self.tokenizer):
+            pad = getattr(source, "pad_token_id", None)
+            if pad is not None:
+                return pad
+        if needed:
+            raise ValueError("Neither the tokenizer nor the model's config has a pad token, so texts of different "
+                             "lengths cannot be batched: pass batch_size=1, or set tokenizer.pad_token (as "
+                             "tokenizer.pad_token = tokenizer.eos_token) and the members' config.pad_token_id.")
+        return 0
     def bucket(self, length: int) -> int:
         """The padded length: the next power of two (at least 8), a user bucket, or the length itself."""
         limit = _max_length(self.tokenizer, self.model)

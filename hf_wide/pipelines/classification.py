@@ -17,7 +17,7 @@ class ClassificationPipeline(WidePipeline):
     computes the uncertainty measures for the whole batch; ``postprocess`` formats one input.
 
     Options: ``top_k`` (the ensemble's k best labels, in ``"top_k"``; None: all of them), ``multi_label`` (independent
-    sigmoids; default from the config's ``problem_type``), or, in transformers' words, ``function_to_apply``
+    sigmoids; by default for multi-label members and a head of one logit, as transformers'), or, in transformers' words, ``function_to_apply``
     (``"softmax"``, or ``"sigmoid"``: each label on its own). Raw logits (``"none"``) are refused: the ensemble's
     answer combines the members' probabilities."""
 
@@ -38,9 +38,19 @@ class ClassificationPipeline(WidePipeline):
         return super()._sanitize_parameters(**kwargs)
 
     def _multi_label(self, multi_label: bool | None) -> bool:
+        """Sigmoids (each label on its own) or a softmax; by default as transformers' pipeline picks its function:
+        sigmoids for multi-label members and for a head of one logit (a softmax over one label scores 1.0)."""
         if multi_label is not None:
             return multi_label
-        return getattr(self.model.config, "problem_type", None) == "multi_label_classification"
+        config = self.model.config
+        problem = getattr(config, "problem_type", None)
+        if problem == "regression":
+            raise ValueError(
+                "The members are regressors (config.problem_type='regression'): their outputs are values, not "
+                "probabilities of labels, which the ensemble's rules and uncertainty measures combine. Read each "
+                "member's values from the wide model, wide(**inputs).logits of shape (N, B, num_labels), or pass "
+                "function_to_apply='sigmoid' to score them as probabilities.")
+        return problem == "multi_label_classification" or getattr(config, "num_labels", None) == 1
 
     def _forward(self, batch, multi_label: bool | None = None):
         multi_label = self._multi_label(multi_label)
@@ -55,6 +65,7 @@ class ClassificationPipeline(WidePipeline):
             out["predictive_entropy"] = metrics.predictive_entropy(binary).mean(-1)
             out["expected_entropy"] = metrics.expected_entropy(binary).mean(-1)
             out["mutual_information"] = metrics.mutual_information(binary).mean(-1)
+            out["member_std"] = member_probs.std(0, unbiased=False).mean(-1)  # (B,): over labels, as the others
         else:
             chosen = out["ranking"].argmax(-1)  # (B,)
             out["predictive_entropy"] = metrics.predictive_entropy(member_probs)
@@ -69,7 +80,10 @@ class ClassificationPipeline(WidePipeline):
         labels, _ = self.label_order()
         multi_label = self._multi_label(multi_label)
         # Plain Python from here: a few conversions per input rather than a tensor op per label and member.
-        if multi_label:
+        one = multi_label and len(labels) == 1  # a head of one logit: its label and sigmoid, as transformers gives
+        if one:
+            members = [{"label": labels[0], "score": p[0]} for p in outputs["per_member_probs"].tolist()]
+        elif multi_label:
             members = [_labels_above(p, labels) for p in outputs["per_member_probs"].tolist()]  # (N, C)
         else:
             members = [{"label": labels[i], "score": p} for i, p in
@@ -78,7 +92,7 @@ class ClassificationPipeline(WidePipeline):
             return {"members": members}
         scores, order = outputs["scores"].tolist(), outputs["ranking"].argsort(descending=True).tolist()  # (C,) each
         result: dict[str, Any] = {}
-        if multi_label:
+        if multi_label and not one:
             result["labels"] = [{"label": labels[i], "score": scores[i]} for i in order if scores[i] > 0.5]
         else:
             result.update(label=labels[order[0]], score=scores[order[0]])

@@ -5,7 +5,7 @@ import pytest
 import torch
 import transformers
 from conftest import CASES
-from text_members import bert_tokenizer, save_members, sentences
+from text_members import bert_tokenizer, decoder_tokenizer, save_members, sentences
 from PIL import Image
 
 from hf_wide import WideModel, pipeline
@@ -229,3 +229,70 @@ def test_function_to_apply_as_transformers_takes_it(pipe, text_members):
         pipe(TEXTS[0], function_to_apply="relu")
     with pytest.raises(ValueError, match="disagree"):
         pipe(TEXTS[0], function_to_apply="softmax", multi_label=True)
+
+
+def one_logit_members(problem_type=None):
+    config = transformers.BertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                     intermediate_size=64, max_position_embeddings=64, num_labels=1,
+                                     initializer_range=0.3, problem_type=problem_type)
+    built = []
+    for seed in range(N):
+        torch.manual_seed(seed)
+        built.append(transformers.BertForSequenceClassification(config).eval())
+    return built
+
+
+def test_a_head_of_one_logit_is_scored_by_its_sigmoid_as_transformers_scores_it(text_members):
+    # A softmax over one label scored 1.0 for every member and every text, and the ensemble was certain.
+    tokenizer = text_members[1]
+    models = one_logit_members()
+    pipe = pipeline("text-classification", model=WideModel.from_models(models), tokenizer=tokenizer)
+    for text, result in zip(TEXTS, pipe(TEXTS, batch_size=2)):
+        theirs = [transformers.pipeline("text-classification", model=m, tokenizer=tokenizer)(text)[0] for m in models]
+        assert [m["label"] for m in result["members"]] == [t["label"] for t in theirs] == ["LABEL_0"] * N
+        scores = [t["score"] for t in theirs]
+        assert [m["score"] for m in result["members"]] == pytest.approx(scores, abs=1e-5)
+        assert result["label"] == "LABEL_0" and result["score"] == pytest.approx(sum(scores) / N, abs=1e-5)
+        assert result["uncertainty"]["member_std"] == pytest.approx(float(torch.tensor(scores).std(unbiased=False)),
+                                                                    abs=1e-5)
+    assert len({round(s, 3) for s in scores}) == N  # the members differ
+
+
+def test_regressors_are_refused_unless_their_values_are_asked_for_as_probabilities(text_members):
+    tokenizer = text_members[1]
+    pipe = pipeline("text-classification", model=WideModel.from_models(one_logit_members("regression")),
+                    tokenizer=tokenizer)
+    with pytest.raises(ValueError, match="regressors.*wide\\(\\*\\*inputs\\).logits"):
+        pipe(TEXTS[0])
+    assert 0 < pipe(TEXTS[0], function_to_apply="sigmoid")["score"] < 1
+
+
+@pytest.mark.parametrize("tokenizer_pad", [None, 0], ids=["tokenizer-without-pad", "tokenizer-pad-differs"])
+def test_a_decoders_classifier_is_padded_with_its_configs_pad_id(tmp_path, tokenizer_pad):
+    # GPT-2's classifier scores the last token that is not config.pad_token_id. Padded with the tokenizer's id (or 0,
+    # where it had none) beside a config's 1, a short text batched with a longer one was scored at a padding position.
+    tokenizer = decoder_tokenizer(tmp_path)
+    if tokenizer_pad is None:
+        tokenizer.pad_token = None
+    models = [CASES["gpt2-seqcls"].build(seed) for seed in range(N)]
+    for model in models:
+        model.config.pad_token_id = 1
+    pipe = pipeline("text-classification", model=WideModel.from_models(models), tokenizer=tokenizer)
+    texts = ["the cat", "the big red dog ran very fast under the green tree today"]
+    for text, result in zip(texts, pipe(texts, batch_size=2)):
+        with torch.no_grad():
+            alone = [m(**tokenizer(text, return_tensors="pt")).logits[0].softmax(-1) for m in models]
+        assert [m["score"] for m in result["members"]] == pytest.approx([float(p.max()) for p in alone], abs=1e-5)
+
+
+def test_texts_that_no_pad_id_can_pad_are_refused_in_one_batch(tmp_path):
+    tokenizer = decoder_tokenizer(tmp_path)
+    tokenizer.pad_token = None
+    models = [CASES["bert-seqcls"].build(seed) for seed in range(N)]
+    for model in models:
+        model.config.pad_token_id = None
+    pipe = pipeline("text-classification", model=WideModel.from_models(models), tokenizer=tokenizer)
+    texts = ["the cat", "the big red dog"]
+    with pytest.raises(ValueError, match="has a pad token.*batch_size=1"):
+        pipe(texts, batch_size=2)
+    assert len(pipe(texts, batch_size=1)) == 2
