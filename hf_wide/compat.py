@@ -69,8 +69,9 @@ def check_configs(a, b, name_a: str, name_b: str, allow_label_mismatch: bool) ->
             continue
         if da.get(key) != db.get(key):
             raise IncompatibleMembersError(
-                f"{name_b} has config.{key} = {db.get(key)!r}, but {name_a} has {da.get(key)!r}: "
-                "members must share the config fields that shape the model."
+                f"{name_b} has config.{key} = {db.get(key)!r}, but {name_a} has {da.get(key)!r}: members must share "
+                "their configs, labels and provenance aside (the wide model runs one config, and any field may change "
+                f"what the code computes). If config.{key} does not, set it alike on every member before fusing."
             )
     labels_a, labels_b = getattr(a, "id2label", None), getattr(b, "id2label", None)
     if labels_a != labels_b and not allow_label_mismatch:
