@@ -7,6 +7,9 @@ with labels, the loss is split by member where it is computed:
 - transformers' ``loss_function`` (causal LM, CTC, and the classification and question-answering heads that use
   it): :class:`MemberLosses` stands in for it on the folded model and calls it once per member, on that member's
   rows;
+- a head's own loss method that lays the rows out in another order than member-major before reducing them
+  (ProphetNet's ``_compute_loss`` puts its n-gram streams first, then averages a smoothing term over every row):
+  :data:`LOSS_METHODS`, split by member before it runs, as ``loss_function`` is;
 - a loss a head computes in its own code (``CrossEntropyLoss()(logits.view(-1, C), labels.view(-1))``, as BERT's
   classifiers do): :class:`SplitLosses`, a ``TorchFunctionMode`` active for that forward only, runs each of
   ``torch.nn.functional``'s reducing losses once per member on its block of the rows (``input`` and ``target``
@@ -22,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -38,6 +42,11 @@ REDUCING_LOSSES = frozenset(getattr(F, name) for name in (
     "cross_entropy", "nll_loss", "mse_loss", "l1_loss", "smooth_l1_loss", "huber_loss", "binary_cross_entropy",
     "binary_cross_entropy_with_logits", "kl_div", "poisson_nll_loss", "soft_margin_loss",
     "multilabel_soft_margin_loss", "multilabel_margin_loss", "multi_margin_loss", "hinge_embedding_loss"))
+
+
+# Heads whose own loss method the split cannot reach inside (its rows reordered first): class name -> method, which
+# takes the wide forward's N*B rows, member-major, and is called once per member on its rows
+LOSS_METHODS = {"ProphetNetForConditionalGeneration": "_compute_loss", "ProphetNetForCausalLM": "_compute_loss"}
 
 
 def _split_calls(function, n: int, args: tuple, kwargs: dict, leading: int) -> torch.Tensor:
@@ -78,7 +87,8 @@ class MemberLosses:
         return _split_calls(self.loss_function, n, args, kwargs, leading)
 
     def __deepcopy__(self, memo) -> "MemberLosses":  # the copy's fold: the copied model's (memo), or a new one
-        return MemberLosses(self.loss_function, copy.deepcopy(self.fold, memo), self.own)
+        # (a head's own method, a partial of its class's function and the module: the copied module's)
+        return MemberLosses(copy.deepcopy(self.loss_function, memo), copy.deepcopy(self.fold, memo), self.own)
 
 
 class SplitLosses(TorchFunctionMode):
@@ -108,7 +118,12 @@ def _member_major(leading: int, fold: Fold) -> bool:
 
 
 def install_member_losses(model: nn.Module, fold: Fold) -> MemberLosses | None:
-    """Put a :class:`MemberLosses` in place of ``model``'s transformers ``loss_function``, where it has one."""
+    """Put a :class:`MemberLosses` in place of ``model``'s transformers ``loss_function``, where it has one, and of
+    its own loss method (:data:`LOSS_METHODS`)."""
+    method = next((LOSS_METHODS[c.__name__] for c in type(model).__mro__ if c.__name__ in LOSS_METHODS), None)
+    if method is not None:
+        function = getattr(type(model), method)
+        model.__dict__[method] = MemberLosses(functools.partial(function, model), fold)
     if not isinstance(getattr(type(model), "loss_function", None), property):
         return None
     losses = MemberLosses(model.loss_function, fold, own=model.__dict__.get("_loss_function"))
@@ -117,13 +132,14 @@ def install_member_losses(model: nn.Module, fold: Fold) -> MemberLosses | None:
 
 
 def uninstall_member_losses(module: nn.Module) -> None:
-    """Give a member taken out of the wide model its own loss function back."""
-    losses = module.__dict__.get("_loss_function")
-    if isinstance(losses, MemberLosses):
-        if losses.own is None:
-            del module._loss_function
-        else:
-            module._loss_function = losses.own
+    """Give a member taken out of the wide model its own loss function (and loss method) back."""
+    for name in {"_loss_function", *LOSS_METHODS.values()}:
+        losses = module.__dict__.get(name)
+        if isinstance(losses, MemberLosses):
+            if losses.own is None:
+                del module.__dict__[name]
+            else:
+                module.__dict__[name] = losses.own
 
 
 def member_loss_outputs(outputs, num_members: int, labelled: bool) -> tuple[object, list[torch.Tensor]]:

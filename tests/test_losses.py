@@ -144,3 +144,31 @@ def test_a_model_run_whole_per_member_computes_its_own_loss():
         loss = wide(input_ids=ids, labels=ids).loss
         want = torch.stack([m(input_ids=ids, labels=ids).loss for m in members])
     torch.testing.assert_close(loss, want, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("head", ["ProphetNetForCausalLM", "ProphetNetForConditionalGeneration"])
+@pytest.mark.parametrize("eps", [0.0, 0.1])
+def test_a_heads_own_loss_method_that_reorders_the_rows_runs_per_member(head, eps):
+    # ProphetNet's _compute_loss puts its two n-gram streams before the rows and flattens them: split into N blocks,
+    # each member's loss took rows of the others' (4.607 for 4.612), and its smoothing term averaged every member's.
+    import transformers
+
+    config = transformers.ProphetNetConfig(
+        vocab_size=VOCAB, hidden_size=32, encoder_ffn_dim=64, decoder_ffn_dim=64, num_encoder_layers=2,
+        num_decoder_layers=2, num_encoder_attention_heads=4, num_decoder_attention_heads=4, max_position_embeddings=64,
+        ngram=2, num_buckets=8, relative_max_distance=16, pad_token_id=0, eos_token_id=2, decoder_start_token_id=0,
+        eps=eps)
+    members = []
+    for seed in range(3):
+        torch.manual_seed(seed)
+        members.append(getattr(transformers, head)(config).eval())
+    wide = WideModel.from_models(members)
+    gen = torch.Generator().manual_seed(0)
+    ids, labels = torch.randint(3, VOCAB, (2, 3, 8), generator=gen)
+    inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": labels}
+    if head.endswith("Generation"):
+        inputs["decoder_input_ids"] = labels
+    with torch.no_grad():
+        want = torch.stack([m(**inputs).loss for m in members])
+        assert torch.allclose(wide(**inputs).loss, want, atol=1e-6, rtol=0)
+        assert torch.allclose(wide.member(1)(**inputs).loss, want[1], atol=1e-6, rtol=0)
