@@ -233,6 +233,10 @@ def verify_modules(wide, paths: Sequence[str], references: Sequence[nn.Module], 
             calls.update({p: new[p] for p in unrecorded if p in new})
     failures = {}
     for path, call in suspects.items():  # on its members' inputs: an error upstream is not this module's
+        idle = next((i for i, calls in enumerate(recorded) if path not in calls), None)
+        if idle is not None:  # (an expert no token of member i's was routed to): nothing to check it on
+            failures[path] = f"was not run by member {idle} on the sample, so it cannot be checked on its inputs"
+            continue
         reason = modules[path].__dict__.get("vmap_refused") or check_module(
             modules[path], wide.fold, call, [r[path] for r in recorded], rows, tf32)
         if reason is not None:

@@ -369,3 +369,24 @@ def test_a_groups_outputs_of_a_module_are_let_go_once_compared(monkeypatch):
     assert not failures
     assert seen == [[(False, True), (False, True)]]
     assert all("0" not in group and "2" not in group for group in groups)
+
+
+def test_a_module_a_member_never_runs_on_the_sample_moves_down_instead_of_failing_the_fusion():
+    # Switch Transformers' experts each run on the tokens routed to them. Looking for what disagreed, verification
+    # asked every member's recording for an expert's activation that one member had routed no token to: KeyError.
+    config = transformers.SwitchTransformersConfig(
+        vocab_size=100, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_sparse_encoder_layers=1,
+        num_sparse_decoder_layers=1, num_heads=4, num_experts=4, relative_attention_num_buckets=8, pad_token_id=0,
+        eos_token_id=1, decoder_start_token_id=0)
+    members = []
+    for seed in range(3):
+        torch.manual_seed(seed)
+        model = transformers.SwitchTransformersForConditionalGeneration(config).eval()
+        for param in model.parameters():
+            param.data.normal_(0, 0.1)
+        members.append(model)
+    wide = WideModel.from_models(members)
+    for batch, length in [(1, 5), (3, 9)]:
+        inputs = {"input_ids": torch.randint(3, 100, (batch, length)),
+                  "decoder_input_ids": torch.randint(3, 100, (batch, 3))}
+        assert max_member_error(wide, members, inputs) <= TOLERANCE
