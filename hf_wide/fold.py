@@ -31,6 +31,7 @@ class _Calls(threading.local):
     def __init__(self):
         self.anchor: torch.Tensor | None = None
         self.recording = False
+        self.outer: list[torch.Tensor | None] = []  # the rows around each call of an inner model (ChoiceRows)
 
 
 @dataclasses.dataclass
@@ -96,6 +97,7 @@ class Fold:
     def reset(self) -> None:
         self.anchor = None
         self.recording = False
+        self._calls.outer.clear()
 
     def split(self, x: torch.Tensor) -> torch.Tensor:
         """(N*B, *rest) -> (N, B, *rest); a broadcast (1, *rest) -> (N, 1, *rest) without a copy."""
@@ -126,6 +128,44 @@ class Fold:
                 self.anchor = value.new_empty(value.shape[0], 0)
                 break
         return None
+
+
+class ChoiceRows:
+    """Hooks on the encoder of a multiple-choice head, which its head calls on the choices flattened into the rows:
+    ``(N*B, C, T)`` inputs as N*B*C rows. Within that call the forward's rows are its input's, for its wide modules
+    to expand broadcasts by (BERT's ``position_ids``, ``(1, T)``); after it, the head's again. A forward pre-hook
+    (``enter``) and a forward hook called also on an exception (``leave``)."""
+
+    def __init__(self, fold: Fold):
+        self.fold = fold
+
+    def enter(self, module, args, kwargs):
+        calls = self.fold._calls
+        calls.outer.append(calls.anchor)
+        first = next((v for v in (*args, *kwargs.values()) if isinstance(v, torch.Tensor) and v.dim() > 0), None)
+        if calls.anchor is not None and first is not None:  # (outside a wide forward, nothing to follow)
+            calls.anchor = first.new_empty(first.shape[0], 0)
+        return None
+
+    def leave(self, module, args, kwargs, output):
+        calls = self.fold._calls
+        if calls.outer:
+            calls.anchor = calls.outer.pop()
+        return None
+
+
+def install_choice_rows(model, fold: Fold) -> None:
+    """:class:`ChoiceRows` on a multiple-choice head's encoder (transformers' ``*ForMultipleChoice``)."""
+    encoder = getattr(model, "base_model", model)
+    if type(model).__name__.endswith("ForMultipleChoice") and encoder is not model:
+        rows = ChoiceRows(fold)
+        encoder.register_forward_pre_hook(rows.enter, with_kwargs=True)
+        encoder.register_forward_hook(rows.leave, with_kwargs=True, always_call=True)
+
+
+def is_fold_hook(hook) -> bool:
+    """Whether a module's hook is one a wide model put there: its fold's row recorder, or :class:`ChoiceRows`'."""
+    return isinstance(hook, Fold) or isinstance(getattr(hook, "__self__", None), ChoiceRows)
 
 
 _member_code = threading.local()  # ``inside``: this thread runs one member's own code (see in_member_code)
@@ -265,9 +305,10 @@ def unfold_outputs(outputs: Any, n: int, batch: int, keep: tuple[torch.Tensor, .
         for key, value in outputs.items():
             if isinstance(value, tuple) and key.endswith(LAYER_OUTPUTS):
                 outputs[key] = tuple(_unfold_layer(t, n, (rows, *(n * b for b in others))) for t in value)
-            elif key == "mems" and isinstance(value, tuple):  # XLNet's, time-major: (N*T, B, D) -> (N, T, B, D)
+            elif key == "mems" and isinstance(value, tuple):  # XLNet's, time-major: (N*T, B, D) -> (N, T, B, D), B*C
+                # rows for a multiple-choice head
                 outputs[key] = tuple(t.view(n, -1, *t.shape[1:]) if isinstance(t, torch.Tensor) and t.dim() > 1
-                                     and t.shape[1] == batch and t.shape[0] % n == 0 else t for t in value)
+                                     and t.shape[1] % batch == 0 and t.shape[0] % n == 0 else t for t in value)
             else:
                 outputs[key] = unfold_outputs(value, n, batch, keep, others)
         return outputs

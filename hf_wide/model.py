@@ -21,7 +21,7 @@ from torch import nn
 from .adapters import PEFT_FORWARD_ARGS, runs_inner_model, without_peft_args
 from .capture import asks_for_capture, install_capture_hooks, require_recorded, reset_capture_hooks
 from .compat import member_names
-from .fold import Fold, fold_inputs, other_batches, unfold_outputs
+from .fold import Fold, fold_inputs, install_choice_rows, other_batches, unfold_outputs
 from .generation import generate_wide
 from .losses import LABEL_ARGUMENTS, install_member_losses, member_loss_outputs, member_losses, replace_loss
 from .parallel import gather_members, gather_outputs, local_inputs
@@ -86,6 +86,7 @@ class WideModel(nn.Module):
         encoder = model.get_encoder() if hasattr(model, "get_encoder") else None
         for module in {id(m): m for m in (model, encoder) if isinstance(m, nn.Module)}.values():
             module.register_forward_pre_hook(fold, with_kwargs=True)
+        install_choice_rows(model.base_model.model if self._inner else model, fold)  # (B, C, T): B*C rows inside
 
     # ---------------------------------------------------------------- construction
     @classmethod

@@ -17,7 +17,7 @@ from torch import nn
 from .adapter_layers import unpad
 from .capture import reset_capture_hooks
 from .configs import configs_in_place, configs_replaced, copies_of, module_configs, same_places
-from .fold import Fold
+from .fold import Fold, is_fold_hook
 from .losses import uninstall_member_losses
 from .packing import remove_packing_hooks
 from .plan import STACKED_LOOP, Kind, WidePlan
@@ -107,9 +107,14 @@ def remove_fold_hooks(model: nn.Module) -> None:
     for module in model.modules():
         uninstall_member_losses(module)  # its own loss function, not the wide model's split by member
         for key, hook in list(module._forward_pre_hooks.items()):
-            if isinstance(hook, Fold):  # the wide model's row recorder
+            if is_fold_hook(hook):  # the wide model's row recorder, or a multiple-choice encoder's rows
                 del module._forward_pre_hooks[key]
                 module._forward_pre_hooks_with_kwargs.pop(key, None)
+        for key, hook in list(module._forward_hooks.items()):
+            if is_fold_hook(hook):
+                del module._forward_hooks[key]
+                module._forward_hooks_with_kwargs.pop(key, None)
+                module._forward_hooks_always_called.pop(key, None)
 
 
 def member_model(wide, i: int, share: bool = False) -> nn.Module:

@@ -345,6 +345,40 @@ def test_xlnets_memories_are_each_members_and_are_not_taken_back():
             wide(**inputs, mems=got.mems)
 
 
+CHOICES = {
+    "bert": lambda: tf.BertForMultipleChoice(tf.BertConfig(**TEXT)),
+    "xlnet": lambda: tf.XLNetForMultipleChoice(tf.XLNetConfig(vocab_size=V, d_model=32, n_layer=2, n_head=4,
+                                                              d_inner=64)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CHOICES))
+@pytest.mark.parametrize("sample_choices", [1, 3])
+def test_a_multiple_choice_head_takes_any_number_of_choices(name, sample_choices):
+    # The head flattens (B, C, T) into B*C rows for its encoder, whose wide embedding expanded BERT's position_ids,
+    # (1, T), to the forward's N*B rows, not N*B*C: every call with two choices or more raised. XLNet's memories,
+    # (T, B*C, D) per member, came back (N*T, B*C, D).
+    models = members(CHOICES[name])
+
+    def choices(batch, count, length, seed):
+        ids = torch.randint(5, V, (batch, count, length), generator=torch.Generator().manual_seed(seed))
+        return {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+
+    wide = fuse(models, choices(2, sample_choices, 8, 0))
+    assert name == "xlnet" or not wide.plan.fallbacks  # (XLNet's model is vectorised for its own mask_emb)
+    for batch, count, length in [(2, 3, 6), (1, 4, 7)]:
+        inputs = choices(batch, count, length, batch * count)
+        assert worst(wide, models, inputs) <= 1e-5
+        if name == "xlnet":
+            with torch.no_grad():
+                got = wide(**inputs, use_mems=True).mems
+                for i, model in enumerate(models):
+                    for layer, mems in zip(got, model(**inputs, use_mems=True).mems, strict=True):
+                        assert (layer[i] - mems).abs().max().item() <= 1e-5
+    member = wide.member(1)  # without the wide model's hooks
+    assert not member.base_model._forward_hooks and not member.base_model._forward_pre_hooks
+
+
 def test_clip_with_as_many_images_as_it_likes_beside_the_texts():
     factory, make_inputs, _ = MIXED["clip"]
     models = members(factory)
