@@ -24,6 +24,7 @@ from huggingface_hub.utils import tqdm as hf_tqdm
 
 from .adapter_repos import adapter_folders
 from .adapters import adapter_config, load_adapter_members
+from .fuse import needs_verifying
 from .loading import load_models, load_streaming, verified, weights_format
 from .saving import load_fused, read_section
 from .samples import sample_inputs
@@ -270,7 +271,7 @@ def load_wide(
         if all(weights_format(folder, name, allow_pickle) for folder, name in zip(folders, names)):
             wide = load_streaming(cls, ids, folders, names, torch_dtype, device, trust_remote_code,
                                    allow_label_mismatch, share_identical, model_kwargs)
-            if wide is not None and verify:
+            if wide is not None and (verify or needs_verifying(wide.plan.trace_method, wide.plan.model_class)):
                 wide = verified(wide, share_identical)
         if wide is None:  # pickle weights, or tensor names that transformers converts on load
             models = load_models(ids, folders, torch_dtype, device, allow_pickle, trust_remote_code, **model_kwargs)

@@ -243,12 +243,17 @@ def test_export_failure_plans_from_the_module_tree_loudly():
     assert any("export" in w for w in wide.plan.warnings)
 
 
-def test_validate_refuses_an_inexact_fusion():
-    # Without a trace the planner cannot see the row mixing; unverified, validate catches the wrong result.
+def test_a_plan_no_trace_could_check_is_verified_even_if_asked_not_to_be():
+    # Without a trace the planner cannot see the row mixing. Unverified, the result was wrong, and only validate
+    # (the sample's whole output) could catch it: verify=False is now ignored there, and says so.
     members = members_of(lambda: Hidden(4))
-    with pytest.warns(UserWarning):
-        with pytest.raises(RuntimeError, match="differs from the member run alone"):
-            WideModel.from_models(members, torch.randn(2, 4), validate=True, verify=False)
+    with pytest.warns(UserWarning, match="verify=False ignored: Hidden was traced by module tree"):
+        wide = WideModel.from_models(members, torch.randn(2, 4), validate=True, verify=False)
+    assert [e.name for e in wide.plan.fallbacks] == ["(model)"]
+    x = torch.randn(3, 4)
+    with torch.no_grad():
+        out = wide(x)
+        assert all(torch.allclose(out[i], m(x), atol=1e-6) for i, m in enumerate(members))
 
 
 def test_verification_runs_untraced_row_mixing_per_member():

@@ -240,6 +240,8 @@ def test_unverified_wrong_builders_give_wrong_numbers(nets):
     x = torch.randn(5, 4)
     with torch.no_grad():
         assert (wide(x)[1] - nets[1](x)).abs().max() > 1e-3
+    with pytest.raises(RuntimeError, match="differs from the member run alone"):  # validate's whole-output check
+        WideModel.from_models(nets, torch.randn(2, 4), validate=True, verify=False)
 
 
 class Fault(Gain):
