@@ -73,11 +73,13 @@ def load_streaming(cls, ids, folders, names, dtype, device, trust_remote_code, a
         identical = {k for k in keys[0] if share_identical and same_bytes(checkpoints, [ks[k] for ks in keys])}
         stand_ins = [_stand_in(template, identical) for _ in folders[1:]]
         plan = plan_members([template, *stand_ins], share_identical=share_identical)
+        names = tensor_aliases(template)
         del template, stand_ins  # free member 0 before the wide model takes its memory
         gc.collect()
 
-        def read(i: int, key: str, dst: torch.Tensor) -> None:
-            checkpoints[i].read_into(keys[i][key], dst)
+        def read(i: int, key: str, dst: torch.Tensor) -> None:  # a tied tensor, under any of its names (a fallback's
+            known = next((a for a in names.get(key, [key]) if a in keys[i]), key)  # copy of BERT's MLM decoder)
+            checkpoints[i].read_into(keys[i][known], dst)
 
         model, fold, aliases = assemble(skeletons, plan, device, read)
     finally:

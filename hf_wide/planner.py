@@ -42,7 +42,8 @@ from .fallback_roots import (common_ancestor, is_under, loop_reason, rewriting_a
                              unbatched_root)
 from .plan import OWN_CODE_LOOP, STACKED_LOOP, Demotions, Kind, ModulePlan, WidePlan
 from .primitives.base import same_value
-from .structure import Opaque, block_structure_known, opaque_modules, without_alike_parametrized
+from .structure import (Opaque, block_structure_known, opaque_modules, tied_to_differing,
+                        without_alike_parametrized)
 from .registry import (
     declares_stacked_reads,
     find_block,
@@ -99,8 +100,10 @@ def make_plan(
     modules = dict(template.named_modules())
     entries: dict[str, ModulePlan] = {}
     opaque = opaque_modules(members) if opaque is None else opaque
+    tied = set()
     if share_identical:  # a parametrized module the members hold alike: shared (rule 1)
         opaque = without_alike_parametrized(opaque, member_modules)
+        tied = tied_to_differing(member_modules, aliases, _same)  # ... unless tied to one that differs
     fallback_roots: dict[str, str] = {**{p: o.reason for p, o in opaque.items() if not o.block_may_take},
                                       **demotions.per_member}
     stacked_reads = []  # (module, its declared reader, consumer classes, differs between members, plan fields)
@@ -138,7 +141,8 @@ def make_plan(
         kind_args["params"] = sum(p.numel() for p in module.parameters(recurse=False))
         differing = [
             name for name in tensors
-            if not share_identical or not _same([direct_tensors(mods[fqn])[name] for mods in member_modules])
+            if not share_identical or (f"{fqn}.{name}" if fqn else name) in tied
+            or not _same([direct_tensors(mods[fqn])[name] for mods in member_modules])
         ]
         outside = _outside_readers(fqn, list(tensors), aliases, trace)
         declared = _declared_reader(fqn, outside, modules) if outside else None

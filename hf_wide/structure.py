@@ -179,3 +179,21 @@ def block_structure_known(module: nn.Module, inner_blocks: tuple[type, ...] = ()
             continue
         return f"{path} is a {type(sub).__module__}.{type(sub).__qualname__}, which the block does not know"
     return None
+
+
+def tied_to_differing(member_modules: Sequence[dict[str, nn.Module]], aliases: dict[str, list[str]],
+                      same: Callable[[Sequence], bool]) -> set[str]:
+    """The names of tensors tied to a tensor of a module whose own tensors differ between members (BERT's MLM head:
+    ``cls.predictions.bias`` is its decoder's bias, and the decoder's weight, the embeddings', differs). Such a
+    tensor is stacked with that module, so it must not be shared even where the members hold it alike: shared
+    beside a stacked copy, the tie broke, and a checkpoint read by name filled one of the two."""
+    found = set()
+    for fqn, module in member_modules[0].items():
+        tensors = {**{k: v for k, v in module._parameters.items() if v is not None},
+                   **{k: v for k, v in module._buffers.items() if v is not None}}
+        if any(not same([getattr(mods[fqn], name) for mods in member_modules]) for name in tensors):
+            for name in tensors:
+                full = f"{fqn}.{name}" if fqn else name
+                found.update(aliases.get(full, [full]))
+    return {name for name in found if len(aliases.get(name, [name])) > 1}
+
