@@ -72,8 +72,10 @@ def sample_kwargs(model: nn.Module, kwargs: dict) -> dict:
     comes with them is computed over all rows: :mod:`hf_wide.routers` splits it by member in a wide forward)."""
     kwargs = dict(kwargs)
     config = getattr(model, "config", None)
-    if getattr(config, "use_cache", None) is not None:
-        kwargs.setdefault("use_cache", False)
+    forward = getattr(model, "forward", None)
+    takes = inspect.signature(forward).parameters if callable(forward) else {}
+    if getattr(config, "use_cache", None) is not None or "use_cache" in takes:  # (an EncoderDecoderModel's config
+        kwargs.setdefault("use_cache", False)  # has none of its own; its decoder's asks for a cache)
     if getattr(config, "output_router_logits", False):
         kwargs.setdefault("output_router_logits", False)
     return kwargs

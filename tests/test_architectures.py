@@ -410,3 +410,24 @@ def test_swin_at_other_image_sizes_than_the_samples(version):
     for batch, size in [(2, 48), (2, 64), (1, 40), (3, 32)]:
         torch.manual_seed(size)
         assert worst(wide, models, {"pixel_values": torch.randn(batch, 3, size, size)}) <= 1e-5
+
+
+def test_an_encoder_decoder_model_of_two_berts_is_verified_without_its_decoders_cache():
+    # EncoderDecoderModel's config has no use_cache of its own, and its decoder's asks for one: the sample ran with a
+    # cache, whose layout matched no member's, and verification refused the fusion.
+    def bert2bert():
+        sizes = dict(TEXT, max_position_embeddings=64)
+        config = tf.EncoderDecoderConfig.from_encoder_decoder_configs(
+            tf.BertConfig(**sizes), tf.BertConfig(**sizes, is_decoder=True, add_cross_attention=True))
+        config.decoder_start_token_id, config.pad_token_id = 2, 0
+        return tf.EncoderDecoderModel(config=config)
+
+    models = members(bert2bert)
+    wide = fuse(models)
+    inputs = {**text_batch(0), "decoder_input_ids": torch.randint(5, V, (2, 4))}
+    assert worst(wide, models, inputs) <= 1e-5
+    with torch.no_grad():
+        got = wide.generate(input_ids=inputs["input_ids"][:1], max_new_tokens=4, do_sample=False)
+        for i, model in enumerate(models):
+            assert torch.equal(got[i], model.generate(input_ids=inputs["input_ids"][:1], max_new_tokens=4,
+                                                      do_sample=False))
