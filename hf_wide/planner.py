@@ -42,6 +42,7 @@ from .fallback_roots import (common_ancestor, is_under, loop_reason, rewriting_a
                              unbatched_root)
 from .plan import OWN_CODE_LOOP, STACKED_LOOP, Demotions, Kind, ModulePlan, WidePlan
 from .primitives.base import same_value
+from .path_reads import probe_reads, with_reads
 from .structure import (Opaque, block_structure_known, opaque_modules, tied_to_differing,
                         without_alike_parametrized)
 from .registry import (
@@ -325,13 +326,20 @@ def trace_members(template: nn.Module, args: tuple = (), kwargs: dict | None = N
         if _runs(template, args, kwargs):  # torch's counter failed, not the model (2.11's on GQA flash attention)
             warnings.warn(f"FLOPs not counted: torch's FLOP counter failed on {type(template).__name__} "
                           f"({type(exc).__name__}: {str(exc).splitlines()[0][:160]})", stacklevel=3)
-            return trace(template, args, kwargs), {}, ", ".join(shapes)
+            return _traced(template, args, kwargs), {}, ", ".join(shapes)
         if not built:
             raise
         raise ValueError(f"{type(template).__name__} does not run on the sample inputs hf-wide built from its config "
                          f"({', '.join(shapes)}): {type(exc).__name__}: {exc}. Load the members with transformers "
                          "and pass sample inputs they run on: WideModel.from_models(models, {...}).") from exc
-    return trace(template, args, kwargs), flops, ", ".join(shapes)
+    return _traced(template, args, kwargs), flops, ", ".join(shapes)
+
+
+def _traced(template: nn.Module, args: tuple, kwargs: dict) -> Trace:
+    """The trace of the sample, with the tensors' readers on the paths it does not take (hf_wide.path_reads)."""
+    traced = trace(template, args, kwargs)
+    traced.users = with_reads(traced.users, probe_reads(template, args, kwargs))
+    return traced
 
 
 def _runs(model: nn.Module, args: tuple, kwargs: dict) -> bool:
