@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import io
 import itertools
+import logging
 import re
 from collections import defaultdict
 from collections.abc import Iterator
@@ -30,6 +32,9 @@ from torch.utils.flop_counter import FlopCounterMode
 from .compare import device_lost
 from .primitives import roles as input_roles
 from .samples import sample_kwargs
+
+logger = logging.getLogger(__name__)
+
 
 @dataclasses.dataclass
 class Trace:
@@ -156,6 +161,23 @@ def _release_export_graph() -> None:
 
 
 @contextlib.contextmanager
+def _quiet_failures() -> Iterator[None]:
+    """An export that fails prints its partial graph to stderr (a thousand lines for Longformer) and logs each op its
+    fake tensors could not run as an error, where hf-wide tries the next way and says so in the plan: both go to
+    the debug log instead."""
+    fake_log = logging.getLogger("torch._subclasses.fake_tensor")
+    level, printed = fake_log.level, io.StringIO()
+    fake_log.setLevel(logging.CRITICAL)
+    try:
+        with contextlib.redirect_stderr(printed):
+            yield
+    finally:
+        fake_log.setLevel(level)
+        if printed.getvalue():
+            logger.debug("torch.export printed:\n%s", printed.getvalue())
+
+
+@contextlib.contextmanager
 def _no_stack_traces() -> Iterator[None]:
     """torch.fx keeps the Python stack of every node it records (``node.meta["stack_trace"]``, extracted and
     symbolized), unless ``torch.fx.config.do_not_emit_stack_traces`` says not to. The plan reads none of them.
@@ -192,7 +214,7 @@ def trace(model: nn.Module, args: tuple = (), kwargs: dict | None = None) -> Tra
         try:
             wrapper = _KwargsWrapper(model)
             roles.clear()  # of the dynamic batch's export, which runs every module on its symbol
-            with _no_stack_traces(), input_roles.recording(model, roles):
+            with _no_stack_traces(), _quiet_failures(), input_roles.recording(model, roles):
                 program = torch.export.export(wrapper, (args, kwargs), dynamic_shapes=shapes, strict=False)
             break
         except Exception as exc:  # export raises many types; we report and try the next way

@@ -256,6 +256,17 @@ def test_a_plan_no_trace_could_check_is_verified_even_if_asked_not_to_be():
         assert all(torch.allclose(out[i], m(x), atol=1e-6) for i, m in enumerate(members))
 
 
+def test_a_failed_export_prints_nothing(capfd):
+    # torch.export prints the partial graph of an export that fails to stderr (a thousand lines for Longformer), and
+    # logs each op its fake tensors could not run: hf-wide tries the next way and says why in the plan.
+    members = members_of(lambda: Hidden(4))
+    with pytest.warns(UserWarning, match="planning from the module tree"):
+        wide = WideModel.from_models(members, torch.randn(2, 4))
+    assert "export (dynamic batch) failed" in " ".join(wide.plan.warnings)
+    printed = capfd.readouterr()
+    assert "def forward" not in printed.err + printed.out and "fake_tensor" not in printed.err
+
+
 def test_verification_runs_untraced_row_mixing_per_member():
     # Verified (the default), the module whose own code mixes rows is found and runs per member: exact.
     members = members_of(lambda: Hidden(4))
