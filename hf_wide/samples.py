@@ -51,6 +51,11 @@ def sample_inputs(model: nn.Module, batch: int = SAMPLE_BATCH, seq_len: int = SA
         size = size if isinstance(size, int) else size[0]
         channels = getattr(vision, "num_channels", 3)
         sample["pixel_values"] = torch.randn(batch, channels, size, size, device=device, dtype=dtype)
+    patch = getattr(config, "patch_size", None)
+    if main == "pixel_values" and isinstance(patch, int) and "noise" in inspect.signature(inner.forward).parameters:
+        # ViT-MAE masks patches at random, unless given the noise to rank them by: the same for every member
+        side = sample["pixel_values"].shape[-1] // patch
+        sample["noise"] = torch.rand(batch, side * side, device=device)
     if getattr(config, "is_encoder_decoder", False):
         vocab = _vocab_size(config)
         sample["decoder_input_ids"] = torch.randint(0, vocab, (batch, max(2, seq_len // 2)), device=device)

@@ -431,3 +431,15 @@ def test_an_encoder_decoder_model_of_two_berts_is_verified_without_its_decoders_
         for i, model in enumerate(models):
             assert torch.equal(got[i], model.generate(input_ids=inputs["input_ids"][:1], max_new_tokens=4,
                                                       do_sample=False))
+
+
+def test_vit_mae_is_sampled_with_the_noise_that_ranks_its_patches():
+    # ViT-MAE masks a random half of its patches unless given the noise to rank them by: the built sample had none,
+    # every member masked other patches, and verification refused the fusion (6.9e3 times the tolerance).
+    config = tf.ViTMAEConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+                             image_size=32, patch_size=8, mask_ratio=0.5, decoder_hidden_size=32,
+                             decoder_num_hidden_layers=1, decoder_num_attention_heads=4, decoder_intermediate_size=64)
+    models = members(lambda: tf.ViTMAEModel(config))
+    wide = fuse(models)
+    inputs = {"pixel_values": torch.randn(3, 3, 32, 32), "noise": torch.rand(3, 16)}
+    assert worst(wide, models, inputs, key="last_hidden_state") <= 1e-5
