@@ -154,6 +154,8 @@ class VectorisedFallback(nn.Module):
         calls = self.__dict__.setdefault("_calls", threading.local())
         if not hasattr(calls, "proto"):
             calls.proto = copy_module(self.proto)
+        if calls.proto.training != self.training:  # not a child, which train() and eval() would reach: its dropout
+            calls.proto.train(self.training)  # stayed off in training, as fusion left it
         return calls.proto
 
     def _state(self) -> dict[str, torch.Tensor]:

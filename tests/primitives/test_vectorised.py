@@ -146,3 +146,31 @@ def test_a_copy_keeps_what_the_first_call_taught_about_the_inputs(how):
     with torch.no_grad():
         out = twin(x)
         assert max((out[i] - net(x)).abs().max().item() for i, net in enumerate(nets)) <= TOLERANCE
+
+
+class Dropped(nn.Module):
+    """A raw parameter (no builder: vectorised) and a dropout."""
+
+    def __init__(self):
+        super().__init__()
+        self.scale = nn.Parameter(torch.rand(64) + 1)
+        self.dropout = nn.Dropout(0.5)
+
+    def forward(self, x):
+        return self.dropout(x * self.scale)
+
+
+def test_a_vectorised_module_drops_out_in_training_as_its_members_do():
+    # Its code is a copy of member 0's on the meta device, not a child: train() did not reach it, and its dropout
+    # stayed off in training, as fusion (in eval mode) had left it.
+    wide = WideModel.from_models([Dropped() for _ in range(3)], (torch.randn(2, 64),))
+    assert wide.plan.entries[""].kind == Kind.VECTORISED
+    x = torch.randn(4, 64)
+    with torch.no_grad():
+        wide.train()
+        dropped = (wide(x) == 0).float().mean().item()
+        assert 0.3 < dropped < 0.7
+        out = wide(x)
+        assert not torch.equal(out[0] != 0, out[1] != 0)  # each member its own mask
+        wide.eval()
+        assert (wide(x) != 0).all()
