@@ -43,7 +43,7 @@ from .fallback_roots import (common_ancestor, is_under, loop_reason, rewriting_a
 from .plan import OWN_CODE_LOOP, STACKED_LOOP, Demotions, Kind, ModulePlan, WidePlan
 from .primitives.base import same_value
 from .path_reads import probe_reads, with_reads
-from .structure import (Opaque, block_structure_known, opaque_modules, tied_to_differing,
+from .structure import (Opaque, block_structure_known, opaque_modules, partly_frozen, tied_to_differing,
                         without_alike_parametrized)
 from .registry import (
     declares_stacked_reads,
@@ -261,6 +261,9 @@ def _block_refusal(fqn: str, block_cls: type, member_modules, fallback_roots: di
         reason = block_structure_known(modules[fqn], block_cls.inner_blocks, block_cls.own_modules)
         if reason is not None:
             return reason
+    frozen = partly_frozen([modules[fqn] for modules in member_modules])
+    if frozen is not None:
+        return frozen
     return next((why for modules in member_modules if (why := block_cls.refusal(modules[fqn])) is not None), None)
 
 

@@ -197,3 +197,20 @@ def tied_to_differing(member_modules: Sequence[dict[str, nn.Module]], aliases: d
                 found.update(aliases.get(full, [full]))
     return {name for name in found if len(aliases.get(name, [name])) > 1}
 
+
+def partly_frozen(mods: Sequence[nn.Module]) -> str | None:
+    """Why a fused block cannot take these modules (None if it can): some of their parameters train and some do
+    not, in one member or between members. A block holds q, k and v (gate and up) as one parameter, which trains
+    or does not; a frozen one it trained (members that train only their head, and a LoRA member's base beside an
+    adapted attention). PEFT's adapter weights are its own business (its blocks keep them apart)."""
+    flags = {}
+    for i, mod in enumerate(mods):
+        for name, param in mod.named_parameters():
+            if "lora_" not in name:
+                flags.setdefault(param.requires_grad, (i, name))
+    if len(flags) < 2:
+        return None
+    (i, trained), (j, frozen) = flags[True], flags[False]
+    return (f"{trained} trains (member {i}) and {frozen} does not (member {j}): one fused parameter would train "
+            "both or neither; planned by its parts")
+

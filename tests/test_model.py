@@ -55,6 +55,30 @@ def test_each_members_gradients_are_its_own(case_id):
             torch.testing.assert_close(got[name], grad, atol=1e-5, rtol=1e-4, msg=lambda m, name=name: f"{name}: {m}")
 
 
+@pytest.mark.parametrize("frozen", ["all but the head", "q only"])
+@pytest.mark.parametrize("case_id", ["bert-seqcls", "llama-causallm", "vit-imgcls", "deberta-v2-seqcls"])
+def test_a_frozen_parameter_stays_frozen(case_id, frozen):
+    # A fused block stacked q, k and v (gate and up, ViT's embeddings) as a new parameter that trained whatever its
+    # sources: members that train their head alone had their frozen attentions moved by the optimizer, and member(i)
+    # still said frozen. Now a block takes them only where all train or none do; else they are planned by parts.
+    case = CASES[case_id]
+    members = [case.build(seed) for seed in range(NUM_MEMBERS)]
+    for member in members:
+        for name, param in member.named_parameters():
+            head = name.startswith(("classifier", "lm_head", "pooler", "score", "model.norm"))  # (a tied lm_head)
+            param.requires_grad_(head if frozen == "all but the head" else "query" in name or "q_proj" in name)
+    before = [copy.deepcopy(m.state_dict()) for m in members]
+    trained = [{n for n, p in m.named_parameters() if p.requires_grad} for m in members]
+    wide = WideModel.from_models(members, share_identical=False)
+    optimizer = torch.optim.SGD([p for p in wide.parameters() if p.requires_grad], lr=1.0)
+    main_output(wide(**case.inputs(2, padded=True))).square().sum().backward()
+    optimizer.step()
+    for i in range(NUM_MEMBERS):
+        after = wide.member(i).state_dict()
+        moved = {k for k, v in after.items() if not torch.equal(v, before[i][k])}
+        assert moved and moved <= trained[i], sorted(moved - trained[i])
+
+
 @pytest.mark.parametrize("case_id", ["bert-seqcls", "llama-causallm", "resnet-imgcls", "vit-imgcls"])
 def test_member_runs_alone_and_shares_no_storage(fused, case_id):
     members, wide = fused(case_id)

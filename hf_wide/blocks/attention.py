@@ -40,7 +40,7 @@ from ..primitives.linear import WideLinear, wide_linear
 from ..primitives.norm import WideLayerNorm
 from ..registry import register_block
 from ..versions import pop_cache
-from .base import WideBlock, member_slices, stack_cat
+from .base import WideBlock, fused_parameter, member_slices
 from .lora import WideLoraLinear
 from .lora_projections import (
     WideLoraProjections,
@@ -113,9 +113,8 @@ class WideAttention(WideBlock):
         self.sizes = [mods[0].get_submodule(n).out_features for n in layout.qkv]
         projections = [[m.get_submodule(n) for n in layout.qkv] for m in mods]
         if type(projections[0][0]) is nn.Linear:
-            self.qkv_weight = nn.Parameter(stack_cat(mods, layout.qkv, "weight"))
-            bias = stack_cat(mods, layout.qkv, "bias")
-            self.qkv_bias = None if bias is None else nn.Parameter(bias)
+            self.qkv_weight = fused_parameter(mods, layout.qkv, "weight")
+            self.qkv_bias = fused_parameter(mods, layout.qkv, "bias")
         else:  # LoRA members: the base's q, k and v in one matmul, the members' updates in one more
             self.lora_qkv = WideLoraProjections(self.fold, projections)
             object.__setattr__(self, "protos", meta_copies(mods, self.proto))  # each member's ranks

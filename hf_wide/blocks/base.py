@@ -92,6 +92,14 @@ def member_slices(prefix: str, module: nn.Module, i: int) -> dict[str, torch.Ten
     return {f"{prefix}.{name}": t[i] for name, t in tensors.items() if t is not None}
 
 
+def fused_parameter(mods: Sequence[nn.Module], names: Sequence[str], attr: str) -> nn.Parameter | None:
+    """:func:`stack_cat` as a parameter that trains as its sources do (alike in every member and name: the planner
+    refuses a block over parameters some of which are frozen, :func:`~hf_wide.structure.partly_frozen`)."""
+    value = stack_cat(mods, names, attr)
+    source = getattr(mods[0].get_submodule(names[0]), attr)
+    return None if value is None else nn.Parameter(value, requires_grad=source.requires_grad)
+
+
 def stack_cat(mods: Sequence[nn.Module], names: Sequence[str], attr: str) -> torch.Tensor | None:
     """For each member, concatenate ``getattr(sub, attr)`` of its submodules ``names`` along dim 0, then
     stack the members: N x (sum of D_out_j, ...) -> (N, sum D_out_j, ...). None if the first is None."""

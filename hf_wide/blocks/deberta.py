@@ -58,8 +58,8 @@ class WideDebertaAttention(WideBlock):
         for name in PROJECTIONS:
             if isinstance(getattr(mods[0], name, None), nn.Linear):
                 setattr(self, name, WideLinear.from_modules([getattr(m, name) for m in mods], self.fold))
-        self.q_bias = nn.Parameter(torch.stack([m.q_bias.detach() for m in mods]))
-        self.v_bias = nn.Parameter(torch.stack([m.v_bias.detach() for m in mods]))
+        self.q_bias = nn.Parameter(torch.stack([m.q_bias.detach() for m in mods]), mods[0].q_bias.requires_grad)
+        self.v_bias = nn.Parameter(torch.stack([m.v_bias.detach() for m in mods]), mods[0].v_bias.requires_grad)
         if self.relative_attention:
             self.pos_dropout = copy.deepcopy(mods[0].pos_dropout)
         self.dropout = copy.deepcopy(mods[0].dropout)

@@ -34,7 +34,7 @@ from transformers.models.deberta_v2.modeling_deberta_v2 import (
 from ..packing import active as packing_of_this_call
 from ..primitives.linear import WideLinear, wide_linear
 from ..registry import register_block, register_stacked_read
-from .base import WideBlock, member_slices, stack_cat
+from .base import WideBlock, fused_parameter, member_slices
 from .deberta import four_dims
 
 QKV = ("query_proj", "key_proj", "value_proj")
@@ -65,8 +65,8 @@ class WideDebertaV2Attention(WideBlock):
 
     def build(self, mods: Sequence[nn.Module]) -> None:
         self.sizes = [mods[0].get_submodule(n).out_features for n in QKV]
-        self.qkv_weight = nn.Parameter(stack_cat(mods, QKV, "weight"))
-        self.qkv_bias = nn.Parameter(stack_cat(mods, QKV, "bias"))  # the source's projections all have one
+        self.qkv_weight = fused_parameter(mods, QKV, "weight")
+        self.qkv_bias = fused_parameter(mods, QKV, "bias")  # the source's projections all have one
         for name in POSITION_PROJECTIONS:
             if hasattr(mods[0], name):
                 setattr(self, name, WideLinear.from_modules([getattr(m, name) for m in mods], self.fold))

@@ -19,7 +19,7 @@ from transformers.models.vit.modeling_vit import ViTMLP
 from ..primitives.base import meta_copies
 from ..primitives.linear import WideLinear, wide_linear
 from ..registry import register_block
-from .base import WideBlock, member_slices, stack_cat
+from .base import WideBlock, fused_parameter, member_slices
 from .lora import WideLoraLinear
 from .lora_projections import (
     WideLoraProjections,
@@ -53,9 +53,8 @@ class WideGatedMLP(WideBlock):
     def build(self, mods: Sequence[nn.Module]) -> None:
         self.intermediate = mods[0].gate_proj.out_features
         if type(mods[0].gate_proj) is nn.Linear:
-            self.gate_up_weight = nn.Parameter(stack_cat(mods, ("gate_proj", "up_proj"), "weight"))
-            bias = stack_cat(mods, ("gate_proj", "up_proj"), "bias")
-            self.gate_up_bias = None if bias is None else nn.Parameter(bias)
+            self.gate_up_weight = fused_parameter(mods, ("gate_proj", "up_proj"), "weight")
+            self.gate_up_bias = fused_parameter(mods, ("gate_proj", "up_proj"), "bias")
         else:  # LoRA members: the base's gate and up in one matmul, the members' updates in one more
             self.lora_gate_up = WideLoraProjections(self.fold, [[m.gate_proj, m.up_proj] for m in mods])
             object.__setattr__(self, "protos", meta_copies(mods, self.proto))  # each member's ranks

@@ -20,7 +20,7 @@ from transformers.models.mpnet.modeling_mpnet import MPNetSelfAttention
 from ..packing import active as packing_of_this_call
 from ..primitives.linear import WideLinear, wide_linear
 from ..registry import register_block
-from .base import WideBlock, member_slices, stack_cat
+from .base import WideBlock, fused_parameter, member_slices
 
 QKV = ("q", "k", "v")
 
@@ -38,8 +38,8 @@ class WideMPNetAttention(WideBlock):
         return None
 
     def build(self, mods: Sequence[nn.Module]) -> None:
-        self.qkv_weight = nn.Parameter(stack_cat(mods, QKV, "weight"))
-        self.qkv_bias = nn.Parameter(stack_cat(mods, QKV, "bias"))
+        self.qkv_weight = fused_parameter(mods, QKV, "weight")
+        self.qkv_bias = fused_parameter(mods, QKV, "bias")
         self.o = WideLinear.from_modules([m.o for m in mods], self.fold)
         self.dropout = copy.deepcopy(mods[0].dropout)
 

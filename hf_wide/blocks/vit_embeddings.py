@@ -24,7 +24,8 @@ from .base import WideBlock, member_slices
 
 def _stack(mods: Sequence[nn.Module], name: str) -> nn.Parameter | None:
     tensors = [getattr(m, name) for m in mods]
-    return None if tensors[0] is None else nn.Parameter(torch.stack([t.detach() for t in tensors]))
+    return None if tensors[0] is None else nn.Parameter(torch.stack([t.detach() for t in tensors]),
+                                                        tensors[0].requires_grad)
 
 
 class _WidePatchEmbeddings(nn.Module):
