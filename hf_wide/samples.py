@@ -33,8 +33,7 @@ def sample_inputs(model: nn.Module, batch: int = SAMPLE_BATCH, seq_len: int = SA
         channels = getattr(config, "num_channels", 3)
         sample = {"pixel_values": torch.randn(batch, channels, size, size, device=device, dtype=dtype)}
     elif main == "input_ids":
-        ids = torch.randint(0, _vocab_size(config), (batch, seq_len), device=device)
-        sample = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+        sample = _token_ids(model, config, batch, seq_len, device)
     elif main == "input_values":  # raw audio (wav2vec2, HuBERT, WavLM, ...): (B, samples)
         sample = {"input_values": torch.randn(batch, AUDIO_SAMPLES, device=device, dtype=dtype)}
     elif main == "input_features" and hasattr(config, "num_mel_bins") and hasattr(config, "max_source_positions"):
@@ -56,10 +55,39 @@ def sample_inputs(model: nn.Module, batch: int = SAMPLE_BATCH, seq_len: int = SA
         # ViT-MAE masks patches at random, unless given the noise to rank them by: the same for every member
         side = sample["pixel_values"].shape[-1] // patch
         sample["noise"] = torch.rand(batch, side * side, device=device)
-    if getattr(config, "is_encoder_decoder", False):
+    if getattr(config, "is_encoder_decoder", False) and not _reads_eos(model):
         vocab = _vocab_size(config)
         sample["decoder_input_ids"] = torch.randint(0, vocab, (batch, max(2, seq_len // 2)), device=device)
     return sample
+
+
+def _reads_eos(model: nn.Module) -> bool:
+    """An encoder-decoder's classifier (BART's, T5's, ...): it reads each text's last eos, and makes its decoder's
+    inputs from its own (given others, the eos positions of the one do not fit the states of the other)."""
+    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return getattr(inner.config, "is_encoder_decoder", False) and type(inner).__name__.endswith(
+        ("ForSequenceClassification", "ForQuestionAnswering"))
+
+
+def _token_ids(model: nn.Module, config, batch: int, seq_len: int, device) -> dict:
+    """Random ids without the special ones (an eos or pad drawn by chance changes what a head reads), an eos at each
+    text's end for an encoder-decoder's classifier (BART's needs exactly one per text), and ``(B, 2, T)`` choices
+    for a multiple-choice head."""
+    vocab = _vocab_size(config)
+    ids = torch.randint(0, vocab, (batch, seq_len), device=device)
+    text = config.get_text_config()
+    specials = {getattr(text, f"{name}_token_id", None) for name in ("pad", "bos", "eos", "decoder_start")}
+    specials = sorted(i for i in specials if isinstance(i, int) and 0 <= i < vocab)
+    plain = next((i for i in range(vocab) if i not in specials), None)
+    if specials and plain is not None:
+        ids[torch.isin(ids, torch.tensor(specials, device=device))] = plain
+    eos = getattr(text, "eos_token_id", None)
+    if _reads_eos(model) and isinstance(eos, int):
+        ids[:, -1] = eos
+    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+    if type(inner).__name__.endswith("ForMultipleChoice"):
+        ids = torch.stack([ids, ids.roll(1, dims=-1)], 1)  # (B, 2, T)
+    return {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
 
 
 def _vocab_size(config) -> int:

@@ -443,3 +443,28 @@ def test_vit_mae_is_sampled_with_the_noise_that_ranks_its_patches():
     wide = fuse(models)
     inputs = {"pixel_values": torch.randn(3, 3, 32, 32), "noise": torch.rand(3, 16)}
     assert worst(wide, models, inputs, key="last_hidden_state") <= 1e-5
+
+
+BUILT_SAMPLE = {  # heads whose inputs the sample hf-wide builds from a config did not fit
+    "bert-choices": lambda: tf.BertForMultipleChoice(tf.BertConfig(**TEXT)),
+    "bart-seqcls": lambda: tf.BartForSequenceClassification(tf.BartConfig(
+        vocab_size=V, d_model=32, encoder_layers=1, decoder_layers=1, encoder_attention_heads=4,
+        decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=64, pad_token_id=1,
+        bos_token_id=0, eos_token_id=2, decoder_start_token_id=2, num_labels=3)),
+    "t5-seqcls": lambda: tf.T5ForSequenceClassification(tf.T5Config(
+        vocab_size=V, d_model=32, d_kv=8, d_ff=64, num_layers=1, num_heads=4, pad_token_id=0, eos_token_id=1,
+        decoder_start_token_id=0, num_labels=3)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(BUILT_SAMPLE))
+def test_heads_that_read_their_eos_or_take_choices_fuse_from_the_sample_built_from_their_config(name):
+    # A multiple-choice head takes (B, C, T); BART's classifier needs exactly one eos per text, and builds its
+    # decoder's inputs itself (T5's too): from_pretrained, which cannot be given a sample, refused all three.
+    models = members(BUILT_SAMPLE[name])
+    wide = fuse(models)
+    eos = models[0].config.eos_token_id
+    ids = torch.randint(5, V, (3, 2, 7) if name.endswith("choices") else (3, 7))
+    if name.endswith("seqcls"):
+        ids[:, -1] = eos
+    assert worst(wide, models, {"input_ids": ids, "attention_mask": torch.ones_like(ids)}) <= 1e-5
