@@ -3,8 +3,10 @@ none)."""
 
 from __future__ import annotations
 
+import hashlib
 import os
 from collections.abc import Sequence
+from pathlib import Path
 
 from huggingface_hub import _CACHED_NO_EXIST, hf_hub_download, try_to_load_from_cache
 from huggingface_hub.errors import EntryNotFoundError
@@ -18,12 +20,20 @@ LOADED_FROM = frozenset({"name_or_path", "is_local", "local_files_only", "cache_
 
 def _fingerprint(obj, kind: str):
     if kind == "tokenizer":
-        settings = {k: v for k, v in obj.init_kwargs.items()
+        settings = {k: _content(k, v) for k, v in obj.init_kwargs.items()
                     if isinstance(v, (str, int, float, bool, type(None))) and k not in LOADED_FROM}
         return obj.get_vocab(), settings
     settings = obj.to_dict()
     settings.pop("_processor_class", None)
     return settings
+
+
+def _content(key: str, value):
+    """A setting as it matters: a file's (``vocab_file``, ``merges_file``: a BERT folder's vocab.txt, which
+    transformers records by the member's own path) by its bytes, not where it lies."""
+    if key.endswith("_file") and isinstance(value, str) and os.path.isfile(value):
+        return hashlib.sha256(Path(value).read_bytes()).hexdigest()
+    return value
 
 
 def _refuse_if_empty(tokenizer, vocab: dict, name: str) -> None:

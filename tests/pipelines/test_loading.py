@@ -53,6 +53,24 @@ def test_members_whose_tokenizers_differ_are_refused(members, tmp_path):
         pipeline("text-classification", model=paths)
 
 
+def test_members_whose_folders_each_hold_the_same_vocab_file_share_their_tokenizer(members, tmp_path):
+    # A folder with a vocab.txt (BERT's, as transformers 4 saved them: most fine-tunes on the Hub) has transformers
+    # record that file's path in the tokenizer's init_kwargs: the members' paths differ, and identical tokenizers
+    # were refused as different. Their files' bytes are compared now; a vocabulary that differs still refuses.
+    tokenizer = bert_tokenizer(tmp_path / "tok")
+    paths = save_members(tmp_path / "same", members, tokenizer)
+    for path in paths:
+        (Path(path) / "vocab.txt").write_bytes((tmp_path / "tok" / "vocab.txt").read_bytes())
+    assert transformers.AutoTokenizer.from_pretrained(paths[0]).init_kwargs["vocab_file"].startswith(paths[0])
+    assert pipeline("text-classification", model=paths)(TEXTS) == pipeline(
+        "text-classification", model=paths, tokenizer=tokenizer)(TEXTS)
+    other = Path(paths[1]) / "vocab.txt"
+    other.write_text(other.read_text().replace("movie", "film-x"))
+    (Path(paths[1]) / "tokenizer.json").unlink(missing_ok=True)  # (read from the vocab.txt)
+    with pytest.raises(ValueError, match=r"Member 1 .* has a different tokenizer from member 0"):
+        pipeline("text-classification", model=paths)
+
+
 def test_image_members_without_an_image_processor_are_refused(tmp_path):
     path = tmp_path / "vit"
     CASES["vit-imgcls"].build(0).save_pretrained(path)
