@@ -149,7 +149,7 @@ def _stand_in(template: nn.Module, identical: set[str]) -> nn.Module:
     for key, t in state_tensors(template).items():
         if key not in identical:
             empty = torch.empty(0, dtype=t.dtype)
-            empty = nn.Parameter(empty, requires_grad=False) if isinstance(t, nn.Parameter) else empty
+            empty = nn.Parameter(empty, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else empty
             setattr(empty, STAND_IN, True)  # its shape is not the member's: the planner must not compare it
             memo[id(t)] = empty
     for t in (*template.parameters(), *template.buffers()):

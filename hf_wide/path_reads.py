@@ -41,9 +41,10 @@ def _name(func) -> str:
 class _Reads(TorchFunctionMode):
     """Records ``found[tensor name]`` += the innermost module running, for every torch function given a tensor."""
 
-    def __init__(self, names: dict[int, str], running: list[str], found: dict[str, set[str]]):
+    def __init__(self, names: dict[int, str], running: list[str], found: dict[str, set[str]],
+                 held: dict[int, dict[str, str]]):
         super().__init__()
-        self.names, self.running, self.found = names, running, found
+        self.names, self.running, self.found, self.held = names, running, found, held
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -51,7 +52,8 @@ class _Reads(TorchFunctionMode):
             for leaf in pytree.tree_leaves((args, kwargs)):
                 name = self.names.get(id(leaf)) if isinstance(leaf, torch.Tensor) else None
                 if name is not None:
-                    self.found[name].add(self.running[-1])
+                    reader = self.running[-1]
+                    self.found[name].add(self.held.get(id(leaf), {}).get(reader, reader))
         return func(*args, **kwargs)
 
 
@@ -75,6 +77,7 @@ def probe_reads(model: nn.Module, args: tuple, kwargs: dict) -> dict[str, set[st
     found: dict[str, set[str]] = defaultdict(set)
     paths = probed_paths(model, kwargs)
     names = {id(t): n for n, t in (*model.named_parameters(), *model.named_buffers())}
+    held = _containers(model)
     running: list[str] = []
 
     def leave(module, args, output) -> None:  # (a hook that returned the path would replace the output)
@@ -87,7 +90,7 @@ def probe_reads(model: nn.Module, args: tuple, kwargs: dict) -> dict[str, set[st
     try:
         for other in paths:
             try:
-                with torch.no_grad(), _Reads(names, running, found):
+                with torch.no_grad(), _Reads(names, running, found, held):
                     model(*args, **other)
             except Exception as exc:  # the model does not take that path: nothing learned
                 logger.info("hf-wide: %s does not run %s (%s: %s)", type(model).__name__,
@@ -97,6 +100,18 @@ def probe_reads(model: nn.Module, args: tuple, kwargs: dict) -> dict[str, set[st
         for handle in handles:
             handle.remove()
     return dict(found)
+
+
+def _containers(model: nn.Module) -> dict[int, dict[str, str]]:
+    """For a tensor a ``ParameterDict`` or ``ParameterList`` holds (PEFT's trainable tokens), the module around that
+    container -> the container's path: its parent reads it, as a module reads its own (the trace sees no such read)."""
+    held: dict[int, dict[str, str]] = {}
+    modules = dict(model.named_modules(remove_duplicate=False))
+    for name, t in model.named_parameters(remove_duplicate=False):
+        owner = name.rpartition(".")[0]
+        if isinstance(modules.get(owner), (nn.ParameterDict, nn.ParameterList)):
+            held.setdefault(id(t), {})[owner.rpartition(".")[0]] = owner
+    return held
 
 
 def with_reads(users: dict[str, set[str]], reads: dict[str, set[str]]) -> dict[str, set[str]]:

@@ -199,18 +199,19 @@ def tied_to_differing(member_modules: Sequence[dict[str, nn.Module]], aliases: d
 
 
 def partly_frozen(mods: Sequence[nn.Module]) -> str | None:
-    """Why a fused block cannot take these modules (None if it can): some of their parameters train and some do
-    not, in one member or between members. A block holds q, k and v (gate and up) as one parameter, which trains
-    or does not; a frozen one it trained (members that train only their head, and a LoRA member's base beside an
-    adapted attention). PEFT's adapter weights are its own business (its blocks keep them apart)."""
-    flags = {}
+    """Why a fused block cannot take these modules (None if it can): parameters of one name (the weights of q, k
+    and v, their biases) some of which train and some not, in one member. A block holds them as one parameter
+    (q, k and v's weights; gate and up's), which trains or does not: a frozen one it trained. Weights frozen beside
+    biases that train (PEFT's ``bias="all"``) are two parameters; PEFT's adapter weights are its own blocks'
+    business; and what differs between members is one stacked tensor wherever it runs, trained as member 0's
+    (``WideModel.train`` says so)."""
     for i, mod in enumerate(mods):
+        flags: dict[str, dict[bool, str]] = {}
         for name, param in mod.named_parameters():
             if "lora_" not in name:
-                flags.setdefault(param.requires_grad, (i, name))
-    if len(flags) < 2:
-        return None
-    (i, trained), (j, frozen) = flags[True], flags[False]
-    return (f"{trained} trains (member {i}) and {frozen} does not (member {j}): one fused parameter would train "
-            "both or neither; planned by its parts")
-
+                flags.setdefault(name.rpartition(".")[2], {}).setdefault(param.requires_grad, name)
+        mixed = next((seen for seen in flags.values() if len(seen) == 2), None)
+        if mixed is not None:
+            return (f"member {i} trains {mixed[True]} and not {mixed[False]}: one fused parameter would train both "
+                    "or neither; planned by its parts")
+    return None

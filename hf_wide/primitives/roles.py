@@ -42,6 +42,8 @@ def recording(model: nn.Module, found: dict[str, dict[str, Roles]]) -> Iterator[
     shape_env = []
 
     def hook(module, args, kwargs):
+        if id(module) not in paths:  # a copy of a module the forward made (hooks and all): not the model's
+            return
         leaves, spec = pytree.tree_flatten((args, kwargs))
         firsts = []
         for t in leaves:
