@@ -9,8 +9,14 @@ import sys
 import time
 from pathlib import Path
 
+from safetensors import SafetensorError
+
 from .cpu import tune_cpu_allocator
 from .pipelines import TASKS, pipeline
+
+# What a member's files can raise beyond ValueError and OSError: a checkpoint cut short (hf-wide's reader, or
+# safetensors' own on its header)
+BAD_FILES = (EOFError, SafetensorError)
 
 
 def _trace(args: argparse.Namespace) -> int:
@@ -21,7 +27,7 @@ def _trace(args: argparse.Namespace) -> int:
     try:
         models, ids, _ = load_members(args.models, revision=args.revision, local_files_only=args.offline)
         check_compatible(models, ids, allow_label_mismatch=True)  # the plan is one for all: labels aside
-    except (ValueError, OSError) as exc:  # a member not found, members of different architectures
+    except (ValueError, OSError, *BAD_FILES) as exc:  # a member not found or cut short, other architectures
         print(f"hf-wide trace: error: {exc}", file=sys.stderr)
         return 2
     plan = plan_members(models, share_identical=len(models) > 1)
@@ -52,7 +58,7 @@ def _run(args: argparse.Namespace) -> int:
         start = time.perf_counter()
         results = pipe(inputs, **options)
         seconds = time.perf_counter() - start
-    except (ValueError, TypeError, OSError) as exc:
+    except (ValueError, TypeError, OSError, *BAD_FILES) as exc:
         print(f"hf-wide run: error: {exc}", file=sys.stderr)
         return 2
     if args.json:

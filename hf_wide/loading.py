@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 import transformers
+from safetensors import SafetensorError
 from huggingface_hub.utils import tqdm as hf_tqdm
 from torch import nn
 
@@ -193,14 +194,12 @@ def load_member(folder, name, torch_dtype, *, device, use_safetensors, trust_rem
         klass = model_class_for(config, name)
     report = _HeldReport(str(folder)) if may_miss else contextlib.nullcontext()
     with _no_transformers_bars(), report:
-        model, info = klass.from_pretrained(
-            str(folder),
-            dtype=torch_dtype,
-            use_safetensors=use_safetensors,
-            trust_remote_code=trust_remote_code,
-            output_loading_info=True,
-            **model_kwargs,
-        )
+        try:
+            model, info = klass.from_pretrained(str(folder), dtype=torch_dtype, use_safetensors=use_safetensors,
+                                                trust_remote_code=trust_remote_code, output_loading_info=True,
+                                                **model_kwargs)
+        except SafetensorError as exc:  # a file cut short, say: safetensors names neither the member nor the file
+            raise OSError(f"{name}: its weights in {folder} cannot be read: {exc}") from exc
         reported_missing = set(info.get("missing_keys") or ())
         missing = sorted(reported_missing - (may_miss or set()))
         if may_miss and reported_missing and not missing:

@@ -57,6 +57,25 @@ def test_trace_and_benchmark_say_what_is_wrong_with_the_members(tmp_path, capsys
         assert "error: member 1" in err and "is a DistilBertForSequenceClassification" in err
 
 
+def test_a_member_whose_weights_are_cut_short_is_one_line_of_error(tmp_path, capsys):
+    # hf-wide's reader raised EOFError, and safetensors' own SafetensorError (member 0, read by transformers):
+    # tracebacks, exit 1.
+    paths = []
+    for seed in range(2):
+        CASES["bert-seqcls"].build(seed).save_pretrained(tmp_path / f"m{seed}")
+        paths.append(str(tmp_path / f"m{seed}"))
+    cut = tmp_path / "cut"
+    cut.mkdir()
+    (cut / "config.json").write_bytes((tmp_path / "m1" / "config.json").read_bytes())
+    weights = (tmp_path / "m1" / "model.safetensors").read_bytes()
+    (cut / "model.safetensors").write_bytes(weights[: len(weights) - 5000])  # the header whole, the data cut
+    capsys.readouterr()  # (saving's progress bars)
+    for models, said in (([paths[0], str(cut)], "member 1 ("), ([str(cut), paths[0]], "member 0 (")):
+        assert main(["trace", *models]) == 2
+        err = [line for line in capsys.readouterr().err.splitlines() if "error" in line or "Error" in line]
+        assert len(err) == 1 and err[0].startswith("hf-wide trace: error:") and said in err[0], err
+
+
 def test_console_script_help():
     result = subprocess.run([sys.executable, "-m", "hf_wide.cli", "--help"], capture_output=True, text=True)
     assert result.returncode == 0
