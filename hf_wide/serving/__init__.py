@@ -63,8 +63,11 @@ class PortInUse(OSError):
 
 
 def require_free(host: str, port: int) -> None:
-    """Raise :class:`PortInUse` where something listens on ``host:port`` already (another server, say). Any other
-    failure to bind it here is left for Ray's proxy to meet and report."""
+    """Raise :class:`PortInUse` where something listens on ``host:port`` already (another server, say), and a
+    ``ValueError`` where it cannot be bound at all (a port past 65535, an address not this machine's), which Ray's
+    proxy would meet after starting Ray, with a traceback."""
+    if not 0 <= port <= 65535:
+        raise ValueError(f"The port must be 0-65535, got {port}.")
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     try:  # bound as a server binds it (SO_REUSEADDR: a socket still closing is no bar)
         with socket.create_server((host, port), family=family):
@@ -72,6 +75,17 @@ def require_free(host: str, port: int) -> None:
     except OSError as exc:
         if exc.errno == errno.EADDRINUSE:
             raise PortInUse(exc.errno, f"{host}:{port} is in use (another server?)") from None
+        raise ValueError(f"Cannot listen on {host}:{port}: {exc.strerror or exc} (is {host} an address of this "
+                         "machine?)") from None
+
+
+def require_cpus(replicas: int, num_cpus: float | None) -> None:
+    """A ``ValueError`` where the replicas ask a local Ray for more CPUs than this machine has: Ray would wait for
+    them forever, the server never answering."""
+    wanted, have = replicas * (1.0 if num_cpus is None else num_cpus), os.cpu_count() or 1
+    if wanted > have:
+        raise ValueError(f"{replicas} replica(s) x {num_cpus or 1:g} CPU(s) ask Ray for {wanted:g} CPUs, and this "
+                         f"machine has {have}: ask for fewer (--replicas, --num-cpus).")
 
 
 def _bindable(port: int) -> bool:
@@ -141,6 +155,7 @@ def serve(model_ids: Sequence[str] | str, task: str = "text-classification", *, 
     app = build_app(model_ids, task, **kwargs)
     if local:  # what would fail in the replicas, said before Ray starts rather than after their attempts
         require_free(host, port)
+        require_cpus(kwargs.get("replicas", 1), kwargs.get("num_cpus"))
         check_head(fetch_members(model_ids, kwargs)[0], task)
         with ray_environment(high_throughput):
             ray.init(include_dashboard=False, logging_level="ERROR")

@@ -81,7 +81,7 @@ class WideServer:
             return _error(str(exc), exc.status)
         answers = await self.batched((checked.items, checked.options))
         if isinstance(answers, (TypeError, ValueError)):  # the request's inputs or options, refused
-            return _error(str(answers), 422)
+            return _error(self.format.refusal(str(answers)), 422)
         if isinstance(answers, Exception):
             return _error(f"The model failed on this request: {type(answers).__name__}: {answers}", 500)
         return JSONResponse(self.format.respond(checked, answers))
@@ -106,9 +106,12 @@ def build_app(model_ids: Sequence[str] | str, task: str = "text-classification",
     check_task(task)
     if max_batch_size < 1 or replicas < 1:
         raise ValueError(f"max_batch_size and replicas must be at least 1, got {max_batch_size} and {replicas}.")
-    if Combine.parse(pipeline_options.get("combine", Combine.MEAN)) == Combine.NONE:
+    combine = Combine.parse(pipeline_options.get("combine", Combine.MEAN))
+    if combine == Combine.NONE:
         raise ValueError("hf-wide serve answers with the ensemble's answer, and combine='none' has none: choose a "
                          "combination rule (mean, vote, ...); every member's answer comes with it.")
+    if (combine == Combine.WEIGHTED) != (pipeline_options.get("weights") is not None):
+        raise ValueError("combine='weighted' takes weights, one per member (--weights), and the other rules none.")
     pipeline_options.setdefault("batch_size", max_batch_size)  # one Ray batch, one forward where it fits
     actor_options = {} if num_cpus is None else {"num_cpus": num_cpus}
     return WideServer.options(num_replicas=replicas, ray_actor_options=actor_options).bind(
@@ -149,5 +152,10 @@ def _flag(value) -> bool:
     raise ValueError(f"Expected true or false, got {value!r}.")
 
 
+def _numbers(value) -> list[float]:
+    """Weights as a YAML list or comma-separated text."""
+    return [float(v) for v in (value.split(",") if isinstance(value, str) else value)]
+
+
 _ARGS = {"task": str, "replicas": int, "max_batch_size": int, "batch_wait_ms": float, "num_cpus": float,
-         "combine": str, "compile": _flag, "revision": str, "batch_size": int}
+         "combine": str, "weights": _numbers, "compile": _flag, "revision": str, "batch_size": int}

@@ -20,6 +20,8 @@ def register_cli(sub) -> None:
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--combine", default="mean", help="mean, logit_mean, vote, weighted or median")
+    serve.add_argument("--weights", type=float, nargs="+", default=None, metavar="W",
+                       help="one weight per member, for --combine weighted")
     serve.add_argument("--compile", action="store_true", help="torch.compile the wide model in each replica")
     serve.add_argument("--replicas", type=int, default=1, help="Ray Serve replicas (each holds the wide model)")
     serve.add_argument("--num-cpus", type=float, default=None,
@@ -46,6 +48,8 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"hf-wide serve: error: {INSTALL}", file=sys.stderr)
         return 2
     options = {"combine": args.combine, "compile": args.compile}
+    if args.weights is not None:
+        options["weights"] = args.weights
     if args.revision is not None:
         options["revision"] = args.revision
     if args.high_throughput and args.address is not None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from typing import Any
 
 MAX_INPUTS = 256  # texts in one request
@@ -59,6 +60,13 @@ class TaskFormat:
     parameters: dict[str, Any] = {}
     refused: dict[str, str] = {}
     top_level: tuple[str, ...] = ()
+    # what a request that is too long may do: the pipeline's hint (pass truncation=True) names an option of its
+    # own, which this server's requests do not take
+    too_long = "this server refuses an input longer than the model takes rather than cut it: shorten it"
+
+    def refusal(self, message: str) -> str:
+        """The pipeline's refusal of a request's inputs or options, as a client of this server can act on it."""
+        return re.sub(r"[pP]ass truncation=True to [^.]*", self.too_long, message)
 
     def setup(self, pipe) -> None:
         """Read what the responses need from the pipeline (its labels, say)."""

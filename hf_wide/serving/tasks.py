@@ -180,6 +180,7 @@ class FeatureExtraction(TaskFormat):
     ``{"embeddings": [...], "members": [[N embeddings] per input]}``."""
 
     task = "feature-extraction"
+    too_long = "pass truncate=true to cut it"
     parameters = {"normalize": boolean, "truncate": boolean, "truncation_direction": lambda n, v: _direction(v),
                   "pooling": one_of("mean", "cls", "none"), "return_members": boolean,
                   "encoding_format": one_of("float")}

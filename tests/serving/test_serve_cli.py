@@ -117,13 +117,22 @@ def test_a_port_in_use_is_refused_before_ray_starts(capsys, no_ray):
     (["--task", "text-generation"], "text-generation runs members with a language-modeling head (...ForCausalLM); "
                                     "these are BertForSequenceClassification models"),
     (["--combine", "none"], "hf-wide serve answers with the ensemble's answer, and combine='none' has none"),
-], ids=["member-not-there", "another-tasks-head", "no-combination"])
+    # each of these started Ray first: weighted without weights failed in the replicas after half a minute, a port past
+    # 65535 or another machine's address in Ray's proxy with a traceback, and more CPUs than the machine has waited
+    (["--combine", "weighted"], "combine='weighted' takes weights, one per member (--weights)"),
+    (["--weights", "1"], "combine='weighted' takes weights, one per member (--weights), and the other rules none"),
+    (["--port", "99999"], "The port must be 0-65535, got 99999."),
+    (["--host", "10.254.254.254"], "Cannot listen on 10.254.254.254:"),
+    (["--num-cpus", "100000"], "1 replica(s) x 100000 CPU(s) ask Ray for 100000 CPUs, and this machine has"),
+], ids=["member-not-there", "another-tasks-head", "no-combination", "weighted-without-weights", "weights-alone",
+        "port-out-of-range", "host-not-here", "more-cpus-than-here"])
 def test_what_would_fail_in_the_replicas_is_said_before_ray_starts(tmp_path, capsys, no_ray, extra, says):
     from hf_wide.cli import main
 
     paths = save_members(tmp_path, build_members("bert-seqcls", 1), bert_tokenizer(tmp_path / "tok"))
     missing = str(tmp_path / "m9")
-    assert main(["serve", *paths, *(e.format(missing=missing) for e in extra), "--port", str(free_port())]) == 2
+    port = [] if "--port" in extra else ["--port", str(free_port())]
+    assert main(["serve", *paths, *(e.format(missing=missing) for e in extra), *port]) == 2
     assert "hf-wide serve: error: " + says.format(missing=missing) in capsys.readouterr().err
 
 

@@ -183,6 +183,11 @@ def test_over_long_inputs_are_refused_by_the_pipeline(pipes):
     request = fmt.parse({"inputs": " ".join(["cat"] * 3000)})
     (answer,) = run_requests(pipe, [(request.items, request.options)])
     assert isinstance(answer, ValueError) and "maximum" in str(answer)
+    # the pipeline's hint names its own option, which this task's requests do not take
+    assert "truncation=True" in str(answer) and "truncation=True" not in fmt.refusal(str(answer))
+    assert "shorten it" in fmt.refusal(str(answer))
+    features = task_format("feature-extraction", pipes["feature-extraction"])
+    assert "pass truncate=true to cut it" in features.refusal(str(answer))
 
 
 def test_combine_none_is_refused_at_setup(pipes):
