@@ -50,6 +50,10 @@ def _make_demo_members(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
+    if args.weights is not None and args.combine != "weighted":  # the pipeline would run the rule without them
+        print(f"hf-wide run: error: --weights apply to --combine weighted, not to --combine {args.combine}.",
+              file=sys.stderr)
+        return 2
     try:
         inputs = _read_inputs(args.task, args.input)
         options = _call_options(args)

@@ -95,6 +95,7 @@ def test_the_rich_table_where_rich_is_installed(saved, capsys):
     (["text-generation", "--top-k", "2"], "--top-k applies to text- and image-classification"),
     (["text-classification", "--combine", "best"], "Unknown combine rule 'best'"),
     (["text-classification", "--combine", "weighted", "--weights", "1"], "one number per member"),
+    (["text-classification", "--weights", "1", "2"], "--weights apply to --combine weighted, not to --combine mean"),
     (["image-classification", "--input", "no/such/folder"], "No image file or folder"),
     (["text-classification", "--input", ""], "empty text"),
     (["text-classification", "--input", "no-such-inputs.txt"], "No file no-such-inputs.txt"),  # not run as a text
