@@ -47,6 +47,13 @@ def check_weights(weights: Sequence[float] | torch.Tensor | None, num_members: i
     return w / w.sum()
 
 
+def _weighted_mean(x: torch.Tensor, weights: torch.Tensor | None) -> torch.Tensor:
+    """``(N, B, C)`` -> ``(B, C)``, each member's by its weight (normalised: :func:`check_weights`)."""
+    if weights is None:
+        raise ValueError("combine='weighted' needs weights=[one per member].")
+    return torch.einsum("n,nbc->bc", weights.to(x.device), x)
+
+
 def combine(
     logits: torch.Tensor,
     rule: Combine = Combine.MEAN,
@@ -59,9 +66,7 @@ def combine(
     if rule in (Combine.MEAN, Combine.NONE):
         return probs.mean(0)
     if rule == Combine.WEIGHTED:
-        if weights is None:
-            raise ValueError("combine='weighted' needs weights=[one per member].")
-        return torch.einsum("n,nbc->bc", weights.to(probs.device), probs)
+        return _weighted_mean(probs, weights)
     if rule == Combine.LOGIT_MEAN:
         return member_probabilities(logits.float().mean(0), multi_label, temperature)
     if rule == Combine.MEDIAN:
@@ -105,3 +110,19 @@ def realign(logits: torch.Tensor, permutations: list[torch.Tensor] | None) -> to
     if permutations is None:
         return logits
     return torch.stack([member[:, perm.to(member.device)] for member, perm in zip(logits, permutations)])
+
+
+def combine_values(values: torch.Tensor, rule: Combine = Combine.MEAN,
+                   weights: torch.Tensor | None = None) -> torch.Tensor:
+    """The ensemble's values ``(B, C)`` from regressors' outputs ``(N, B, C)``: their mean (``logit_mean`` alike),
+    weighted mean or median (the mean of the middle two for an even N). A vote has no labels to count."""
+    values = values.float()
+    if rule in (Combine.MEAN, Combine.LOGIT_MEAN, Combine.NONE):
+        return values.mean(0)
+    if rule == Combine.WEIGHTED:
+        return _weighted_mean(values, weights)
+    if rule == Combine.MEDIAN:
+        return values.quantile(0.5, dim=0)
+    raise ValueError(f"combine={rule.value!r} counts the members' labels, and regressors' values have none: use "
+                     "'mean', 'weighted' or 'median'.")
+
