@@ -8,7 +8,7 @@ import torch
 
 from .. import metrics
 from .base import WidePipeline
-from .combine import Combine, combine, member_probabilities, ranking, realign
+from .combine import Combine, combine, combine_values, member_probabilities, ranking, realign
 from .inputs import load_image, text_and_pair, tokenize_many
 
 
@@ -19,12 +19,13 @@ class ClassificationPipeline(WidePipeline):
     Options: ``top_k`` (the ensemble's k best labels, in ``"top_k"``; None: all of them), ``multi_label`` (independent
     sigmoids; by default for multi-label members and a head of one logit, as transformers'), or, in transformers' words, ``function_to_apply``
     (``"softmax"``, or ``"sigmoid"``: each label on its own). Raw logits (``"none"``) are refused: the ensemble's
-    answer combines the members' probabilities."""
+    answer combines the members' probabilities. Regressors (``problem_type="regression"``) are the exception: their
+    values are combined as they are (``combine_values``), with their spread over the members as the uncertainty."""
 
     def _sanitize_parameters(self, top_k: int | None | str = "", multi_label: bool | None = None,
                              function_to_apply: str | None = None, **kwargs):
         pre, fwd, post = self._sanitize_inputs(**kwargs)
-        if function_to_apply is not None:
+        if function_to_apply is not None and not (self._regressors() and _named(function_to_apply) == "none"):
             multi_label = _multi_label_of(function_to_apply, multi_label)
         if multi_label is not None:
             fwd["multi_label"] = post["multi_label"] = multi_label
@@ -37,25 +38,27 @@ class ClassificationPipeline(WidePipeline):
     def _sanitize_inputs(self, **kwargs) -> tuple[dict, dict, dict]:
         return super()._sanitize_parameters(**kwargs)
 
-    def _multi_label(self, multi_label: bool | None) -> bool:
+    def _regressors(self) -> bool:
+        return getattr(self.model.config, "problem_type", None) == "regression"
+
+    def _multi_label(self, multi_label: bool | None) -> bool | None:
         """Sigmoids (each label on its own) or a softmax; by default as transformers' pipeline picks its function:
-        sigmoids for multi-label members and for a head of one logit (a softmax over one label scores 1.0)."""
+        sigmoids for multi-label members and for a head of one logit (a softmax over one label scores 1.0), and
+        None, values as they are, for regressors."""
         if multi_label is not None:
             return multi_label
         config = self.model.config
-        problem = getattr(config, "problem_type", None)
-        if problem == "regression":
-            raise ValueError(
-                "The members are regressors (config.problem_type='regression'): their outputs are values, not "
-                "probabilities of labels, which the ensemble's rules and uncertainty measures combine. Read each "
-                "member's values from the wide model, wide(**inputs).logits of shape (N, B, num_labels), or pass "
-                "function_to_apply='sigmoid' to score them as probabilities.")
-        return problem == "multi_label_classification" or getattr(config, "num_labels", None) == 1
+        if self._regressors():
+            return None
+        return getattr(config, "problem_type", None) == "multi_label_classification" or \
+            getattr(config, "num_labels", None) == 1
 
     def _forward(self, batch, multi_label: bool | None = None):
         multi_label = self._multi_label(multi_label)
         _, permutations = self.label_order()
         logits = realign(self.model(**batch).logits, permutations)  # (N, B, C)
+        if multi_label is None:  # regressors: their values
+            return _values(logits.float(), combine_values(logits, self.combine, self.weights))
         member_probs = member_probabilities(logits, multi_label, self.temperature)  # (N, B, C)
         scores = combine(logits, self.combine, self.weights, multi_label, self.temperature)  # (B, C)
         out = {"per_member_probs": member_probs, "scores": scores, "ranking": ranking(scores, member_probs)}
@@ -81,7 +84,10 @@ class ClassificationPipeline(WidePipeline):
         multi_label = self._multi_label(multi_label)
         # Plain Python from here: a few conversions per input rather than a tensor op per label and member.
         one = multi_label and len(labels) == 1  # a head of one logit: its label and sigmoid, as transformers gives
-        if one:
+        if multi_label is None:  # regressors: each member's largest value, as transformers' argmax of the outputs
+            members = [{"label": labels[i], "score": v} for i, v in
+                       zip(outputs["per_member_label"].tolist(), outputs["per_member_score"].tolist())]
+        elif one:
             members = [{"label": labels[0], "score": p[0]} for p in outputs["per_member_probs"].tolist()]
         elif multi_label:
             members = [_labels_above(p, labels) for p in outputs["per_member_probs"].tolist()]  # (N, C)
@@ -104,9 +110,23 @@ class ClassificationPipeline(WidePipeline):
         return result
 
 
+def _values(values: torch.Tensor, scores: torch.Tensor) -> dict:
+    """Regressors' outputs: their values ``(N, B, C)`` and the ensemble's ``(B, C)``, whose largest is the answer,
+    with the spread of the members' values of it (``member_std``) as its uncertainty."""
+    chosen = scores.argmax(-1)  # (B,)
+    mine = values.gather(-1, chosen.view(1, -1, 1).expand(values.shape[0], -1, 1)).squeeze(-1)  # (N, B)
+    out = {"scores": scores, "ranking": scores.double(), "member_std": mine.std(0, unbiased=False)}
+    out["per_member_score"], out["per_member_label"] = values.max(-1)  # (N, B) each
+    return out
+
+
+def _named(function_to_apply) -> str:
+    return str(getattr(function_to_apply, "value", function_to_apply)).lower()
+
+
 def _multi_label_of(function_to_apply, multi_label: bool | None) -> bool:
     """transformers' ``function_to_apply`` (a string, or its ``ClassificationFunction``) as ``multi_label``."""
-    name = str(getattr(function_to_apply, "value", function_to_apply)).lower()
+    name = _named(function_to_apply)
     if name == "none":
         raise ValueError("function_to_apply='none' (raw logits) has no meaning for an ensemble, whose answer combines "
                          "the members' probabilities: use 'softmax' or 'sigmoid' (each member's logits are "

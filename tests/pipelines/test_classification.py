@@ -258,13 +258,27 @@ def test_a_head_of_one_logit_is_scored_by_its_sigmoid_as_transformers_scores_it(
     assert len({round(s, 3) for s in scores}) == N  # the members differ
 
 
-def test_regressors_are_refused_unless_their_values_are_asked_for_as_probabilities(text_members):
+def test_regressors_values_are_combined_as_they_are(text_members):
+    # transformers' pipeline gives a regressor's raw value (STS-B's similarity, say). A softmax over its one output
+    # scored 1.0 for every text; now each member's value is transformers', the ensemble's their mean (or median, or
+    # weighted mean), and the members' spread its uncertainty.
     tokenizer = text_members[1]
-    pipe = pipeline("text-classification", model=WideModel.from_models(one_logit_members("regression")),
-                    tokenizer=tokenizer)
-    with pytest.raises(ValueError, match="regressors.*wide\\(\\*\\*inputs\\).logits"):
-        pipe(TEXTS[0])
-    assert 0 < pipe(TEXTS[0], function_to_apply="sigmoid")["score"] < 1
+    models = one_logit_members("regression")
+    wide = WideModel.from_models(models)
+    pipe = pipeline("text-classification", model=wide, tokenizer=tokenizer)
+    for text, result in zip(TEXTS, pipe(TEXTS, batch_size=2)):
+        theirs = [transformers.pipeline("text-classification", model=m, tokenizer=tokenizer)(text)[0]["score"]
+                  for m in models]
+        values = torch.tensor(theirs)
+        assert [m["score"] for m in result["members"]] == pytest.approx(theirs, abs=1e-5)
+        assert result["score"] == pytest.approx(float(values.mean()), abs=1e-5)
+        assert result["uncertainty"] == pytest.approx({"member_std": float(values.std(unbiased=False))}, abs=1e-5)
+        median = pipeline("text-classification", model=wide, tokenizer=tokenizer, combine="median")(text)["score"]
+        assert median == pytest.approx(float(values.median()), abs=1e-5)  # (three members: the middle one)
+    assert pipe(TEXTS[0], function_to_apply="none") == pipe(TEXTS[0])
+    assert 0 < pipe(TEXTS[0], function_to_apply="sigmoid")["score"] < 1  # asked for: probabilities
+    with pytest.raises(ValueError, match="regressors' values have none"):
+        pipeline("text-classification", model=wide, tokenizer=tokenizer, combine="vote")(TEXTS[0])
 
 
 @pytest.mark.parametrize("tokenizer_pad", [None, 0], ids=["tokenizer-without-pad", "tokenizer-pad-differs"])
