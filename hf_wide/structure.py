@@ -186,11 +186,15 @@ def tied_to_differing(member_modules: Sequence[dict[str, nn.Module]], aliases: d
     """The names of tensors tied to a tensor of a module whose own tensors differ between members (BERT's MLM head:
     ``cls.predictions.bias`` is its decoder's bias, and the decoder's weight, the embeddings', differs). Such a
     tensor is stacked with that module, so it must not be shared even where the members hold it alike: shared
-    beside a stacked copy, the tie broke, and a checkpoint read by name filled one of the two."""
+    beside a stacked copy, the tie broke, and a checkpoint read by name filled one of the two. Only the modules
+    that hold a tied tensor are compared (the planner compares every module's tensors after)."""
     found = set()
-    for fqn, module in member_modules[0].items():
-        tensors = {**{k: v for k, v in module._parameters.items() if v is not None},
-                   **{k: v for k, v in module._buffers.items() if v is not None}}
+    owners = {name.rpartition(".")[0] for name, names in aliases.items() if len(names) > 1}
+    for fqn in sorted(owners):
+        module = member_modules[0].get(fqn)
+        if module is None:
+            continue
+        tensors = [k for k, v in (*module._parameters.items(), *module._buffers.items()) if v is not None]
         if any(not same([getattr(mods[fqn], name) for mods in member_modules]) for name in tensors):
             for name in tensors:
                 full = f"{fqn}.{name}" if fqn else name
