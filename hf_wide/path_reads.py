@@ -7,9 +7,9 @@ child became a wide embedding, whose weight is every member's, ``(N, P, D)``: Si
 positions and raised (verified or not: the sample never went there).
 
 So the planner also runs the template down the sample's path and such paths (:func:`probe_reads`, plain forwards
-without gradients) and records, for each parameter and buffer, the modules whose code calls a torch function on it: a module
-that reads a child's tensor is planned as one that reads it in the trace would be (its tensor's owner cannot be a wide
-primitive of its own).
+without gradients) and records, for each parameter and buffer, the modules whose code calls a torch function on it:
+a module that reads a child's tensor is planned as one that reads it in the trace would be (its tensor's owner
+cannot be a wide primitive of its own).
 """
 
 from __future__ import annotations

@@ -17,8 +17,8 @@ class ClassificationPipeline(WidePipeline):
     computes the uncertainty measures for the whole batch; ``postprocess`` formats one input.
 
     Options: ``top_k`` (the ensemble's k best labels, in ``"top_k"``; None: all of them), ``multi_label`` (independent
-    sigmoids; by default for multi-label members and a head of one logit, as transformers'), or, in transformers' words, ``function_to_apply``
-    (``"softmax"``, or ``"sigmoid"``: each label on its own). Raw logits (``"none"``) are refused: the ensemble's
+    sigmoids; by default for multi-label members and a head of one logit, as transformers'), or, in transformers'
+    words, ``function_to_apply`` (``"softmax"``, or ``"sigmoid"``: each label on its own). Raw logits (``"none"``) are refused: the ensemble's
     answer combines the members' probabilities. Regressors (``problem_type="regression"``) are the exception: their
     values are combined as they are (``combine_values``), with their spread over the members as the uncertainty."""
 
