@@ -43,7 +43,7 @@ def sample_inputs(model: nn.Module, batch: int = SAMPLE_BATCH, seq_len: int = SA
     else:
         raise ValueError(f"Cannot build sample inputs for main input {main!r}: pass sample inputs for the trace.")
     vision = getattr(config, "vision_config", None)
-    inner = model.get_base_model() if hasattr(model, "get_base_model") else model  # a PeftModel's takes **kwargs
+    inner = _inner(model)  # a PeftModel's forward takes **kwargs: its model's says what it takes
     if main != "pixel_values" and vision is not None and {"pixel_values", "return_loss"} <= set(
             inspect.signature(inner.forward).parameters):  # a contrastive pair of encoders (CLIP, SigLIP): images too
         size = getattr(vision, "image_size", 32)
@@ -61,10 +61,15 @@ def sample_inputs(model: nn.Module, batch: int = SAMPLE_BATCH, seq_len: int = SA
     return sample
 
 
+def _inner(model: nn.Module) -> nn.Module:
+    """A PeftModel's transformers model; any other model itself."""
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
 def _reads_eos(model: nn.Module) -> bool:
     """An encoder-decoder's classifier (BART's, T5's, ...): it reads each text's last eos, and makes its decoder's
     inputs from its own (given others, the eos positions of the one do not fit the states of the other)."""
-    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+    inner = _inner(model)
     return getattr(inner.config, "is_encoder_decoder", False) and type(inner).__name__.endswith(
         ("ForSequenceClassification", "ForQuestionAnswering"))
 
@@ -84,8 +89,7 @@ def _token_ids(model: nn.Module, config, batch: int, seq_len: int, device) -> di
     eos = getattr(text, "eos_token_id", None)
     if _reads_eos(model) and isinstance(eos, int):
         ids[:, -1] = eos
-    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
-    if type(inner).__name__.endswith("ForMultipleChoice"):
+    if type(_inner(model)).__name__.endswith("ForMultipleChoice"):
         ids = torch.stack([ids, ids.roll(1, dims=-1)], 1)  # (B, 2, T)
     return {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
 
