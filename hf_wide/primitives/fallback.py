@@ -30,7 +30,7 @@ from ..fold import Fold, enter_member_code, leave_member_code
 from ..registry import transformers_classes
 from . import member_cache
 from .base import copy_module
-from .roles import rows_and_batched
+from .roles import member_size, rows_and_batched
 
 # MoE routers and experts: called on (N*B*T, D) tokens, member-major, with (N*B*T, k) expert choices.
 TOKEN_ROWS = tuple(transformers_classes(*(f"{family}.{prefix}{part}" for family, prefix in [
@@ -172,6 +172,8 @@ def run_per_member(fold: Fold, members: Sequence, token_rows: bool, args: tuple,
     batch = rows // n
 
     def member_slice(t, m, carries_rows):
+        if carries_rows and not isinstance(t, torch.Tensor):
+            return member_size(t, n)  # a size of the N*B rows: this member's B
         if not isinstance(t, torch.Tensor) or t.dim() == 0:
             return t
         if carries_rows:
@@ -215,12 +217,14 @@ def _concat_members(outputs: list, batch: int, expand: bool = True):
         if isinstance(first, torch.Tensor) and first.dim() > 0:
             if first.shape[0] == 1 and batch != 1:  # a broadcast output, e.g. (1, T, D)
                 parts = [p.expand(batch, *p.shape[1:]) for p in parts] if expand else parts
-            elif first.shape[0] != batch:
+            elif first.shape[0] % batch or any(p.shape != first.shape for p in parts):
                 raise RuntimeError(
                     f"A per-member module returned a tensor of shape {tuple(first.shape)} for {batch} rows: "
                     "its output has no batch dim, so the members' outputs cannot be folded."
                 )
-            merged.append(torch.cat(parts, dim=0))  # (N*B, ...)
+            # (N*B, ...); or a member's token rows (B*T, ...), a router's logits beside a block's (B, T, D) output,
+            # which member-major are the folded rows' tokens (as a vectorised module merges its (N, B*T, ...))
+            merged.append(torch.cat(parts, dim=0))
         elif isinstance(first, torch.Tensor) and any(p is not first for p in parts):  # each member's 0-dim: (N,)
             merged.append(torch.stack(parts))  # (a whole model's loss), as a vectorised module gives it
         elif isinstance(first, Cache) and any(p is not first for p in parts):  # each member made its own

@@ -11,7 +11,9 @@ So each fallback keeps, per structure of its call's inputs (pytree's spec, as te
 each input: True where it carries the rows, False where it does not, None where unknown. The trace says it first:
 the export runs every module on symbolic shapes, and an input whose leading dim holds the batch symbol carries the
 rows (:func:`recording`). A fallback's first calls teach it the rest (:func:`rows_and_batched`), and an input known
-not to carry the rows is never split, whatever its length.
+not to carry the rows is never split, whatever its length. A size can carry them too (ProphetNet's positions take
+``inputs_embeds.shape[:2]``): where the trace finds an int input proportional to the batch symbol, each member is
+given its share of it (:func:`is_rows_size`), never by its value alone.
 """
 
 from __future__ import annotations
@@ -47,11 +49,12 @@ def recording(model: nn.Module, found: dict[str, dict[str, Roles]]) -> Iterator[
         leaves, spec = pytree.tree_flatten((args, kwargs))
         firsts = []
         for t in leaves:
-            first = t.shape[0] if isinstance(t, torch.Tensor) and t.dim() > 0 else None
+            size = isinstance(t, torch.SymInt)  # a size itself: torch.Size leaves are ints
+            first = t if size else t.shape[0] if isinstance(t, torch.Tensor) and t.dim() > 0 else None
             if isinstance(first, torch.SymInt):
                 shape_env[:] = [first.node.shape_env]
                 first = first.node.expr
-            firsts.append(first)
+            firsts.append((size, first))
         calls.append((paths[id(module)], call_key(spec), firsts))
 
     handles = [m.register_forward_pre_hook(hook, with_kwargs=True) for m in model.modules()]
@@ -65,9 +68,21 @@ def recording(model: nn.Module, found: dict[str, dict[str, Roles]]) -> Iterator[
         def symbols(first) -> set:
             return set(env.replace(first).free_symbols) if first is not None and not isinstance(first, int) else set()
 
-        batch = symbols(next((f for f in top[1] if f is not None), None))
+        batch = symbols(next((f for size, f in top[1] if f is not None and not size), None))
+
+        def role(size: bool, first) -> bool | None:
+            if first is None or first == 1:
+                return None
+            if not size:
+                return bool(symbols(first) & batch)
+            if not symbols(first) & batch:
+                return False
+            # A size that holds the rows (the rows themselves, or rows x tokens): each member's is 1/N of it
+            (symbol,) = batch if len(batch) == 1 else (None,)
+            return symbol is not None and not symbols(env.replace(first) / symbol) & batch or None
+
         for path, key, firsts in calls if batch else ():
-            roles = [None if f is None or f == 1 else bool(symbols(f) & batch) for f in firsts]
+            roles = [role(size, f) for size, f in firsts]
             seen = found.setdefault(path, {}).setdefault(key, roles)
             if seen is not roles:
                 found[path][key] = [a if a == b else None for a, b in zip(seen, roles)]
@@ -97,9 +112,22 @@ def rows_and_batched(known: dict[str, Roles], rows: int | None, num_members: int
         if len(lengths) == 1 and next(iter(lengths)) % rows == 0:
             rows = lengths.pop()
     batched = [isinstance(t, torch.Tensor) and t.dim() > 0 and t.shape[0] == rows and
-               (seen is None or seen[i] is not False) for i, t in enumerate(leaves)]
+               (seen is None or seen[i] is not False) or is_rows_size(t, seen and seen[i], num_members)
+               for i, t in enumerate(leaves)]
     # A broadcast (1, ...) says nothing: a mask may be (1, 1, T, T) without padding and carry the rows with it.
     roles = [b if isinstance(t, torch.Tensor) and t.dim() > 0 and (b or t.shape[0] != 1) else None
              for t, b in zip(leaves, batched)]
     known[key] = roles if seen is None else [r if s is None else s for r, s in zip(roles, seen)]
     return rows, batched
+
+
+def is_rows_size(leaf, role: bool | None, num_members: int) -> bool:
+    """Whether an input is a size that holds the folded rows (ProphetNet's positions take ``inputs_embeds.shape[:2]``):
+    only where the trace says so, never by its value; each member is then given ``leaf // N``."""
+    return (role is True and isinstance(leaf, int) and not isinstance(leaf, bool) and leaf > 0
+            and leaf % num_members == 0)
+
+
+def member_size(leaf: int, num_members: int) -> int:
+    """Member m's share of a size that holds the N members' rows (:func:`is_rows_size`)."""
+    return leaf // num_members

@@ -35,7 +35,7 @@ from ..fold import Fold, enter_member_code, leave_member_code
 from . import member_cache
 from .base import copy_module, meta_copy
 from .fallback import is_own_method, per_member_method, run_per_member, token_rows
-from .roles import rows_and_batched
+from .roles import member_size, rows_and_batched
 
 
 def _rebuild(module: nn.Module, source: nn.Module, make: Callable[[torch.Tensor, str], torch.Tensor]) -> nn.Module:
@@ -61,6 +61,12 @@ def _tensors(module: nn.Module, remove_duplicate: bool = True) -> dict[str, torc
     return {**dict(module.named_parameters(remove_duplicate=remove_duplicate)),
             **dict(module.named_buffers(remove_duplicate=remove_duplicate))}
 
+
+
+def refused_by_vmap(exc: RuntimeError) -> bool:
+    """Whether vmap refused a member's code: its own errors name it, and ``tensor.tolist()`` on a batched tensor
+    (JetMoe's router counts its experts' tokens so) finds no storage."""
+    return "vmap" in str(exc) or "doesn't have storage" in str(exc)
 
 class VectorisedFallback(nn.Module):
     """N members of one module, run as one ``vmap`` of its own forward over their stacked tensors."""
@@ -177,7 +183,7 @@ class VectorisedFallback(nn.Module):
                 # autograd, member by member from now on.
                 self.__dict__["loop_under_autograd"] = True
                 return self._loop(args, kwargs)
-            if "vmap" not in str(exc):
+            if not refused_by_vmap(exc):
                 raise
             # vmap refuses these inputs (data-dependent control flow on values that differ between members):
             # the same stacked tensors, member by member. Verification reads the note: on the sample, a refusal
@@ -198,7 +204,9 @@ class VectorisedFallback(nn.Module):
         rows, batched = self._rows(leaves, spec)
         mapped, in_dims = [], [0]
         for t, folded in zip(leaves, batched):
-            if folded:
+            if folded and not isinstance(t, torch.Tensor):
+                t, dim = member_size(t, n), None  # a size of the N*B rows: each member's B
+            elif folded:
                 t = t.view(n, rows // n, *t.shape[1:])  # (N, B, ...)
                 if not t.is_floating_point() and torch.equal(t, t[:1].expand_as(t)):
                     t, dim = t[0], None  # ids or a mask every member shares: one (B, ...), as the source sees it

@@ -108,3 +108,63 @@ def test_funnels_attentions_run_vectorised_with_their_tables_whole_and_keep_thei
             want = torch.stack([m(**inputs).logits for m in models])
             for model in (wide, back):
                 assert (model(**inputs).logits - want).abs().max() <= TOLERANCE, (batch, length)
+
+
+class Positions(nn.Module):
+    """Position vectors for a ``(B, L)`` size, as ProphetNet's take ``inputs_embeds.shape[:2]``: the size holds the
+    rows."""
+
+    def __init__(self):
+        super().__init__()
+        self.table = nn.Parameter(torch.randn(16, 4))
+        self.alpha = 1.0
+
+    def forward(self, shape):
+        return self.table[: shape[1]].expand(shape[0], -1, -1) * self.alpha  # (B, L, 4)
+
+
+class Sized(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(4, 4)
+        self.positions = Positions()
+
+    def forward(self, x):
+        h = self.inp(x)
+        return h + self.positions(h.shape[:2])
+
+
+@pytest.mark.parametrize("verify", [True, False])
+@pytest.mark.parametrize("looped", [True, False], ids=["loop", "vectorised"])
+def test_a_size_of_the_rows_is_each_members_share_of_it(looped, verify):
+    # Handed (N*B, L), each member made N*B rows of positions: N*N*B in all, which failed unverified and moved the
+    # whole model into a loop verified. The trace says the size holds the batch: each member is given B.
+    models = []
+    for i in range(N):
+        torch.manual_seed(i)
+        models.append(Sized().eval())
+        models[-1].positions.alpha = 1.0 + i if looped else 1.0
+    wide = WideModel.from_models(models, (torch.randn(2, 5, 4),), verify=verify)
+    assert wide.plan.entries["positions"].kind == (Kind.FALLBACK if looped else Kind.VECTORISED)
+    for batch, length in [(1, N), (3, 2), (2, 7)]:
+        x = torch.randn(batch, length, 4)
+        with torch.no_grad():
+            got, want = wide(x), torch.stack([m(x) for m in models])
+        assert got.shape == want.shape and (got - want).abs().max() <= TOLERANCE, (batch, length)
+
+
+def test_prophetnets_positions_get_each_members_size_unverified():
+    config = transformers.ProphetNetConfig(
+        vocab_size=64, hidden_size=32, encoder_ffn_dim=64, decoder_ffn_dim=64, num_encoder_layers=1,
+        num_decoder_layers=1, num_encoder_attention_heads=4, num_decoder_attention_heads=4, ngram=2,
+        max_position_embeddings=32, pad_token_id=0)
+    models = []
+    for seed in range(2):
+        torch.manual_seed(seed)
+        models.append(transformers.ProphetNetForConditionalGeneration(config).eval())
+    wide = WideModel.from_models(models, verify=False)
+    assert wide.plan.entries["prophetnet.encoder.position_embeddings"].kind == Kind.VECTORISED
+    inputs = {"input_ids": torch.randint(3, 64, (3, 6)), "decoder_input_ids": torch.randint(3, 64, (3, 5))}
+    with torch.no_grad():
+        got, want = wide(**inputs).logits, torch.stack([m(**inputs).logits for m in models])
+    assert (got - want).abs().max() <= TOLERANCE

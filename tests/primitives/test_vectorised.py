@@ -174,3 +174,27 @@ def test_a_vectorised_module_drops_out_in_training_as_its_members_do():
         assert not torch.equal(out[0] != 0, out[1] != 0)  # each member its own mask
         wide.eval()
         assert (wide(x) != 0).all()
+
+
+@pytest.mark.parametrize("verify", [True, False])
+def test_jetmoes_experts_count_their_tokens_in_a_loop_and_return_token_rows(verify):
+    # JetMoe's routers call .tolist() on the tokens per expert: under vmap a batched tensor has no storage, which was
+    # raised as is (unverified) rather than run member by member. Looped, its MoE returns the router's logits per
+    # token, (B*T, E) beside its (B, T, D): "no batch dim", where the members' token rows are the folded rows'.
+    import transformers
+
+    config = transformers.JetMoeConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1, num_key_value_heads=2,
+                                       kv_channels=8, intermediate_size=32, num_local_experts=4,
+                                       num_experts_per_tok=2, max_position_embeddings=32)
+    models = []
+    for seed in range(2):
+        torch.manual_seed(seed)
+        models.append(transformers.JetMoeForCausalLM(config).eval())
+    wide = WideModel.from_models(models, verify=verify)
+    assert {wide.plan.entries[f"model.layers.0.{name}"].kind for name in ("mlp", "self_attention")} <= {
+        Kind.VECTORISED, Kind.FALLBACK}
+    inputs = {"input_ids": torch.randint(3, 64, (3, 5)), "labels": torch.randint(3, 64, (3, 5))}
+    with torch.no_grad():
+        got, want = wide(**inputs), [m(**inputs) for m in models]
+    assert (got.logits - torch.stack([w.logits for w in want])).abs().max() <= TOLERANCE
+    assert torch.allclose(got.loss, torch.stack([w.loss for w in want]), atol=TOLERANCE)
