@@ -144,8 +144,12 @@ class ChoiceRows:
         calls.outer.append(calls.anchor)
         first = next((v for v in (*args, *kwargs.values()) if isinstance(v, torch.Tensor) and v.dim() > 0), None)
         if calls.anchor is not None and first is not None:  # (outside a wide forward, nothing to follow)
-            calls.anchor = first.new_empty(first.shape[0], 0)
+            calls.anchor = first.new_empty(self.rows(first, args, kwargs), 0)
         return None
+
+    def rows(self, first: torch.Tensor, args: tuple, kwargs: dict) -> int:
+        """The rows of the encoder's call: its first input's (the head has flattened the choices into them)."""
+        return first.shape[0]
 
     def leave(self, module, args, kwargs, output):
         calls = self.fold._calls
@@ -154,11 +158,25 @@ class ChoiceRows:
         return None
 
 
+class FlattenedChoiceRows(ChoiceRows):
+    """:class:`ChoiceRows` of a model that takes the choices to its decoder unflattened, ``(N*B, C, T)``, and
+    flattens them there (GPT-2's and GPT's ``*DoubleHeadsModel``): its rows are every dim's but the tokens'."""
+
+    def rows(self, first: torch.Tensor, args: tuple, kwargs: dict) -> int:
+        ids = args[0] if args and isinstance(args[0], torch.Tensor) else kwargs.get("input_ids")
+        if ids is not None:
+            return ids.shape[:-1].numel()  # (N*B, C, T) ids
+        embeds = kwargs.get("inputs_embeds")
+        return embeds.shape[:-2].numel() if embeds is not None else first.shape[0]  # (N*B, C, T, D)
+
+
 def install_choice_rows(model, fold: Fold) -> None:
-    """:class:`ChoiceRows` on a multiple-choice head's encoder (transformers' ``*ForMultipleChoice``)."""
+    """:class:`ChoiceRows` on a multiple-choice head's encoder (transformers' ``*ForMultipleChoice``), and
+    :class:`FlattenedChoiceRows` on a ``*DoubleHeadsModel``'s decoder."""
     encoder = getattr(model, "base_model", model)
-    if type(model).__name__.endswith("ForMultipleChoice") and encoder is not model:
-        rows = ChoiceRows(fold)
+    name = type(model).__name__
+    if name.endswith(("ForMultipleChoice", "DoubleHeadsModel")) and encoder is not model:
+        rows = ChoiceRows(fold) if name.endswith("ForMultipleChoice") else FlattenedChoiceRows(fold)
         encoder.register_forward_pre_hook(rows.enter, with_kwargs=True)
         encoder.register_forward_hook(rows.leave, with_kwargs=True, always_call=True)
 

@@ -379,6 +379,25 @@ def test_a_multiple_choice_head_takes_any_number_of_choices(name, sample_choices
     assert not member.base_model._forward_hooks and not member.base_model._forward_pre_hooks
 
 
+@pytest.mark.parametrize("head", [tf.GPT2DoubleHeadsModel, tf.OpenAIGPTDoubleHeadsModel], ids=["gpt2", "openai"])
+def test_a_double_heads_model_takes_choices_its_decoder_flattens(head):
+    # GPT's double heads give the decoder (B, C, T) and it flattens them into B*C rows itself: within it the wide
+    # embedding expanded the (1, T) positions to N*B rows, not N*B*C, and every call with choices raised.
+    config = (tf.GPT2Config if head is tf.GPT2DoubleHeadsModel else tf.OpenAIGPTConfig)(
+        vocab_size=V, n_embd=32, n_layer=1, n_head=4, n_positions=32)
+    models = members(lambda: head(config))
+    wide = fuse(models)
+    for batch, count in [(2, 3), (1, 2)]:
+        ids = torch.randint(5, V, (batch, count, 6), generator=torch.Generator().manual_seed(count))
+        inputs = {"input_ids": ids, "mc_token_ids": torch.full((batch, count), 3), "labels": ids,
+                  "mc_labels": torch.zeros(batch, dtype=torch.long)}
+        with torch.no_grad():
+            got, want = wide(**inputs), [m(**inputs) for m in models]
+        for field in ("mc_logits", "logits", "mc_loss", "loss"):
+            expected = torch.stack([getattr(w, field) for w in want])
+            assert (getattr(got, field) - expected).abs().max().item() <= 1e-5, field
+
+
 def test_clip_with_as_many_images_as_it_likes_beside_the_texts():
     factory, make_inputs, _ = MIXED["clip"]
     models = members(factory)
