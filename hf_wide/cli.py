@@ -102,7 +102,8 @@ def _read_inputs(task: str, value: str) -> list[str]:
     if is_file and images and path.suffix.lower() in IMAGE_SUFFIXES:
         return [str(path)]
     if is_file:
-        lines = [line.strip() for line in path.read_text().splitlines() if line.strip()]
+        # utf-8-sig: a byte-order mark (Notepad's UTF-8) is no part of the first input
+        lines = [line.strip() for line in path.read_text(encoding="utf-8-sig").splitlines() if line.strip()]
         if not lines:
             raise ValueError(f"{value} has no non-empty lines.")
         return lines

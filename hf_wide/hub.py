@@ -142,6 +142,8 @@ def download_members(
                                       f"{model_id!r} is not a Hub repo id ('org/name') either.") from exc
             if isinstance(exc, RepositoryNotFoundError):
                 hint = "\nIf the repo is private or gated, pass token= (or log in with `hf auth login`)."
+            if "/" in model_id:  # 'models/seed-0' reads as a repo id, and may have been meant as a folder
+                hint += f"\nThere is no local folder {os.path.abspath(model_id)} either."
             raise MemberLoadError(f"{name}: {type(exc).__name__}: {exc}{hint}") from exc
         if not allow_pickle and not any(folder.glob("*.safetensors")):
             _refuse_if_pickle_only(model_id, folder.name, name, hub_kwargs)

@@ -49,7 +49,7 @@ def test_a_literal_text_gives_the_pipelines_answer_as_json(saved, capsys):
 @pytest.mark.parametrize("task", ["token-classification", "feature-extraction", "text-generation"])
 def test_a_file_gives_one_answer_per_line(saved, capsys, tmp_path, task):
     path = tmp_path / "inputs.txt"
-    path.write_text("\n".join(TEXTS) + "\n\n")
+    path.write_text("\ufeff" + "\n".join(TEXTS) + "\n\n", encoding="utf-8")  # a byte-order mark is no text's
     lines = run_json(capsys, task, "--model", *saved[task], "--input", str(path), "--max-new-tokens", "3")
     assert [line["input"] for line in lines] == TEXTS
     for line in lines:

@@ -192,8 +192,11 @@ def test_private_member_without_token_names_the_member(hub, published):
         WideModel.from_pretrained(["alice/seed-0", "alice/seed-2"])
 
 
-def test_missing_repo_and_revision_name_the_member(hub, published):
-    with pytest.raises(MemberLoadError, match=r"member 1 \(alice/nope\)"):
+def test_missing_repo_and_revision_name_the_member(hub, published, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    # 'alice/nope' reads as a repo id, but may have been meant as a folder under the working directory
+    with pytest.raises(MemberLoadError, match=r"member 1 \(alice/nope\)(.|\n)*no local folder "
+                                              + re.escape(str(tmp_path / "alice" / "nope")) + " either"):
         WideModel.from_pretrained(["alice/seed-0", "alice/nope"])
     with pytest.raises(MemberLoadError, match=r"member 0 \(alice/seed-0\) at revision 'v9'.*Revision"):
         WideModel.from_pretrained(["alice/seed-0"], revision="v9")
