@@ -62,18 +62,25 @@ OVERRIDES = {"max_length": "max_new_tokens", "min_length": "min_new_tokens"}
 
 
 def check_generation_configs(configs, kwargs: dict) -> None:
-    """Refuse a ``generate`` whose members' own generation configs differ in a setting that ``kwargs`` does not
-    give (nor a ``generation_config``): it would run member 0's for every member. The settings are named, with the
-    ways out."""
-    if not configs or kwargs.get("generation_config") is not None or any(c is None for c in configs):
+    """Refuse a ``generate`` whose members' own generation configs differ in a setting that neither ``kwargs`` nor
+    a ``generation_config`` it passes gives: it would run member 0's for every member (transformers fills what a
+    passed config leaves unset from the model's, member 0's). The settings are named, with the ways out."""
+    if not configs or any(c is None for c in configs):
         return
-    given = set(kwargs) | {moot for moot, by in OVERRIDES.items() if kwargs.get(by) is not None}
-    settings = [c.to_dict() for c in configs]
+    passed = kwargs.get("generation_config")
+    given = set(kwargs) - {"generation_config"}  # (a None given to generate replaces the config's value)
+    if passed is not None:
+        given |= {key for key, value in passed.to_dict().items() if value is not None}
+    given |= {moot for moot, by in OVERRIDES.items() if by in given}
+    defaults = configs[0]._get_default_generation_params()  # what transformers puts where a config says None
+    settings = [{key: defaults.get(key) if value is None else value for key, value in c.to_dict().items()}
+                for c in configs]
     differ = {}  # setting -> (the first member whose value differs from member 0's, its value)
     for i, theirs in enumerate(settings[1:], start=1):
         for key in sorted((theirs.keys() | settings[0].keys()) - PROVENANCE - given):
-            if theirs.get(key) != settings[0].get(key):
-                differ.setdefault(key, (i, theirs.get(key)))
+            mine, other = settings[0].get(key), theirs.get(key)
+            if mine != other and not (mine in (None, False) and other in (None, False)):  # unset: off
+                differ.setdefault(key, (i, other))
     if differ:
         listed = "; ".join(f"{key}: member 0 {settings[0].get(key)!r}, member {i} {value!r}"
                            for key, (i, value) in differ.items())
@@ -82,7 +89,7 @@ def check_generation_configs(configs, kwargs: dict) -> None:
         raise ValueError(
             f"The members' generation configs differ ({listed}), and one generate runs member 0's for every member: "
             f"member {first} would not continue as it does alone. Give the settings to generate (generate(..., "
-            f"{give})) or pass generation_config=, to run every member with them; or run wide.member(i).generate(...) "
+            f"{give}), or set in the generation_config= it is given) to run every member with them; or run wide.member(i).generate(...) "
             "for a member's own.")
 
 

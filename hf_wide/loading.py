@@ -137,10 +137,12 @@ def _differing(config, base) -> dict:
 
 def _generation_config(template: nn.Module, folder: Path):
     """The generation config transformers would give the member in ``folder`` (None if it cannot generate)."""
-    generation_config = getattr(template, "generation_config", None)
-    if generation_config is None or not (Path(folder) / "generation_config.json").exists():
-        return copy.deepcopy(generation_config)
-    return transformers.GenerationConfig.from_pretrained(folder)
+    if getattr(template, "generation_config", None) is None:
+        return None
+    if (Path(folder) / "generation_config.json").exists():
+        return transformers.GenerationConfig.from_pretrained(folder)
+    # Without one, transformers builds it from the member's own config.json (not member 0's generation config)
+    return transformers.GenerationConfig.from_pretrained(folder, config_file_name="config.json", _from_model_config=True)
 
 
 def _stand_in(template: nn.Module, identical: set[str]) -> nn.Module:

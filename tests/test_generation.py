@@ -5,6 +5,7 @@ import copy
 
 import pytest
 import torch
+import transformers
 from conftest import CASES, NUM_MEMBERS
 from oracle import TOLERANCE
 
@@ -53,7 +54,7 @@ def test_members_whose_generation_configs_differ_are_refused_unless_the_call_giv
     wide = WideModel.from_models(members)
     inputs = case.inputs(2, padded=True)
     with pytest.raises(ValueError, match=r"max_new_tokens: member 0 3, member 1 5; repetition_penalty: member 0 "
-                                         r"None, member 1 1\.8\).*member 1 would not continue as it does alone"):
+                                         r"1\.0, member 1 1\.8\).*member 1 would not continue as it does alone"):
         wide.generate(**inputs)
     given = dict(max_new_tokens=4, repetition_penalty=1.3)  # every member with these
     out = wide.generate(**inputs, **given)
@@ -65,3 +66,38 @@ def test_members_whose_generation_configs_differ_are_refused_unless_the_call_giv
         assert torch.equal(out[i], member.generate(**inputs, generation_config=config))
     for i, member in enumerate(members):  # each member's own settings: its own model
         assert torch.equal(wide.member(i).generate(**inputs), member.generate(**inputs))
+
+
+def test_a_generation_config_given_must_set_what_the_members_differ_in():
+    # transformers fills what a config given to generate leaves unset from the model's: member 0's. Member 1, whose
+    # own eos differs, ran past it with member 0's, silently. Settings unset in one and off in another agree.
+    case = CASES["llama-causallm"]
+    members = [case.build(seed) for seed in range(2)]
+    for member, eos in zip(members, (None, 7)):
+        member.generation_config.update(pad_token_id=0, eos_token_id=eos)
+    members[1].generation_config.do_sample = None  # member 0's False
+    wide = WideModel.from_models(members)
+    inputs = case.inputs(2, padded=True)
+    with pytest.raises(ValueError, match=r"\(eos_token_id: member 0 None, member 1 7\)"):
+        wide.generate(**inputs, generation_config=transformers.GenerationConfig(max_new_tokens=3))
+    config = transformers.GenerationConfig(max_new_tokens=3, eos_token_id=5, pad_token_id=0)
+    out = wide.generate(**inputs, generation_config=config)
+    for i, member in enumerate(members):
+        assert torch.equal(out[i], member.generate(**inputs, generation_config=config))
+
+
+def test_a_member_saved_without_a_generation_config_generates_with_its_own(tmp_path):
+    # transformers builds it from the member's config.json; the low-memory load gave it member 0's (its
+    # max_new_tokens and repetition penalty), silently
+    case = CASES["llama-causallm"]
+    members = [case.build(seed) for seed in range(2)]
+    members[0].generation_config.update(max_new_tokens=5, repetition_penalty=3.0)
+    folders = [tmp_path / f"m{i}" for i in range(2)]
+    for member, folder in zip(members, folders):
+        member.save_pretrained(folder)
+    (folders[1] / "generation_config.json").unlink()
+    wide = WideModel.from_pretrained([str(f) for f in folders])
+    alone = transformers.AutoModelForCausalLM.from_pretrained(folders[1])
+    assert wide.member_generation_configs[1].to_dict() == alone.generation_config.to_dict()
+    with pytest.raises(ValueError, match="repetition_penalty: member 0 3.0, member 1 1.0"):
+        wide.generate(**case.inputs(2, padded=True))
