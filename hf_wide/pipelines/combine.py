@@ -18,7 +18,7 @@ class Combine(str, enum.Enum):
     LOGIT_MEAN = "logit_mean"  # softmax of the mean logits
     VOTE = "vote"  # share of members voting for each class; ties broken by mean probability
     WEIGHTED = "weighted"  # weighted mean of probabilities, user weights per member
-    MEDIAN = "median"  # median probability per class, renormalised
+    MEDIAN = "median"  # median probability per class (the middle two's mean for an even N), renormalised
     NONE = "none"  # no ensemble answer: per-member results only
 
     @classmethod
@@ -47,6 +47,13 @@ def check_weights(weights: Sequence[float] | torch.Tensor | None, num_members: i
     return w / w.sum()
 
 
+def member_median(x: torch.Tensor) -> torch.Tensor:
+    """``(N, ...)`` -> ``(...)``: the members' median, for an even N the mean of the middle two (torch's
+    ``median`` is the lower one: with two members, each class's smaller probability)."""
+    ordered, n = x.sort(0).values, x.shape[0]  # (not quantile: it refuses inputs of over 16M elements)
+    return ordered[n // 2] if n % 2 else (ordered[n // 2 - 1] + ordered[n // 2]) / 2
+
+
 def _weighted_mean(x: torch.Tensor, weights: torch.Tensor | None) -> torch.Tensor:
     """``(N, B, C)`` -> ``(B, C)``, each member's by its weight (normalised: :func:`check_weights`)."""
     if weights is None:
@@ -70,7 +77,7 @@ def combine(
     if rule == Combine.LOGIT_MEAN:
         return member_probabilities(logits.float().mean(0), multi_label, temperature)
     if rule == Combine.MEDIAN:
-        median = probs.median(0).values
+        median = member_median(probs)
         return median if multi_label else median / median.sum(-1, keepdim=True)
     if rule == Combine.VOTE:
         if multi_label:  # each label on or off by majority
@@ -122,7 +129,7 @@ def combine_values(values: torch.Tensor, rule: Combine = Combine.MEAN,
     if rule == Combine.WEIGHTED:
         return _weighted_mean(values, weights)
     if rule == Combine.MEDIAN:
-        return values.quantile(0.5, dim=0)
+        return member_median(values)
     raise ValueError(f"combine={rule.value!r} counts the members' labels, and regressors' values have none: use "
                      "'mean', 'weighted' or 'median'.")
 

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from .base import WidePipeline
-from .combine import Combine
+from .combine import Combine, member_median
 from .inputs import tokenize
 
 POOLINGS = ("mean", "cls", "none")
@@ -80,7 +80,7 @@ class FeatureExtractionPipeline(WidePipeline):
             shape = (-1,) + (1,) * (members.dim() - 1)
             ensemble = (self.weights.to(members.device).view(shape) * members).sum(0)
         elif self.combine == Combine.MEDIAN:
-            ensemble = members.median(0).values
+            ensemble = member_median(members)
         else:
             ensemble = members.mean(0)
         return torch.nn.functional.normalize(ensemble, dim=-1) if normalize else ensemble

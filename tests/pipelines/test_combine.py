@@ -26,6 +26,15 @@ def test_rules(rule, expected):
     assert torch.allclose(got, torch.tensor(expected), atol=1e-6)
 
 
+def test_the_median_of_an_even_number_of_members_is_the_mean_of_the_middle_two():
+    # torch's median is the lower middle value: with two members, each class's smaller probability
+    got = combine(logits_of(PROBS[:2]), Combine.MEDIAN)[0]
+    assert torch.allclose(got, torch.tensor([0.4, 0.4, 0.2]), atol=1e-6)  # the mean of two: (0.4, 0.4, 0.2) sums to 1
+    four = PROBS + [[[0.3, 0.3, 0.4]]]
+    middle = torch.tensor([(0.2 + 0.3) / 2, (0.3 + 0.45) / 2, (0.3 + 0.4) / 2])
+    assert torch.allclose(combine(logits_of(four), Combine.MEDIAN)[0], middle / middle.sum(), atol=1e-6)
+
+
 def test_logit_mean_is_softmax_of_mean_logits():
     logits = torch.tensor([[[2.0, 0.0]], [[0.0, 1.0]]])
     p = combine(logits, Combine.LOGIT_MEAN)[0]

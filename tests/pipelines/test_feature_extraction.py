@@ -57,6 +57,14 @@ def test_other_rules_combine_the_members_embeddings(setup, rule):
     assert torch.tensor(result["embedding"]) == pytest.approx(expected, abs=1e-5)
 
 
+def test_the_median_of_two_members_is_their_mean(setup):
+    tokenizer, members, _ = setup
+    wide = WideModel.from_models(members[:2])
+    result = pipeline("feature-extraction", model=wide, tokenizer=tokenizer, combine="median")(TEXTS[1])
+    pooled = torch.stack([states(m, tokenizer, TEXTS[1]).mean(0) for m in members[:2]])  # (2, D)
+    assert torch.tensor(result["embedding"]) == pytest.approx(pooled.mean(0), abs=1e-5)
+
+
 def test_cls_pooling_and_normalisation(setup):
     tokenizer, members, wide = setup
     result = pipeline("feature-extraction", model=wide, tokenizer=tokenizer)(TEXTS[2], pooling="cls", normalize=True)
