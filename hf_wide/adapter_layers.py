@@ -258,6 +258,12 @@ def aligned_adapters(models: Sequence[nn.Module]) -> tuple[list[nn.Module], list
                                   == peft.PeftType.LORA for m in adapters)
     if not lora or any(type(models[i]) is not type(adapters[0].get_base_model()) for i in full):
         return list(models), None, frozenset()  # (members of other classes are refused as such)
+    replications = [None if i in full else m.peft_config["default"].layer_replication for i, m in enumerate(models)]
+    if any(replications):
+        from .adapters import check_layer_replication
+
+        check_layer_replication([r and [list(p) for p in r] for r in replications],
+                                [f"member {i}" for i in range(len(models))])
     union, saved, dtype = adapter_structure(models)
     dora = dora_paths(adapters)
     if not full and all(lora_paths(m) == union and saved_paths(m) == saved for m in models):

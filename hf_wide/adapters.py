@@ -124,6 +124,21 @@ def lora_refusal(config: dict) -> str | None:
     return None
 
 
+def check_layer_replication(replications: list, names: list[str]) -> None:
+    """Refuse members that replicate the base's layers (``layer_replication``) in different ways, or beside members
+    that do not (the base, a full checkpoint): each pattern is a model of another depth, whose layers share tensors
+    in its own way. ``replications``: each member's pattern (None: none)."""
+    first = replications[0]
+    for name, replication in zip(names[1:], replications[1:]):
+        if replication != first:
+            def says(who, what):
+                return f"{who} replicates the base's layers as {what}" if what else f"{who} does not replicate the base's layers"
+            raise IncompatibleMembersError(
+                f"{says(names[0], first)}, and {says(name, replication)} (layer_replication): hf-wide fuses members "
+                "that replicate layers only when every member replicates them the same way. Fuse each pattern's "
+                "adapters apart.")
+
+
 def check_adapter_weights(folder: Path, name: str, allow_pickle: bool) -> None:
     if (folder / "adapter_model.safetensors").is_file():
         return
@@ -191,6 +206,8 @@ def load_adapter_base(ids, folders, configs, *, base_model=None, base_revision=N
         if why is not None and not merge:
             raise NotImplementedError(f"{name} {why}. Pass merge=True to merge each adapter into its own copy of the "
                                       "base (exact, N full weight sets).")
+    if any(c and c.get("layer_replication") for c in configs):
+        check_layer_replication([c.get("layer_replication") if c else None for c in configs], names)
     base_id = base_of(configs, names, base_model)
     base_revision = base_revision_of(configs, names, base_model, base_revision)
     try:

@@ -535,3 +535,32 @@ def test_training_members_that_train_different_tensors_is_warned_of():
                                  share_identical=False)
     assert same.differently_trained == ()
 
+
+
+def test_adapters_that_replicate_layers_fuse_only_when_they_all_replicate_them_alike(llama_adapters, tmp_path):
+    # layer_replication builds a deeper model whose layers share the base's tensors in its pattern. Beside the base,
+    # the base member was given the adapter's replicated layers (0.088 off, silently); two patterns fused right, but
+    # member(1) came back in member 0's (0.27 off); beside an adapter without one, an AttributeError.
+    base, _ = llama_adapters
+
+    def replicating(name, seed, pattern):
+        return save_adapter(LLAMA, base, tmp_path / name, seed, r=4, target_modules=["q_proj", "v_proj"],
+                            task_type="CAUSAL_LM", layer_replication=pattern)
+
+    same = [replicating(f"same{i}", i, [[0, 2], [1, 2]]) for i in range(2)]
+    other = replicating("other", 2, [[0, 1], [0, 2]])
+    plain = save_adapter(LLAMA, base, tmp_path / "plain", 3, r=4, target_modules=["q_proj"], task_type="CAUSAL_LM")
+    wide = WideModel.from_pretrained(same)
+    references = [alone(LLAMA, base, a) for a in same]
+    inputs = LLAMA.inputs(2, padded=True)
+    assert max_member_error(wide, references, inputs) <= TOLERANCE
+    with torch.no_grad():
+        for i, reference in enumerate(references):
+            assert (wide.member(i).eval()(**inputs).logits - reference(**inputs).logits).abs().max() <= TOLERANCE
+    for members, says in [([str(base), same[0]], r"member 0 .* does not replicate the base's layers, and member 1"),
+                          ([same[0], other], r"as \[\[0, 2\], \[1, 2\]\], and member 1 .* as \[\[0, 1\], \[0, 2\]\]"),
+                          ([same[0], plain], "member 1 .* does not replicate")]:
+        with pytest.raises(IncompatibleMembersError, match=says):
+            WideModel.from_pretrained(members)
+    with pytest.raises(IncompatibleMembersError, match="member 1 does not replicate"):
+        WideModel.from_models([references[0], LLAMA.model_class.from_pretrained(base).eval()])
