@@ -99,7 +99,8 @@ def pad_targets(model: nn.Module, paths: set[str], dtype: torch.dtype, name: str
             updates = (lora.lora_embedding_A, lora.lora_embedding_B)
         else:
             lora = LoraLinear(layer, "default", config=config, r=1, lora_alpha=1, is_target_conv_1d_layer=conv)
-            updates = (lora.lora_A, lora.lora_B)
+            # (and a DoRA magnitude, made in the base's dtype: in half precision m / n was not exactly 1)
+            updates = (lora.lora_A, lora.lora_B, lora.lora_magnitude_vector)
         for adapter in updates:  # not the base layer inside: it stays the base's tensors
             adapter.to(layer.weight.device, dtype)
         zero_update(lora)

@@ -564,3 +564,23 @@ def test_adapters_that_replicate_layers_fuse_only_when_they_all_replicate_them_a
             WideModel.from_pretrained(members)
     with pytest.raises(IncompatibleMembersError, match="member 1 does not replicate"):
         WideModel.from_models([references[0], LLAMA.model_class.from_pretrained(base).eval()])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_dora_adapters_of_different_targets_over_a_half_precision_base(llama_adapters, tmp_path, dtype):
+    # A member without DoRA on a layer another adapts gets a DoRA no-op: its magnitude the norms of the base's rows,
+    # to scale by exactly 1. It was made in the base's dtype, and rounded there it scaled by 1 +- a half-precision
+    # step: a third of the logits or more were off (by one bfloat16 step), where DoRA with the same targets was exact.
+    base, _ = llama_adapters
+    adapters = [save_adapter(LLAMA, base, tmp_path / f"dora{i}", i, r=4, lora_alpha=8, use_dora=True,
+                             target_modules=targets, task_type="CAUSAL_LM")
+                for i, targets in enumerate([["q_proj", "v_proj"], ["k_proj", "v_proj"]])]
+    wide = WideModel.from_pretrained(adapters, dtype=dtype)
+    inputs = LLAMA.inputs(3, padded=True)
+    with torch.no_grad():
+        out = wide(**inputs).logits
+        for i, adapter in enumerate(adapters):
+            reference = peft.PeftModel.from_pretrained(LLAMA.model_class.from_pretrained(base, dtype=dtype), adapter)
+            want = reference.eval()(**inputs).logits
+            error = (out[i].float() - want.float()).abs()
+            assert (error > 0).float().mean() < 0.05 and error.max() <= 2 ** -6 * max(1.0, want.abs().max().item())
