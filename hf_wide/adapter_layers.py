@@ -87,7 +87,7 @@ def pad_targets(model: nn.Module, paths: set[str], dtype: torch.dtype, name: str
         parent = model.get_submodule(parent_path)
         layer = getattr(parent, child)
         embedding = isinstance(layer, nn.Embedding)  # a scaled one too (Gemma's), as PEFT's own dispatch takes it
-        if type(layer) not in (nn.Linear, Conv1D) and not embedding:
+        if not _plain_linear(layer) and not embedding:
             raise IncompatibleMembersError(
                 f"Another member has a LoRA on {path.removeprefix('base_model.model.')}, but {name} has a "
                 f"{type(layer).__name__} there, to which hf-wide can give no zero LoRA. {MERGE_INSTEAD}")
@@ -109,6 +109,15 @@ def pad_targets(model: nn.Module, paths: set[str], dtype: torch.dtype, name: str
         wrapped.append(path)
     _list_targets(model)  # every member's are now the union
     return wrapped
+
+
+def _plain_linear(layer: nn.Module) -> bool:
+    """An ``nn.Linear`` (transformers' subclasses too, Falcon's ``FalconLinear``, as PEFT's dispatch takes them; not
+    a quantised one) or GPT-2's ``Conv1D``: what a zero LoRA can wrap."""
+    from transformers.pytorch_utils import Conv1D
+
+    return type(layer) is Conv1D or isinstance(layer, nn.Linear) and type(layer).__module__.split(".")[0] in (
+        "torch", "transformers")
 
 
 def zero_update(layer: nn.Module) -> None:

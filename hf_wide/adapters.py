@@ -27,6 +27,7 @@ import contextlib
 import copy
 import dataclasses
 import json
+import os
 import sys
 import warnings
 from collections.abc import Iterator
@@ -117,8 +118,8 @@ def lora_refusal(config: dict) -> str | None:
     for option in ("use_bdlora", "lora_bias"):  # fan_in_fan_out: GPT-2's Conv1D, taken (blocks/lora.py)
         if config.get(option):
             return f"uses {option}={config[option]!r}, which hf-wide does not fuse"
-    for option in ("alora_invocation_tokens", "arrow_config", "velora_config", "monteclora_config", "kasa_config",
-                   "mica"):
+    # (MiCA, init_lora_weights="mica", is LoRA's forward with B frozen: fused as LoRA)
+    for option in ("alora_invocation_tokens", "arrow_config", "velora_config", "monteclora_config", "kasa_config"):
         if config.get(option) not in (None, False):
             return f"uses {option}, a LoRA variant hf-wide does not fuse"
     return None
@@ -173,6 +174,17 @@ def grow(model: nn.Module, grown: dict[str, int], name: str) -> None:
         raise IncompatibleMembersError(
             f"{name} grew the vocabulary but holds only {sorted(grown)} whole, not {sorted(resized - grown.keys())}: "
             "their new rows would be drawn at random.")
+
+
+def is_base(model_id, base_id) -> bool:
+    """Whether a member of the list is the adapters' base: its id, or its folder under another name (``base/``, a
+    relative path, where the adapters name it by its absolute path)."""
+    if str(model_id) == str(base_id):
+        return True
+    try:
+        return os.path.isdir(model_id) and os.path.isdir(base_id) and os.path.samefile(model_id, base_id)
+    except OSError:
+        return False
 
 
 @dataclasses.dataclass
@@ -256,7 +268,7 @@ def load_adapter_members(ids, folders, configs, *, base_model=None, base_revisio
     for name, model_id, folder, config in hf_tqdm(list(zip(names, ids, folders, configs)), desc=desc,
                                                   unit="member", disable=not show_bar):
         if config is None:  # a full checkpoint: the base itself, or one of its architecture
-            if str(model_id) == str(base_id):
+            if is_base(model_id, base_id):
                 models.append(shared_view(base))
             else:
                 models.append(load_member(folder, name, dtype, device=device, klass=klass,
@@ -292,7 +304,7 @@ def load_adapter_members(ids, folders, configs, *, base_model=None, base_revisio
             models[i] = as_adapter(model, reference)
         padded.append(pad_saved_modules(models[i], saved) + pad_targets(models[i], union, dtype, names[i], dora))
     stack_adapters(models)
-    full = any(c is None and str(i) != str(base_id) for c, i in zip(configs, ids))  # a full checkpoint, not the base
+    full = any(c is None and not is_base(i, base_id) for c, i in zip(configs, ids))  # a full checkpoint, not the base
     sources = None if full else AdapterSources(base_id, base_revision or commit_sha(Path(base_folder)), list(configs),
                                                padded)
     if ahead is not None and module_structure(models[0]) != ahead[2]:

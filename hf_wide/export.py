@@ -32,15 +32,17 @@ def save_member(wide, i: int, save_directory: str | Path) -> Path:
 
 
 def save_members(wide, save_directory: str | Path, names: Sequence[str] | None = None) -> list[Path]:
-    """Every member as an ordinary transformers repo: ``save_directory/member-{i}`` (or ``names[i]``)."""
+    """Every member as an ordinary transformers repo: ``save_directory/member-{i}`` (or ``names[i]``); members loaded
+    as PEFT adapters as PEFT adapter folders, and the base among them as the base's own repo."""
     names = list(names) if names is not None else [f"member-{i}" for i in range(wide.num_members)]
     if len(names) != wide.num_members:
         raise ValueError(f"Got {len(names)} names for {wide.num_members} members.")
     refuse_peft_without_sources(wide)
-    if getattr(wide, "adapter_sources", None) is not None:  # PEFT adapter folders (none for the base itself)
+    if getattr(wide, "adapter_sources", None) is not None:  # PEFT adapter folders; the base member: its own repo
         from .adapter_repos import save_adapter
 
-        return [save_adapter(wide, i, Path(save_directory) / name) for i, name in enumerate(names)]
+        return [save_adapter(wide, i, Path(save_directory) / name) or save_member(wide, i, Path(save_directory) / name)
+                for i, name in enumerate(names)]
     return [save_member(wide, i, Path(save_directory) / name) for i, name in enumerate(names)]
 
 

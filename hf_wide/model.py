@@ -153,7 +153,8 @@ class WideModel(nn.Module):
                          create_pr=create_pr, overwrite_readme=overwrite_readme, **save_kwargs)
 
     def save_members(self, save_directory, names: Sequence[str] | None = None):
-        """Every member as an ordinary transformers repo in ``save_directory/member-{i}``: the inverse of fusion."""
+        """Every member as an ordinary transformers repo in ``save_directory/member-{i}``: the inverse of fusion
+        (adapters as PEFT adapter folders, the base among them as its own repo)."""
         from .export import save_members
 
         return save_members(self, save_directory, names)

@@ -146,7 +146,10 @@ def test_an_ensemble_of_adapters_saved_and_loaded_back(llama_adapters, tmp_path)
         assert torch.equal(back(**inputs).logits, wide(**inputs).logits)
     assert back.member_ids == wide.member_ids
     folders = wide.save_members(tmp_path / "members")
-    assert folders[0] is None  # the base itself is no adapter
+    # the base itself is no adapter: its own repo (there was no folder, and a gap in the members' numbers)
+    saved_base = LLAMA.model_class.from_pretrained(folders[0]).eval()
+    with torch.no_grad():
+        assert torch.equal(saved_base(**inputs).logits, LLAMA.model_class.from_pretrained(base).eval()(**inputs).logits)
     for folder, adapter in zip(folders[1:], adapters):  # ordinary PEFT adapters, without the zero updates
         again, original = alone(LLAMA, base, str(folder)), alone(LLAMA, base, adapter)
         assert lora_keys(again) == lora_keys(original)

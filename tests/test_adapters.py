@@ -584,3 +584,36 @@ def test_dora_adapters_of_different_targets_over_a_half_precision_base(llama_ada
             want = reference.eval()(**inputs).logits
             error = (out[i].float() - want.float()).abs()
             assert (error > 0).float().mean() < 0.05 and error.max() <= 2 ** -6 * max(1.0, want.abs().max().item())
+
+
+def test_falcon_adapters_of_different_targets(tmp_path):
+    # Falcon's linears are FalconLinear, an nn.Linear PEFT adapts as one: a member without an adapter there was
+    # refused its zero LoRA
+    import transformers
+
+    torch.manual_seed(0)
+    falcon = transformers.FalconForCausalLM(transformers.FalconConfig(
+        vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, new_decoder_architecture=False,
+        multi_query=True, alibi=False, bias=False))
+    falcon.save_pretrained(tmp_path / "base")
+
+    class Falcon:  # what save_adapter and alone read of a case
+        model_class = transformers.FalconForCausalLM
+
+    adapters = [save_adapter(Falcon, tmp_path / "base", tmp_path / f"a{i}", i, r=4, target_modules=targets,
+                             task_type="CAUSAL_LM")
+                for i, targets in enumerate([["query_key_value"], ["query_key_value", "dense_4h_to_h"]])]
+    wide = WideModel.from_pretrained(adapters)
+    inputs = {"input_ids": torch.randint(3, 64, (2, 6))}
+    assert max_member_error(wide, [alone(Falcon, tmp_path / "base", a) for a in adapters], inputs) <= TOLERANCE
+
+
+def test_the_base_named_by_another_path_is_the_base(llama_adapters, tmp_path, monkeypatch):
+    # The adapters name the base by its absolute path: given as "base/" or relative, it loaded a second time as a
+    # full checkpoint beside the adapters, and saving the ensemble was refused for it
+    base, adapters = llama_adapters
+    monkeypatch.chdir(base.parent)
+    for name in (f"{base}/", base.name):
+        wide = WideModel.from_pretrained([name, adapters[1]])
+        assert wide.adapter_sources is not None  # (None where a full checkpoint other than the base is a member)
+        wide.save_pretrained(tmp_path / "ensemble")
