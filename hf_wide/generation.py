@@ -11,6 +11,8 @@ That one ``generate`` runs one generation config for every row, member 0's: wher
 
 from __future__ import annotations
 
+import copy
+
 import torch
 from torch import nn
 
@@ -28,7 +30,10 @@ def generate_wide(wide, args: tuple, kwargs: dict):
     if group is not None:
         args, kwargs = local_inputs(group, args, kwargs)
     n = wide.fold.num_members
+    refuse_one_sequence_options(kwargs, wide.model)
+    refuse_row_subsets(args, kwargs, wide.model)
     args, kwargs, batch = fold_inputs(n, args, kwargs)
+    kwargs = per_row_options(kwargs, n, batch, wide.model)
     returns_dict = _returns_dict(kwargs, wide.model)
     if (not wide._capture_hooks or wide._unrecorded) and asks_for_capture(kwargs, wide.config):
         wide._install_capture_hooks()  # asked for, or by config (router logits, whose loss generate drops)
@@ -53,6 +58,62 @@ def generate_wide(wide, args: tuple, kwargs: dict):
     # Each rank stops when its own members are done; padded as one process pads members done early.
     pad = kwargs.get("pad_token_id", getattr(getattr(wide.model, "generation_config", None), "pad_token_id", None))
     return gather_members(group, sequences, 0 if pad is None else pad)
+
+
+# Ways of generating that transformers runs on one sequence at a time, where a wide model generates N*B rows
+ONE_SEQUENCE = {"assistant_model": "assisted generation", "prompt_lookup_num_tokens": "prompt lookup decoding",
+                "streamer": "a streamer", "assistant_early_exit": "self-speculative decoding"}
+
+
+def _effective_config(kwargs: dict, model: nn.Module):
+    """The generation config ``generate`` will run with: the one passed (or the model's) with ``kwargs`` on it."""
+    config = copy.deepcopy(kwargs.get("generation_config") or getattr(model, "generation_config", None))
+    if config is not None:
+        config.update(**{k: v for k, v in kwargs.items() if k != "generation_config"})
+    return config
+
+
+def refuse_one_sequence_options(kwargs: dict, model: nn.Module) -> None:
+    """Refuse what transformers runs on one sequence only (its error would speak of a batch the user did not
+    give: the wide model's N*B rows)."""
+    config = _effective_config(kwargs, model)
+    for key, what in ONE_SEQUENCE.items():
+        if kwargs.get(key) is not None or getattr(config, key, None) is not None:
+            raise ValueError(f"{what} ({key}=) runs one sequence at a time, and a wide model's generate runs every "
+                             f"member's rows at once: run it on one member, wide.member(i).generate(..., {key}=...).")
+
+
+def refuse_row_subsets(args: tuple, kwargs: dict, model: nn.Module) -> None:
+    """Refuse Whisper's long-form transcription and its temperature fallback: transformers drops the rows that are
+    done (an audio transcribed to its end) or re-runs those that need it, so a forward holds some rows of some
+    members, which the fold cannot tell apart (shapes that do not divide among the members raised; those that do
+    would run a row with another member's weights)."""
+    if not hasattr(model, "_retrieve_total_input_frames"):  # transformers' WhisperGenerationMixin
+        return
+    features = kwargs.get("input_features", args[0] if args else None)
+    features = getattr(features, "tensor", features)  # (a PerMember's)
+    encoder = model.model.encoder
+    stride = getattr(encoder.conv1, "stride", (1,))[0] * getattr(encoder.conv2, "stride", (2,))[0]
+    long_form = isinstance(features, torch.Tensor) and features.shape[-1] > stride * model.config.max_source_positions
+    temperature = _effective_config(kwargs, model).temperature
+    if long_form or isinstance(temperature, (list, tuple)) and len(temperature) > 1:
+        what = ("long-form transcription (input features longer than one window)" if long_form else
+                "a temperature fallback (temperature=(...))")
+        raise ValueError(f"Whisper's {what} drops or re-runs some rows of a batch as they finish or fail, and a wide "
+                         "model's rows are every member's: run it on each member, wide.member(i).generate(...).")
+
+
+def per_row_options(kwargs: dict, n: int, batch: int, model: nn.Module) -> dict:
+    """``kwargs`` with what transformers takes per row of the batch made per row of the N*B folded ones: Whisper's
+    ``language`` list (one per input), and a ``prefix_allowed_tokens_fn``, which transformers calls with the row's
+    index among N*B inputs and is given its index among the user's B."""
+    language = kwargs.get("language")
+    if isinstance(language, (list, tuple)) and len(language) == batch:
+        kwargs = {**kwargs, "language": list(language) * n}  # member-major, as the rows
+    allowed = kwargs.get("prefix_allowed_tokens_fn")
+    if allowed is not None:  # (transformers' batch id is the input's, beams and sequences of it together)
+        kwargs = {**kwargs, "prefix_allowed_tokens_fn": lambda batch_id, ids: allowed(batch_id % batch, ids)}
+    return kwargs
 
 
 # What a generation config records of where it came from, not of how to generate

@@ -101,3 +101,63 @@ def test_a_member_saved_without_a_generation_config_generates_with_its_own(tmp_p
     assert wide.member_generation_configs[1].to_dict() == alone.generation_config.to_dict()
     with pytest.raises(ValueError, match="repetition_penalty: member 0 3.0, member 1 1.0"):
         wide.generate(**case.inputs(2, padded=True))
+
+
+def test_a_prefix_constraint_is_called_with_the_users_batch_ids():
+    # transformers calls it with each row's index among the N*B folded rows: a table of one constraint per input
+    # raised KeyError, and a callback with a default constrained member 1 by the default, silently
+    case = CASES["llama-causallm"]
+    members = [case.build(seed) for seed in range(2)]
+    wide = WideModel.from_models(members)
+    inputs = case.inputs(2, padded=True)
+    allowed = {0: list(range(2, 30)), 1: list(range(50, 90))}
+    for search in ({}, {"num_beams": 2}, {"do_sample": True, "num_return_sequences": 2, "top_k": 1}):
+        settings = dict(max_new_tokens=3, eos_token_id=None, pad_token_id=0,
+                        prefix_allowed_tokens_fn=lambda batch_id, ids: allowed[batch_id], **search)
+        out = wide.generate(**inputs, **settings)
+        for i, member in enumerate(members):
+            assert torch.equal(out[i], member.generate(**inputs, **settings)), (search, i)
+
+
+@pytest.mark.parametrize("option", ["assistant_model", "prompt_lookup_num_tokens", "streamer"])
+def test_what_transformers_runs_on_one_sequence_is_refused_with_the_way_out(option):
+    case = CASES["llama-causallm"]
+    members = [case.build(seed) for seed in range(2)]
+    wide = WideModel.from_models(members)
+    value = {"assistant_model": members[0], "prompt_lookup_num_tokens": 2,
+             "streamer": transformers.TextStreamer(tokenizer=None)}[option]
+    with pytest.raises(ValueError, match=rf"\({option}=\) runs one sequence at a time.*wide\.member\(i\)\.generate"):
+        wide.generate(**case.inputs(1, padded=False), max_new_tokens=2, **{option: value})
+
+
+def whispers(count: int = 2) -> list:
+    config = transformers.WhisperConfig(
+        vocab_size=100, num_mel_bins=8, encoder_layers=1, decoder_layers=1, encoder_attention_heads=4,
+        decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, d_model=32, max_source_positions=16,
+        max_target_positions=32, pad_token_id=0, bos_token_id=1, eos_token_id=1, decoder_start_token_id=3,
+        begin_suppress_tokens=None, suppress_tokens=None)
+    built = []
+    for seed in range(count):
+        torch.manual_seed(seed)
+        model = transformers.WhisperForConditionalGeneration(config).eval()
+        for key, value in dict(lang_to_id={"<|en|>": 5, "<|de|>": 6}, task_to_id={"transcribe": 7},
+                               no_timestamps_token_id=9, is_multilingual=True, max_initial_timestamp_index=5).items():
+            setattr(model.generation_config, key, value)  # (update() sets only the attributes a config has)
+        built.append(model)
+    return built
+
+
+def test_whisper_takes_a_language_per_input_and_refuses_what_drops_rows():
+    members = whispers()
+    wide = WideModel.from_models(members)
+    features = torch.randn(2, 8, 32, generator=torch.Generator().manual_seed(0))
+    settings = dict(language=["en", "de"], max_new_tokens=4)  # one per input: transformers wanted one per N*B rows
+    out = wide.generate(input_features=features, **settings)
+    for i, member in enumerate(members):
+        assert torch.equal(out[i], member.generate(input_features=features, **settings))
+    long = torch.randn(1, 8, 80, generator=torch.Generator().manual_seed(0))  # two and a half windows of 32 frames
+    with pytest.raises(ValueError, match="long-form transcription"):  # (it raised inside, or ran a row as another
+        wide.generate(input_features=long, attention_mask=torch.ones(1, 80, dtype=torch.long), language="en",
+                      return_timestamps=True, max_new_tokens=4)  # member's, as rows finished)
+    with pytest.raises(ValueError, match="temperature fallback"):
+        wide.generate(input_features=features, temperature=(0.0, 0.5), max_new_tokens=4)
