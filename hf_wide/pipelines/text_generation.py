@@ -9,12 +9,14 @@
 Ensemble decoding: at every step all N members read the same prefix in one wide forward (a KV cache of
 N*B rows, one new token per row), their next-token distributions are combined (``combine=``: the mean by
 default, as for classification) and one token is chosen for all of them: the argmax (``do_sample=False``)
-or a draw after ``top_k`` / ``top_p`` filtering (``do_sample=True``, ``seed=`` or ``generator=``). Rows stop
-at an eos token. Per-member continuations come from :meth:`WideModel.generate` (transformers' own loop).
+or a draw after ``top_k`` / ``top_p`` filtering (``do_sample=True``, ``seed=`` or ``generator=``), each member's
+scores first shaped by the logits processors its generation config asks for (a repetition penalty, ...), as its own
+generate would. Rows stop at an eos token. Per-member continuations come from :meth:`WideModel.generate` (transformers' own loop).
 """
 
 from __future__ import annotations
 
+import copy
 import inspect
 from typing import Any
 
@@ -33,7 +35,7 @@ class TextGenerationPipeline(WidePipeline):
     """``pipe(prompt)`` -> ``{"generated_text", "uncertainty"}`` (the ensemble's continuation, with each
     measure averaged over the generated tokens), or ``{"members": [...]}`` with ``combine="none"``.
 
-    Options: ``max_new_tokens`` (20), ``do_sample``, ``temperature``, ``top_k``, ``top_p``, ``seed`` /
+    Options: ``max_new_tokens`` (the members' own, else 20), ``do_sample``, ``temperature``, ``top_k``, ``top_p``, ``seed`` /
     ``generator`` (sampling), ``return_full_text`` (True: prompt + continuation, as transformers),
     ``return_members`` (also each member's own continuation), ``truncation`` (True: prompts too long for
     the model's positions keep their last tokens; False: refuse them). Prompts are left-padded."""
@@ -69,7 +71,7 @@ class TextGenerationPipeline(WidePipeline):
         return pre, fwd, post
 
     # ---------------------------------------------------------------- the four steps
-    def preprocess(self, prompt, truncation: bool = True, max_new_tokens: int = DEFAULT_NEW_TOKENS):
+    def preprocess(self, prompt, truncation: bool = True, max_new_tokens: int | None = None):
         if self.tokenizer is None:
             raise ValueError("This pipeline needs a tokenizer: pass tokenizer=, or load members that ship one.")
         if not isinstance(prompt, str):
@@ -78,6 +80,7 @@ class TextGenerationPipeline(WidePipeline):
             raise ValueError("Got an empty prompt: give the members some text to continue.")
         encoded = self.tokenizer(prompt, return_tensors="pt")
         ids, mask = encoded["input_ids"], encoded["attention_mask"]
+        max_new_tokens = max_new_tokens or self._default_new_tokens()
         budget = _max_length(self.tokenizer, self.model) - max_new_tokens  # positions left for the prompt
         if budget < 1:
             raise ValueError(f"max_new_tokens={max_new_tokens} leaves no room for a prompt within the model's "
@@ -99,10 +102,11 @@ class TextGenerationPipeline(WidePipeline):
                 for f in features]
         return {"input_ids": torch.cat(ids), "attention_mask": torch.cat(mask)}
 
-    def _forward(self, batch, max_new_tokens: int = DEFAULT_NEW_TOKENS, do_sample: bool = False,
+    def _forward(self, batch, max_new_tokens: int | None = None, do_sample: bool = False,
                  temperature: float | None = None, top_k: int | None = None, top_p: float | None = None,
                  seed: int | None = None, generator: torch.Generator | None = None, return_members: bool = False):
         sampling = dict(do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p)
+        max_new_tokens = max_new_tokens or self._default_new_tokens()
         out = {}
         if self.combine == Combine.NONE or return_members:
             out["per_member_tokens"] = self._member_continuations(batch, max_new_tokens, seed, **sampling)
@@ -154,11 +158,14 @@ class TextGenerationPipeline(WidePipeline):
         done = torch.zeros(ids.shape[0], dtype=torch.bool, device=ids.device)
         keep = {"logits_to_keep": 1} if self._keeps_logits() else {}
         cache_name = cache_name_of(self.model.model) or "past_key_values"  # Mamba: cache_params
-        cache, step_ids, steps = None, ids, []
+        processors = self._member_processors(ids, mask, max_new_tokens)
+        cache, step_ids, steps, generated = None, ids, [], ids  # generated: (B, T + s), what the processors read
         for _ in range(max_new_tokens):
             out = self.model(input_ids=step_ids, attention_mask=mask, position_ids=positions,
                              use_cache=True, **{cache_name: cache}, **keep)
             cache, logits = getattr(out, cache_name), out.logits[:, :, -1]  # (N, B, V)
+            if processors is not None:  # each member's scores as its own generate would draw from them
+                logits = torch.stack([process(generated, logits[i].float()) for i, process in enumerate(processors)])
             member_probs = member_probabilities(logits, False, temperature)  # (N, B, V)
             probs = combine(logits, self.combine, self.weights, False, temperature)  # (B, V)
             if do_sample:
@@ -171,6 +178,7 @@ class TextGenerationPipeline(WidePipeline):
             if done.all():
                 break
             step_ids = token[:, None]  # (B, 1)
+            generated = torch.cat([generated, step_ids], -1)
             mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], -1)
             positions = positions[:, -1:] + 1
         return {key: torch.stack([s[key] for s in steps], -1) for key in steps[0]}  # each (B, S)
@@ -187,6 +195,42 @@ class TextGenerationPipeline(WidePipeline):
         sequences = self.model.generate(**batch, max_new_tokens=max_new_tokens, pad_token_id=self._pad_id(),
                                         **options)
         return sequences[:, :, batch["input_ids"].shape[-1]:]
+
+    def _member_processors(self, ids: torch.Tensor, mask: torch.Tensor, max_new_tokens: int) -> list | None:
+        """Each member's logits processors, as transformers' generate builds them from its generation config
+        (repetition penalty, n-grams not to repeat, bad words, a minimum length, suppressed and forced tokens):
+        applied to each member's logits before they are combined. Sampling's warpers (temperature, top-k, top-p)
+        are not: they apply to the combined distribution. None where no member has any."""
+        from transformers import LogitsProcessorList
+
+        model = self.model.model
+        configs = self.model.member_generation_configs or [getattr(model, "generation_config", None)]
+        if any(c is None for c in configs):
+            return None
+        built = []
+        for i, config in enumerate(configs):
+            config = copy.deepcopy(config)
+            if config.guidance_scale not in (None, 1):
+                raise ValueError(f"Member {i}'s generation config asks for classifier-free guidance (guidance_scale="
+                                 f"{config.guidance_scale}), which ensemble decoding does not run.")
+            config.update(do_sample=False, max_new_tokens=max_new_tokens)  # (no warpers)
+            config.max_length = ids.shape[-1] + max_new_tokens
+            if config.pad_token_id is None:
+                config.pad_token_id = self._pad_id()
+            model._prepare_special_tokens(config, True, device=ids.device)
+            built.append(model._get_logits_processor(
+                generation_config=config, input_ids_seq_length=ids.shape[-1], encoder_input_ids=ids,
+                logits_processor=LogitsProcessorList(), device=ids.device, model_kwargs={"attention_mask": mask}))
+        if not any(built):
+            return None
+        return built if len(built) == self.model.num_members else built * self.model.num_members
+
+    def _default_new_tokens(self) -> int:
+        """The members' ``max_new_tokens`` where their generation configs agree on one, as transformers' pipeline
+        reads it; else :data:`DEFAULT_NEW_TOKENS`."""
+        configs = self.model.member_generation_configs or [getattr(self.model.model, "generation_config", None)]
+        values = {getattr(c, "max_new_tokens", None) for c in configs}
+        return values.pop() if len(values) == 1 and None not in values else DEFAULT_NEW_TOKENS
 
     # ---------------------------------------------------------------- special tokens
     def _eos_ids(self) -> list[int]:

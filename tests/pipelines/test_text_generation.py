@@ -228,3 +228,27 @@ def test_vote_decoding_takes_the_majority_token(setup):
         probs = torch.stack([m(**encoded).logits[0, -1].softmax(-1) for m in members])  # (N, V)
     votes = np.bincount(probs.argmax(-1).numpy(), minlength=probs.shape[-1]) + 1e-6 * probs.mean(0).numpy()
     assert result["generated_text"] == tokenizer.decode([int(votes.argmax())], skip_special_tokens=True)
+
+
+def test_each_members_generation_config_shapes_its_distribution(tmp_path):
+    # The members' own settings (max_new_tokens, a repetition penalty, n-grams not to repeat): ensemble decoding
+    # dropped the penalties, so even one-hot weights did not decode as that member alone, and every path asked for 20
+    # tokens where transformers' pipeline reads the members' max_new_tokens
+    tokenizer = decoder_tokenizer(tmp_path)
+    members = build_members("llama-causallm", 2)
+    for member, penalty in zip(members, (3.0, 1.5)):
+        member.generation_config.update(max_new_tokens=5, repetition_penalty=penalty, no_repeat_ngram_size=1)
+    wide = WideModel.from_models(members)
+    for i, member in enumerate(members):
+        expected = transformers.pipeline("text-generation", model=member, tokenizer=tokenizer)(
+            PROMPTS[0], do_sample=False)[0]["generated_text"]
+        weights = [1.0 if j == i else 0.0 for j in range(2)]
+        one_hot = pipeline("text-generation", model=wide, tokenizer=tokenizer, combine="weighted", weights=weights)
+        assert one_hot(PROMPTS[0])["generated_text"] == expected
+    members[1].generation_config.repetition_penalty = 3.0  # one generate runs one config: the members' must agree
+    wide = WideModel.from_models(members)
+    result = pipeline("text-generation", model=wide, tokenizer=tokenizer, combine="none")(PROMPTS[0])
+    for i, member in enumerate(members):
+        expected = transformers.pipeline("text-generation", model=member, tokenizer=tokenizer)(
+            PROMPTS[0], do_sample=False)[0]["generated_text"]
+        assert result["members"][i]["generated_text"] == expected
