@@ -81,7 +81,7 @@ def base_class(configs: Sequence[dict | None], base_config, name: str) -> type:
 
 def adapter_keys(folder: Path) -> list[str]:
     """The names of the tensors in an adapter's weights file (safetensors, or the pickle that
-    :func:`hf_wide.adapters.check_adapter_weights` let through, read with ``weights_only``)."""
+    :func:`hf_wide.adapter_checks.check_adapter_weights` let through, read with ``weights_only``)."""
     return list(adapter_shapes(folder))
 
 

@@ -11,14 +11,11 @@ stacked tensors the wide model keeps.
 
 from __future__ import annotations
 
-import copy
-import sys
 from collections.abc import Sequence
 
 import torch
 from torch import nn
 
-from .adapter_views import shared_view
 from .compat import IncompatibleMembersError
 from .cpu import release_freed_memory
 
@@ -235,56 +232,6 @@ def _require_saved_or_adapted(models: Sequence[nn.Module], adapted: set[str], sa
 
 def _tokens(counts: dict[str, int]) -> str:
     return ", ".join(f"{n} token{'s' * (n != 1)} of {path}" for path, n in sorted(counts.items())) or "no tokens"
-
-
-def as_adapter(model: nn.Module, reference: nn.Module) -> nn.Module:
-    """A full member among adapters (their base itself, or a model of its architecture): ``model`` wrapped as the
-    adapter ``reference`` is (its config), every update an exact no-op (zero B) and frozen, so that all members have
-    one structure and this one computes with its own weights alone (``unload()`` gives it back)."""
-    import peft
-
-    from .adapters import peft_quietly
-
-    with peft_quietly():
-        model = peft.get_peft_model(model, copy.deepcopy(reference.peft_config["default"])).eval()
-    for path in lora_paths(model):  # the fresh adapter's own random A: zero B keeps it a no-op
-        zero_update(model.get_submodule(path))
-    model.requires_grad_(False)
-    return model
-
-
-def aligned_adapters(models: Sequence[nn.Module]) -> tuple[list[nn.Module], list[list[str]] | None, frozenset[int]]:
-    """LoRA members given as PeftModels (``WideModel.from_models``) whose adapters target, or save whole, different
-    modules, or beside plain models of their base's class: views of them (:func:`shared_view`, their very tensors:
-    the models themselves are left as they are), each plain one wrapped as the adapters are (:func:`as_adapter`),
-    each padded as adapters loaded from folders are (:func:`pad_saved_modules`, :func:`pad_targets`); the paths each
-    was given, for ``member(i)`` to take out (:func:`unpad`), and which members were plain models. Members that agree
-    already, or whose PeftModels do not all hold one LoRA adapter named "default" (what the padding gives), come back
-    as they are, with None and no plain members."""
-    peft = sys.modules.get("peft")  # not imported: no member is a PeftModel
-    adapters = [m for m in models if peft is not None and isinstance(m, peft.PeftModel)]
-    full = frozenset(i for i, m in enumerate(models) if adapters and not isinstance(m, peft.PeftModel))
-    lora = bool(adapters) and all(list(m.peft_config) == ["default"] and m.peft_config["default"].peft_type
-                                  == peft.PeftType.LORA for m in adapters)
-    if not lora or any(type(models[i]) is not type(adapters[0].get_base_model()) for i in full):
-        return list(models), None, frozenset()  # (members of other classes are refused as such)
-    replications = [None if i in full else m.peft_config["default"].layer_replication for i, m in enumerate(models)]
-    if any(replications):
-        from .adapters import check_layer_replication
-
-        check_layer_replication([r and [list(p) for p in r] for r in replications],
-                                [f"member {i}" for i in range(len(models))])
-    union, saved, dtype = adapter_structure(models)
-    dora = dora_paths(adapters)
-    if not full and all(lora_paths(m) == union and saved_paths(m) == saved for m in models):
-        return list(models), None, frozenset()
-    trainable = [(p, p.requires_grad) for m in models for p in m.parameters()]
-    views = [as_adapter(shared_view(m), adapters[0]) if i in full else shared_view(m) for i, m in enumerate(models)]
-    padded = [pad_saved_modules(view, saved) + pad_targets(view, union, dtype, f"member {i}", dora)
-              for i, view in enumerate(views)]
-    for p, flag in trainable:  # the wrappers froze the tensors they wrap, which are the models' own
-        p.requires_grad_(flag)
-    return views, padded, full
 
 
 def saved_paths(model: nn.Module) -> set[str]:

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from .adapter_layers import aligned_adapters
+from .adapter_aligned import aligned_adapters
 from .compat import check_compatible
 from .cpu import release_freed_memory
 from .fold import Fold

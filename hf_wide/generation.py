@@ -150,8 +150,8 @@ def check_generation_configs(configs, kwargs: dict) -> None:
         raise ValueError(
             f"The members' generation configs differ ({listed}), and one generate runs member 0's for every member: "
             f"member {first} would not continue as it does alone. Give the settings to generate (generate(..., "
-            f"{give}), or set in the generation_config= it is given) to run every member with them; or run wide.member(i).generate(...) "
-            "for a member's own.")
+            f"{give}), or set in the generation_config= it is given) to run every member with them; or run "
+            "wide.member(i).generate(...) for a member's own.")
 
 
 def _returns_dict(kwargs: dict, model: nn.Module) -> bool:

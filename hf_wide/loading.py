@@ -142,7 +142,8 @@ def _generation_config(template: nn.Module, folder: Path):
     if (Path(folder) / "generation_config.json").exists():
         return transformers.GenerationConfig.from_pretrained(folder)
     # Without one, transformers builds it from the member's own config.json (not member 0's generation config)
-    return transformers.GenerationConfig.from_pretrained(folder, config_file_name="config.json", _from_model_config=True)
+    return transformers.GenerationConfig.from_pretrained(folder, config_file_name="config.json",
+                                                         _from_model_config=True)
 
 
 def _stand_in(template: nn.Module, identical: set[str]) -> nn.Module:

@@ -20,8 +20,9 @@ from torch import nn
 
 from .adapters import PEFT_FORWARD_ARGS, runs_inner_model, without_peft_args
 from .capture import asks_for_capture, install_capture_hooks, require_recorded, reset_capture_hooks
+from .choices import install_choice_rows
 from .compat import member_names
-from .fold import Fold, fold_inputs, install_choice_rows, other_batches, unfold_outputs
+from .fold import Fold, fold_inputs, other_batches, unfold_outputs
 from .generation import generate_wide
 from .losses import LABEL_ARGUMENTS, install_member_losses, member_loss_outputs, member_losses, replace_loss
 from .parallel import gather_members, gather_outputs, local_inputs

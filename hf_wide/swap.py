@@ -17,7 +17,8 @@ from torch import nn
 from .adapter_layers import unpad
 from .capture import reset_capture_hooks
 from .configs import configs_in_place, configs_replaced, copies_of, module_configs, same_places
-from .fold import Fold, is_fold_hook
+from .choices import is_fold_hook
+from .fold import Fold
 from .losses import uninstall_member_losses
 from .packing import remove_packing_hooks
 from .plan import STACKED_LOOP, Kind, WidePlan

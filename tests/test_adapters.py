@@ -557,12 +557,12 @@ def test_adapters_that_replicate_layers_fuse_only_when_they_all_replicate_them_a
     with torch.no_grad():
         for i, reference in enumerate(references):
             assert (wide.member(i).eval()(**inputs).logits - reference(**inputs).logits).abs().max() <= TOLERANCE
-    for members, says in [([str(base), same[0]], r"member 0 .* does not replicate the base's layers, and member 1"),
-                          ([same[0], other], r"as \[\[0, 2\], \[1, 2\]\], and member 1 .* as \[\[0, 1\], \[0, 2\]\]"),
-                          ([same[0], plain], "member 1 .* does not replicate")]:
+    for members, says in [([str(base), same[0]], r"differently: member 0 \(.*\) not, member 1 \(.*\) \[\[0, 2\]"),
+                          ([same[0], other], r"\) \[\[0, 2\], \[1, 2\]\], member 1 \(.*\) \[\[0, 1\], \[0, 2\]\]"),
+                          ([same[0], plain], r"member 1 \(.*\) not\.")]:
         with pytest.raises(IncompatibleMembersError, match=says):
             WideModel.from_pretrained(members)
-    with pytest.raises(IncompatibleMembersError, match="member 1 does not replicate"):
+    with pytest.raises(IncompatibleMembersError, match="member 1 not"):
         WideModel.from_models([references[0], LLAMA.model_class.from_pretrained(base).eval()])
 
 

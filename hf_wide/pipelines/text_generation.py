@@ -9,9 +9,10 @@
 Ensemble decoding: at every step all N members read the same prefix in one wide forward (a KV cache of
 N*B rows, one new token per row), their next-token distributions are combined (``combine=``: the mean by
 default, as for classification) and one token is chosen for all of them: the argmax (``do_sample=False``)
-or a draw after ``top_k`` / ``top_p`` filtering (``do_sample=True``, ``seed=`` or ``generator=``), each member's
-scores first shaped by the logits processors its generation config asks for (a repetition penalty, ...), as its own
-generate would. Rows stop at an eos token. Per-member continuations come from :meth:`WideModel.generate` (transformers' own loop).
+or a draw after ``top_k`` / ``top_p`` filtering (``do_sample=True``, ``seed=`` or ``generator=``), each
+member's scores first shaped by the logits processors its generation config asks for (a repetition
+penalty, ...), as its own generate would. Rows stop at an eos token. Per-member continuations come from
+:meth:`WideModel.generate` (transformers' own loop).
 """
 
 from __future__ import annotations
@@ -35,10 +36,10 @@ class TextGenerationPipeline(WidePipeline):
     """``pipe(prompt)`` -> ``{"generated_text", "uncertainty"}`` (the ensemble's continuation, with each
     measure averaged over the generated tokens), or ``{"members": [...]}`` with ``combine="none"``.
 
-    Options: ``max_new_tokens`` (the members' own, else 20), ``do_sample``, ``temperature``, ``top_k``, ``top_p``, ``seed`` /
-    ``generator`` (sampling), ``return_full_text`` (True: prompt + continuation, as transformers),
-    ``return_members`` (also each member's own continuation), ``truncation`` (True: prompts too long for
-    the model's positions keep their last tokens; False: refuse them). Prompts are left-padded."""
+    Options: ``max_new_tokens`` (the members' own, else 20), ``do_sample``, ``temperature``, ``top_k``,
+    ``top_p``, ``seed`` / ``generator`` (sampling), ``return_full_text`` (True: prompt + continuation, as
+    transformers), ``return_members`` (also each member's own continuation), ``truncation`` (True: prompts too
+    long for the model's positions keep their last tokens; False: refuse them). Prompts are left-padded."""
 
     task = "text-generation"
     heads = ("MODEL_FOR_CAUSAL_LM_MAPPING_NAMES", "a language-modeling head (...ForCausalLM)")
