@@ -111,6 +111,21 @@ def _check_state_dicts(a: nn.Module, b: nn.Module, name_a: str, name_b: str) -> 
             raise IncompatibleMembersError(
                 f"{name_b} has {key!r} of shape {tuple(sb[key].shape)}, but {name_a} has {tuple(sa[key].shape)}."
             )
+    require_one_dtype([{k: t.dtype for k, t in sa.items()}, {k: t.dtype for k, t in sb.items()}], [name_a, name_b],
+                      "pass dtype= to from_pretrained, or convert the models to one: model.to(dtype)")
     for key in sb:
         if key not in sa:
             raise IncompatibleMembersError(f"{name_b} has a tensor {key!r} that {name_a} does not have.")
+
+
+def require_one_dtype(dtypes: Sequence[dict], names: Sequence[str], way_out: str) -> None:
+    """Refuse members whose floating-point tensors of one name differ in dtype (``dtypes``: each member's, by name):
+    the wide model holds one, and would run a member in another dtype than its own, silently (a bfloat16 member
+    stacked with float32 ones ran in float32; a float32 checkpoint loaded beside a bfloat16 one, in bfloat16)."""
+    for name, theirs in zip(names[1:], dtypes[1:]):
+        for key, dtype in dtypes[0].items():
+            other = theirs.get(key, dtype)
+            if other != dtype and dtype.is_floating_point and other.is_floating_point:
+                raise IncompatibleMembersError(
+                    f"{name} holds {key!r} in {other}, but {names[0]} in {dtype}: a wide model runs every member in "
+                    f"one dtype, and either would not compute as it does alone. {way_out[0].upper()}{way_out[1:]}.")

@@ -23,7 +23,7 @@ from huggingface_hub.utils import tqdm as hf_tqdm
 from torch import nn
 
 from .checkpoints import Checkpoint, assemble, same_bytes, skeleton_like, state_tensors
-from .compat import IncompatibleMembersError, check_configs
+from .compat import IncompatibleMembersError, check_configs, require_one_dtype
 from .fallback_roots import STAND_IN
 from .planner import plan_members, tensor_aliases
 from .samples import sample_inputs
@@ -68,6 +68,9 @@ def load_streaming(cls, ids, folders, names, dtype, device, trust_remote_code, a
         keys = _checkpoint_keys(template, checkpoints, names)
         if keys is None:
             return None
+        if dtype is None:  # (given one, every member is loaded in it, as transformers would load each)
+            require_one_dtype([{k: c.dtype(v) for k, v in ks.items()} for c, ks in zip(checkpoints, keys)], names,
+                              "pass dtype= to load every member in one")
         configs = [member_config(template.config, _differing(config, raw[0])) for config in raw]
         generation_configs = [_generation_config(template, folder) for folder in folders]
         skeletons = [skeleton_like(template, c, g) for c, g in zip(configs, generation_configs)]

@@ -213,8 +213,7 @@ class WideModel(nn.Module):
         model = self.model.base_model.model if self._inner else self.model
         try:
             if (labelled and n > 1) or routed:
-                with member_losses(model, self.fold, labelled and n > 1, routed):
-                    outputs = model(*args, **kwargs)
+                outputs = _split_by_member(model, self.fold, n * batch, labelled and n > 1, routed, args, kwargs)
             else:
                 outputs = model(*args, **kwargs)
         finally:
@@ -234,8 +233,11 @@ class WideModel(nn.Module):
 
     def __getstate__(self) -> dict:
         """For ``copy.deepcopy`` and pickling: a lock cannot be copied (the copy makes its own, and installs
-        transformers' capture hooks anew when asked, rather than keep the copies of this model's)."""
-        return {k: v for k, v in self.__dict__.items() if k != "_capture_lock"}
+        transformers' capture hooks anew when asked, rather than keep the copies of this model's); nor can what
+        ``compile()`` made, as torch's modules drop it (a copy of a compiled model ran the original's code)."""
+        state = super().__getstate__()
+        state.pop("_capture_lock", None)
+        return state
 
     def __setstate__(self, state: dict) -> None:
         super().__setstate__(state)
@@ -326,3 +328,15 @@ def first_tensor(output) -> torch.Tensor:
         return next(v for v in output.values() if isinstance(v, torch.Tensor))
     return next(v for v in output if isinstance(v, torch.Tensor))
 
+
+@torch.compiler.disable
+def _split_by_member(model: nn.Module, fold: Fold, rows: int, labelled: bool, routed: bool, args: tuple,
+                     kwargs: dict):
+    """``model(*args, **kwargs)`` over ``rows`` folded rows, with each member's losses split by member
+    (:func:`~hf_wide.losses.member_losses`), run eagerly under ``torch.compile``: the split is a
+    ``TorchFunctionMode``, which compiled code entered inside does not apply (the loss came out reduced over every
+    member's rows, and was refused). The fold's rows are set here again: set in compiled code, this thread's
+    state did not hold them when the eager call ran."""
+    fold.anchor = first_tensor((*args, *kwargs.values())).new_empty(rows, 0)
+    with member_losses(model, fold, labelled, routed):
+        return model(*args, **kwargs)

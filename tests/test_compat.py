@@ -89,3 +89,21 @@ def test_a_lora_rank_differs_only_in_the_tensors_that_hold_it():
     members[1].base_model.model.vit.layernorm.weight = torch.nn.Parameter(torch.ones(40))
     with pytest.raises(IncompatibleMembersError, match=r"member 1.*vit.layernorm.weight.*\(40,\).*\(32,\)"):
         WideModel.from_models(members)
+
+
+def test_members_of_different_dtypes_are_refused_unless_one_is_given(tmp_path):
+    # The wide model holds one dtype: a bfloat16 member stacked with a float32 one ran in float32 (0.013 off itself),
+    # and from folders a float32 checkpoint beside a bfloat16 one ran in bfloat16 (0.025 off), silently
+    case = CASES["llama-causallm"]
+    members = [case.build(0).to(torch.bfloat16), case.build(1)]
+    with pytest.raises(IncompatibleMembersError, match=r"member 1 .* in torch\.float32, but member 0 in torch\.bfloat16"
+                                                       r".*Pass dtype="):
+        WideModel.from_models(members)
+    folders = [str(tmp_path / f"m{i}") for i in range(2)]
+    for member, folder in zip(members, folders):
+        member.save_pretrained(folder)
+    with pytest.raises(IncompatibleMembersError, match=r"in torch\.float32, but .* in torch\.bfloat16.*ass dtype="):
+        WideModel.from_pretrained(folders)
+    wide = WideModel.from_pretrained(folders, dtype=torch.float32)  # every member in one, as transformers loads it
+    alone = [case.model_class.from_pretrained(f, dtype=torch.float32).eval() for f in folders]
+    assert max_member_error(wide, alone, case.inputs(2, padded=True)) <= TOLERANCE

@@ -53,3 +53,44 @@ def test_inductor_output_equals_eager():
         eager = wide(**inputs).logits
         compiled = wide.compile()(**inputs).logits
     assert (compiled - eager).abs().max() <= TOLERANCE
+
+
+def test_a_compiled_model_gives_and_trains_each_members_loss():
+    # The split of the loss by member is a TorchFunctionMode, which code compiled around it did not apply: the loss
+    # came out over every member's rows, and was refused. That call now runs eagerly, the rest compiled.
+    case = CASES["bert-seqcls"]
+    members = [case.build(seed) for seed in range(2)]
+    inputs, labels = case.inputs(3, padded=True), torch.tensor([0, 2, 1])
+    eager, compiled = (WideModel.from_models(members, share_identical=False) for _ in range(2))
+    compiled.compile(backend="aot_eager")
+    losses = []
+    for wide in (eager, compiled):
+        loss = wide(**inputs, labels=labels).loss
+        loss.sum().backward()
+        losses.append(loss.detach())
+    with torch.no_grad():
+        want = torch.stack([m(**inputs, labels=labels).loss for m in members])
+    assert torch.allclose(losses[0], want, atol=TOLERANCE) and torch.allclose(losses[1], want, atol=TOLERANCE)
+    grads = [{n: p.grad for n, p in wide.named_parameters() if p.grad is not None} for wide in (eager, compiled)]
+    assert grads[0].keys() == grads[1].keys() and grads[0]
+    assert max((grads[0][n] - grads[1][n]).abs().max().item() for n in grads[0]) <= TOLERANCE
+
+
+def test_a_copy_of_a_compiled_model_runs_its_own_weights():
+    # torch's modules drop what compile() made when copied or pickled; the wide model kept it, so a copy ran the
+    # original's compiled code (and weights: 2.9 off after loading others into the copy), and torch.save failed
+    import copy
+    import io
+
+    case = CASES["llama-causallm"]
+    members = [case.build(seed) for seed in range(4)]
+    wide = WideModel.from_models(members[:2]).compile(backend="eager")
+    inputs = case.inputs(2, padded=True)
+    with torch.no_grad():
+        wide(**inputs)
+        twin = copy.deepcopy(wide)
+        twin.load_state_dict(WideModel.from_models(members[2:]).state_dict())
+        got = twin(**inputs).logits
+        for i, member in enumerate(members[2:]):
+            assert (got[i] - member(**inputs).logits).abs().max() <= TOLERANCE
+    torch.save(wide, io.BytesIO())

@@ -141,7 +141,7 @@ class VectorisedFallback(nn.Module):
         """For ``copy.deepcopy`` and pickling: without this thread's code copies and the member views, which a
         copy makes anew (a ``threading.local`` cannot be copied). The inputs' roles go with it: a copy called
         first at other sizes than the sample's could not tell them from the lengths."""
-        return {k: v for k, v in self.__dict__.items() if k not in ("_calls", "_view", "_submodule_views")}
+        return {k: v for k, v in super().__getstate__().items() if k not in ("_calls", "_view", "_submodule_views")}
 
     @property
     def input_roles(self) -> dict[str, list[bool | None]]:
