@@ -3,6 +3,7 @@
 import pytest
 import torch
 import transformers
+from families import members_from
 from oracle import TOLERANCE
 from torch import nn
 
@@ -158,10 +159,7 @@ def test_prophetnets_positions_get_each_members_size_unverified():
         vocab_size=64, hidden_size=32, encoder_ffn_dim=64, decoder_ffn_dim=64, num_encoder_layers=1,
         num_decoder_layers=1, num_encoder_attention_heads=4, num_decoder_attention_heads=4, ngram=2,
         max_position_embeddings=32, pad_token_id=0)
-    models = []
-    for seed in range(2):
-        torch.manual_seed(seed)
-        models.append(transformers.ProphetNetForConditionalGeneration(config).eval())
+    models = members_from(transformers.ProphetNetForConditionalGeneration, config, range(2))
     wide = WideModel.from_models(models, verify=False)
     assert wide.plan.entries["prophetnet.encoder.position_embeddings"].kind == Kind.VECTORISED
     inputs = {"input_ids": torch.randint(3, 64, (3, 6)), "decoder_input_ids": torch.randint(3, 64, (3, 5))}

@@ -5,7 +5,9 @@ import pickle
 
 import pytest
 import torch
+import transformers
 from conftest import CASES
+from families import members_from
 from oracle import TOLERANCE, max_member_error
 from torch import nn
 
@@ -181,15 +183,10 @@ def test_jetmoes_experts_count_their_tokens_in_a_loop_and_return_token_rows(veri
     # JetMoe's routers call .tolist() on the tokens per expert: under vmap a batched tensor has no storage, which was
     # raised as is (unverified) rather than run member by member. Looped, its MoE returns the router's logits per
     # token, (B*T, E) beside its (B, T, D): "no batch dim", where the members' token rows are the folded rows'.
-    import transformers
-
     config = transformers.JetMoeConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1, num_key_value_heads=2,
                                        kv_channels=8, intermediate_size=32, num_local_experts=4,
                                        num_experts_per_tok=2, max_position_embeddings=32)
-    models = []
-    for seed in range(2):
-        torch.manual_seed(seed)
-        models.append(transformers.JetMoeForCausalLM(config).eval())
+    models = members_from(transformers.JetMoeForCausalLM, config, range(2))
     wide = WideModel.from_models(models, verify=verify)
     assert {wide.plan.entries[f"model.layers.0.{name}"].kind for name in ("mlp", "self_attention")} <= {
         Kind.VECTORISED, Kind.FALLBACK}
