@@ -169,8 +169,8 @@ def member_loss_outputs(outputs, num_members: int, labelled: bool) -> tuple[obje
             raise ValueError(
                 f"The model reduced {'the loss' if key == 0 else repr(key)} over all members' rows at once, by code "
                 "that hf-wide does not split by member: one number mixing the members. Call the wide model without "
-                "what makes it compute one (labels, return_loss, ...) and compute each member's from its outputs "
-                "(out.logits[i]).")
+                "what makes it compute one (labels, return_loss, a masked image model's bool_masked_pos, ...) and "
+                "compute each member's from its outputs (out.logits[i]), or run the members alone (wide.member(i)).")
         if tuple(value.shape) == (num_members,):
             kept.append(value)
     return outputs, kept

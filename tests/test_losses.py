@@ -4,6 +4,7 @@ reduced over all N*B rows by other code (one number mixing the members), with la
 
 import pytest
 import torch
+import transformers
 from conftest import CASES
 from families import VOCAB
 from torch import nn
@@ -83,6 +84,16 @@ def test_a_loss_reduced_over_every_members_rows_is_refused_not_returned():
     wide = WideModel.from_models([Regressor().eval() for _ in range(3)], {"x": torch.randn(2, 4)})
     with torch.no_grad(), pytest.raises(ValueError, match="mixing the members"):
         wide(x=torch.randn(2, 4), labels=torch.randn(2))
+
+
+def test_a_masked_image_models_loss_is_refused_naming_what_asks_for_it():
+    # ViT's masked image modeling reduces its loss with .sum() over every row whenever bool_masked_pos is given: the
+    # refusal named labels only
+    config = transformers.ViTConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=4, intermediate_size=64,
+                                    image_size=16, patch_size=4, encoder_stride=4)
+    wide = WideModel.from_models([transformers.ViTForMaskedImageModeling(config).eval() for _ in range(2)])
+    with torch.no_grad(), pytest.raises(ValueError, match="mixing the members.*bool_masked_pos"):
+        wide(pixel_values=torch.randn(2, 3, 16, 16), bool_masked_pos=torch.ones(2, 16, dtype=torch.bool))
 
 
 def test_a_member_taken_out_computes_its_own_loss(fused):
