@@ -162,8 +162,6 @@ def test_a_model_run_whole_per_member_computes_its_own_loss():
 def test_a_heads_own_loss_method_that_reorders_the_rows_runs_per_member(head, eps):
     # ProphetNet's _compute_loss puts its two n-gram streams before the rows and flattens them: split into N blocks,
     # each member's loss took rows of the others' (4.607 for 4.612), and its smoothing term averaged every member's.
-    import transformers
-
     config = transformers.ProphetNetConfig(
         vocab_size=VOCAB, hidden_size=32, encoder_ffn_dim=64, decoder_ffn_dim=64, num_encoder_layers=2,
         num_decoder_layers=2, num_encoder_attention_heads=4, num_decoder_attention_heads=4, max_position_embeddings=64,
