@@ -35,12 +35,12 @@ def module_structure(model: nn.Module) -> tuple:
 
 def trace_ahead(model: nn.Module) -> tuple | None:
     """Member 0 traced as soon as it has loaded, on the sample the fusion will then check the members on:
-    (sample, :func:`~hf_wide.planner.trace_members`' result, :func:`module_structure`), for
+    (sample, :func:`~hf_wide.sample_trace.trace_members`' result, :func:`module_structure`), for
     :func:`~hf_wide.fuse.fuse_models` to use where member 0 is still so at the end. The trace runs a structural copy
     holding member 0's very tensors, so that what a forward leaves on its modules is not member 0's. None where member
     0 does not run its sample: the fusion then traces, and says why, as it always did."""
     from .compare import device_lost
-    from .planner import trace_members
+    from .sample_trace import trace_members
     from .samples import sample_inputs
 
     # The export leaves reference cycles (3 MiB of a small BERT's), collected for the next members' objects to reuse

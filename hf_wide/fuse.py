@@ -25,8 +25,9 @@ from .cpu import release_freed_memory
 from .fold import Fold
 from .model import WideModel, WideValidationError
 from .plan import Demotions
-from .planner import make_plan, tensor_aliases, trace_members
+from .planner import make_plan, tensor_aliases
 from .primitives.base import keeping_storage
+from .sample_trace import trace_members
 from .samples import sample_inputs as build_sample_inputs
 from .structure import opaque_modules
 from .swap import build_wide
@@ -54,7 +55,7 @@ def fuse_models(cls: type[WideModel], models: Sequence[nn.Module], sample_inputs
                 share_identical: bool = True, verify: bool = True, atol: float = 1e-4,
                 copy_shared: bool = True, traced: tuple | None = None, outputs: list | None = None) -> WideModel:
     """``cls.from_models(models, ...)``: see :meth:`WideModel.from_models` for the options. ``traced``: (sample,
-    :func:`~hf_wide.planner.trace_members`' result) of ``models[0]`` as it is, traced already
+    :func:`~hf_wide.sample_trace.trace_members`' result) of ``models[0]`` as it is, traced already
     (:func:`hf_wide.adapter_trace.trace_ahead`): the sample to check the members on, and its trace. ``outputs``: a
     list that each member's whole output on that sample, as verification recorded it, is added to (a
     :func:`~hf_wide.verify.check_whole` record; nothing without ``verify``), for :mod:`hf_wide.adapter_groups`."""

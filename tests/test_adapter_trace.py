@@ -17,9 +17,9 @@ BERT = CASES["bert-seqcls"]
 def _spy_traces(monkeypatch) -> tuple[list, list]:
     """The models ``trace_members`` runs on, where the loader (``hf_wide.adapter_trace.trace_ahead``) or the fusion
     calls it, and the events in order: "load" for each adapter PEFT loads, "trace" for each trace."""
-    from hf_wide import fuse, planner
+    from hf_wide import fuse, sample_trace
 
-    traced, events, trace_members, load = [], [], planner.trace_members, peft.PeftModel.from_pretrained.__func__
+    traced, events, trace_members, load = [], [], sample_trace.trace_members, peft.PeftModel.from_pretrained.__func__
 
     def spy(model, *args, **kwargs):
         traced.append(model)
@@ -30,7 +30,7 @@ def _spy_traces(monkeypatch) -> tuple[list, list]:
         events.append("load")
         return load(cls, *args, **kwargs)
 
-    monkeypatch.setattr(planner, "trace_members", spy)
+    monkeypatch.setattr(sample_trace, "trace_members", spy)
     monkeypatch.setattr(fuse, "trace_members", spy)
     monkeypatch.setattr(peft.PeftModel, "from_pretrained", classmethod(loads))
     return traced, events
@@ -75,7 +75,7 @@ def test_adapters_that_build_different_modules_are_traced_as_fused(tmp_path, mon
 
 
 def test_a_trace_ahead_holds_only_for_member_0_as_it_was(tmp_path, monkeypatch):
-    from hf_wide import planner
+    from hf_wide import sample_trace
     from hf_wide.adapter_layers import pad_targets
     from hf_wide.adapter_trace import module_structure, trace_ahead
 
@@ -91,13 +91,13 @@ def test_a_trace_ahead_holds_only_for_member_0_as_it_was(tmp_path, monkeypatch):
     def fails(*args, **kwargs):
         raise ValueError("does not run on the sample inputs hf-wide built")
 
-    monkeypatch.setattr(planner, "trace_members", fails)
+    monkeypatch.setattr(sample_trace, "trace_members", fails)
     assert trace_ahead(model) is None  # the fusion traces, and says why, as it always did
 
     def lost(*args, **kwargs):
         raise torch.AcceleratorError("CUDA error: device-side assert triggered")
 
-    monkeypatch.setattr(planner, "trace_members", lost)
+    monkeypatch.setattr(sample_trace, "trace_members", lost)
     with pytest.raises(torch.AcceleratorError):
         trace_ahead(model)
 

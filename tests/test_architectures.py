@@ -315,12 +315,12 @@ def test_routers_and_experts_of_transformers_experts_implementations_run_on_thei
 
 def test_a_flop_counter_that_fails_on_a_model_that_runs_costs_only_the_counts(monkeypatch):
     # torch 2.11's counter asserts on grouped-query flash attention (CUDA, half precision), which the model runs
-    import hf_wide.planner
+    import hf_wide.sample_trace
 
     def failing(*args, **kwargs):
         raise AssertionError("sdpa_flop_count: query/key/value shapes are incompatible")
 
-    monkeypatch.setattr(hf_wide.planner, "module_flops", failing)
+    monkeypatch.setattr(hf_wide.sample_trace, "module_flops", failing)
     models = members(DECODERS["qwen3"])
     with pytest.warns(UserWarning, match="FLOPs not counted: torch's FLOP counter failed on Qwen3ForCausalLM"):
         wide = fuse(models)
