@@ -182,14 +182,19 @@ def _batch_of(value: Any, n: int) -> int | None:
     return None
 
 
-def fold_inputs(n: int, args: tuple, kwargs: dict, own_batches: bool = False) -> tuple[tuple, dict, int]:
+def fold_inputs(n: int, args: tuple, kwargs: dict, own_batches: bool = False,
+                whole: bool = False) -> tuple[tuple, dict, int]:
     """Fold the user's inputs into ``(N*B, ...)`` rows. Returns ``(args, kwargs, B)``.
 
-    B is read from the first tensor input. Shared tensors with leading dim B are repeated member-major;
-    ``PerMember`` tensors are flattened; other tensors (leading dim 1 broadcasts, 0-dim) pass unchanged, but with
-    ``own_batches`` (a model whose wide code takes every member's images: :mod:`hf_wide.rewrites`) the
-    :data:`BATCHED_INPUTS` that hold a batch of their own (CLIP's B' images beside its B texts, one image too) are
-    repeated as well, ``(N*B', ...)``.
+    B is read from the model's main input (:data:`PRIMARY_INPUTS`). Shared tensors with leading dim B are repeated
+    member-major; ``PerMember`` tensors are flattened; other tensors (leading dim 1 broadcasts, 0-dim) pass
+    unchanged, but with ``own_batches`` (a model whose wide code takes every member's images:
+    :mod:`hf_wide.rewrites`) the :data:`BATCHED_INPUTS` that hold a batch of their own (CLIP's B' images beside its
+    B texts, one image too) are repeated as well, ``(N*B', ...)``. ``whole``: the model runs whole, per member (a
+    fallback): the inputs of another modality than the main one (:data:`MODALITIES`) are each member's whole, never
+    folded, whatever their length (B images beside B texts were folded, N*B images beside N*B texts, where the
+    fallback had learnt from an earlier call of B' images that they are no rows: every member ran on every
+    member's copy of them).
     """
     if kwargs.get("mems") is not None:
         raise ValueError(
@@ -200,12 +205,27 @@ def fold_inputs(n: int, args: tuple, kwargs: dict, own_batches: bool = False) ->
     batches = [b for b in batches if b is not None]
     if not batches:
         raise ValueError("The wide model needs at least one batched tensor input (e.g. input_ids or pixel_values).")
-    batch = batches[0]
+    # The batch is the model's main input's (its first argument, or the first of PRIMARY_INPUTS given), whatever the
+    # order of the keyword arguments: a broadcast (1, T) position_ids given first made B 1, and input_ids' B rows
+    # were read as B members' one row each
+    primary = [args[0]] if args else []
+    primary += [kwargs[k] for k in PRIMARY_INPUTS if k in kwargs]
+    batch = next((b for b in map(lambda v: _batch_of(v, n), primary) if b is not None), batches[0])
     for value in leaves:
         if isinstance(value, PerMember) and value.tensor.shape[1] != batch:
             raise ValueError(
                 f"Per-member inputs must share one batch size: got B={value.tensor.shape[1]} and B={batch}."
             )
+
+    if n > 1 and not own_batches:
+        for key, value in kwargs.items():  # a batch of its own, passed whole to every member, that reads as folded
+            if key in BATCHED_INPUTS and isinstance(value, torch.Tensor) and value.dim() and value.shape[0] != batch \
+                    and value.shape[0] == n * batch:
+                raise ValueError(
+                    f"{key} holds {value.shape[0]} rows beside a batch of {batch}: as many as the {n} members' "
+                    f"{n * batch} folded rows, which the wide model's modules would split among the members (member i "
+                    f"would see its {batch} of them only). Give another number of rows, as many as the batch, or run "
+                    "the members alone (wide.member(i)).")
 
     def fold(value, own_batch: bool = False):
         if isinstance(value, PerMember):
@@ -214,8 +234,30 @@ def fold_inputs(n: int, args: tuple, kwargs: dict, own_batches: bool = False) ->
             return torch.cat([value] * n)  # member-major and contiguous (several times faster than repeat)
         return value
 
-    return (tuple(fold(a) for a in args), {k: fold(v, own_batches and k in BATCHED_INPUTS) for k, v in kwargs.items()},
-            batch)
+    main = next((k for k in (*PRIMARY_INPUTS, *kwargs) if k in kwargs and k in MODALITIES), None)
+
+    def fold_kwarg(key: str, value):
+        if key in NOT_BATCHED:
+            return value
+        if whole and main is not None and MODALITIES.get(key, MODALITIES[main]) != MODALITIES[main]:
+            return value  # another modality's batch, each member's whole
+        if key == "encoder_outputs" and isinstance(value, (tuple, list)):  # given by the user: each member's rows
+            return type(value)(fold(v) for v in value)
+        if key == "encoder_outputs" and isinstance(value, dict):  # (a ModelOutput: its fields by name)
+            return type(value)(**{k: fold(v) for k, v in value.items()})
+        return fold(value, own_batches and key in BATCHED_INPUTS)
+
+    return tuple(fold(a) for a in args), {k: fold_kwarg(k, v) for k, v in kwargs.items()}, batch
+
+
+# The inputs a model's batch is read from, in order (after its first positional argument)
+PRIMARY_INPUTS = ("input_ids", "inputs_embeds", "input_values", "input_features", "pixel_values", "decoder_input_ids")
+# The modality of each of BATCHED_INPUTS: those of one modality share its batch (texts' ids and mask)
+MODALITIES = {"input_ids": "text", "attention_mask": "text", "token_type_ids": "text", "inputs_embeds": "text",
+              "pixel_values": "image", "pixel_mask": "image", "input_features": "audio", "input_values": "audio"}
+# Inputs that never hold the batch, whatever their length: indices of the positions to compute logits for, the
+# cache's positions (a logits_to_keep of B indices was repeated N times, as the batch)
+NOT_BATCHED = frozenset({"logits_to_keep", "num_logits_to_keep", "cache_position"})
 
 
 # ModelOutput keys of per-layer tuples, whose tensors may hold rows flattened from the N*B, batch first

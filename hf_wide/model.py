@@ -206,7 +206,8 @@ class WideModel(nn.Module):
         given = (args, kwargs)  # (what every rank must agree on: before PerMember inputs are cut to the rank's)
         n = self.fold.num_members
         args, kwargs, batch = fold_inputs(n, *(given if group is None else local_inputs(group, args, kwargs)),
-                                          own_batches=self.own_batches)
+                                          own_batches=self.own_batches,
+                                          whole=isinstance(self.model, (VectorisedFallback, PerMemberFallback)))
         self.fold.anchor = first_tensor((*args, *kwargs.values())).new_empty(n * batch, 0)
         labelled = not LABEL_ARGUMENTS.isdisjoint(kwargs)  # each member's loss, on its own rows
         routed = asks_for_router_logits(kwargs, self.config)  # each member's router logits and balancing loss
