@@ -112,7 +112,7 @@ def _check_state_dicts(a: nn.Module, b: nn.Module, name_a: str, name_b: str) -> 
                 f"{name_b} has {key!r} of shape {tuple(sb[key].shape)}, but {name_a} has {tuple(sa[key].shape)}."
             )
     require_one_dtype([{k: t.dtype for k, t in sa.items()}, {k: t.dtype for k, t in sb.items()}], [name_a, name_b],
-                      "pass dtype= to from_pretrained, or convert the models to one: model.to(dtype)")
+                      "Pass dtype= to from_pretrained, or convert the models to one: model.to(dtype)")
     for key in sb:
         if key not in sa:
             raise IncompatibleMembersError(f"{name_b} has a tensor {key!r} that {name_a} does not have.")
@@ -128,4 +128,4 @@ def require_one_dtype(dtypes: Sequence[dict], names: Sequence[str], way_out: str
             if other != dtype and dtype.is_floating_point and other.is_floating_point:
                 raise IncompatibleMembersError(
                     f"{name} holds {key!r} in {other}, but {names[0]} in {dtype}: a wide model runs every member in "
-                    f"one dtype, and either would not compute as it does alone. {way_out[0].upper()}{way_out[1:]}.")
+                    f"one dtype, and either would not compute as it does alone. {way_out}.")

@@ -210,7 +210,7 @@ def fold_inputs(n: int, args: tuple, kwargs: dict, own_batches: bool = False,
     # were read as B members' one row each
     primary = [args[0]] if args else []
     primary += [kwargs[k] for k in PRIMARY_INPUTS if k in kwargs]
-    batch = next((b for b in map(lambda v: _batch_of(v, n), primary) if b is not None), batches[0])
+    batch = next((b for b in (_batch_of(v, n) for v in primary) if b is not None), batches[0])
     for value in leaves:
         if isinstance(value, PerMember) and value.tensor.shape[1] != batch:
             raise ValueError(

@@ -70,7 +70,7 @@ def load_streaming(cls, ids, folders, names, dtype, device, trust_remote_code, a
             return None
         if dtype is None:  # (given one, every member is loaded in it, as transformers would load each)
             require_one_dtype([{k: c.dtype(v) for k, v in ks.items()} for c, ks in zip(checkpoints, keys)], names,
-                              "pass dtype= to load every member in one")
+                              "Pass dtype= to load every member in one")
         configs = [member_config(template.config, _differing(config, raw[0])) for config in raw]
         generation_configs = [_generation_config(template, folder) for folder in folders]
         skeletons = [skeleton_like(template, c, g) for c, g in zip(configs, generation_configs)]

@@ -30,7 +30,7 @@ from ..fold import Fold, enter_member_code, leave_member_code
 from ..registry import transformers_classes
 from . import member_cache
 from .base import copy_module
-from .roles import member_size, rows_and_batched
+from .roles import rows_and_batched
 
 # MoE routers and experts: called on (N*B*T, D) tokens, member-major, with (N*B*T, k) expert choices.
 TOKEN_ROWS = tuple(transformers_classes(*(f"{family}.{prefix}{part}" for family, prefix in [
@@ -173,7 +173,7 @@ def run_per_member(fold: Fold, members: Sequence, token_rows: bool, args: tuple,
 
     def member_slice(t, m, carries_rows):
         if carries_rows and not isinstance(t, torch.Tensor):
-            return member_size(t, n)  # a size of the N*B rows: this member's B
+            return t // n  # a size of the N*B rows (roles.is_rows_size): this member's B
         if not isinstance(t, torch.Tensor) or t.dim() == 0:
             return t
         if carries_rows:

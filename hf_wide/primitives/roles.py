@@ -126,8 +126,3 @@ def is_rows_size(leaf, role: bool | None, num_members: int) -> bool:
     only where the trace says so, never by its value; each member is then given ``leaf // N``."""
     return (role is True and isinstance(leaf, int) and not isinstance(leaf, bool) and leaf > 0
             and leaf % num_members == 0)
-
-
-def member_size(leaf: int, num_members: int) -> int:
-    """Member m's share of a size that holds the N members' rows (:func:`is_rows_size`)."""
-    return leaf // num_members

@@ -35,7 +35,7 @@ from ..fold import Fold, enter_member_code, leave_member_code
 from . import member_cache
 from .base import copy_module, meta_copy
 from .fallback import is_own_method, per_member_method, run_per_member, token_rows
-from .roles import member_size, rows_and_batched
+from .roles import rows_and_batched
 
 
 def _rebuild(module: nn.Module, source: nn.Module, make: Callable[[torch.Tensor, str], torch.Tensor]) -> nn.Module:
@@ -205,7 +205,7 @@ class VectorisedFallback(nn.Module):
         mapped, in_dims = [], [0]
         for t, folded in zip(leaves, batched):
             if folded and not isinstance(t, torch.Tensor):
-                t, dim = member_size(t, n), None  # a size of the N*B rows: each member's B
+                t, dim = t // n, None  # a size of the N*B rows (roles.is_rows_size): each member's B
             elif folded:
                 t = t.view(n, rows // n, *t.shape[1:])  # (N, B, ...)
                 if not t.is_floating_point() and torch.equal(t, t[:1].expand_as(t)):
