@@ -35,15 +35,20 @@ def test_the_positions_to_keep_logits_of_are_no_batch(fused):
             assert got[i].shape == want.shape and (got[i] - want).abs().max() <= TOLERANCE
 
 
-def test_a_batch_of_its_own_that_reads_as_the_folded_rows_is_refused():
-    # CLIP members whose logit_scale differs run whole, per member: one text beside N images, the images (N rows,
-    # the N*B folded rows) were split among the members, each scoring one image, silently
+def clip_members() -> list:
+    """Three CLIP members whose every tensor differs (their logit_scale too): the wide model runs each whole."""
     config = transformers.CLIPConfig(
         text_config={"vocab_size": 100, "hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 4,
                      "intermediate_size": 64, "max_position_embeddings": 16, "eos_token_id": 2},
         vision_config={"hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 4, "intermediate_size": 64,
                        "image_size": 16, "patch_size": 8}, projection_dim=16)
-    members = members_from(transformers.CLIPModel, config, range(3))
+    return members_from(transformers.CLIPModel, config, range(3))
+
+
+def test_a_batch_of_its_own_that_reads_as_the_folded_rows_is_refused():
+    # CLIP members whose logit_scale differs run whole, per member: one text beside N images, the images (N rows,
+    # the N*B folded rows) were split among the members, each scoring one image, silently
+    members = clip_members()
     wide = WideModel.from_models(members)
     ids = torch.tensor([[5, 6, 7, 2]])
     with torch.no_grad():
@@ -60,12 +65,7 @@ def test_a_whole_model_run_per_member_takes_another_modalitys_batch_whole_at_any
     # Images as many as the texts were folded (N*B) and others not: the model, run whole per member, learnt from a
     # first call of 2 images beside 1 text that they are no rows, and then ran every member on all N copies of 1
     # image (0.97 off, image_embeds (9, 16) for (3, 1, 16)), silently
-    config = transformers.CLIPConfig(
-        text_config={"vocab_size": 100, "hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 4,
-                     "intermediate_size": 64, "max_position_embeddings": 16, "eos_token_id": 2},
-        vision_config={"hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 4, "intermediate_size": 64,
-                       "image_size": 16, "patch_size": 8}, projection_dim=16)
-    members = members_from(transformers.CLIPModel, config, range(3))
+    members = clip_members()
     wide = WideModel.from_models(members)
     with torch.no_grad():
         for texts, images in [(1, 2), (1, 1), (4, 2), (2, 2)]:
