@@ -27,6 +27,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
+from torch.autograd.graph import saved_tensors_hooks
 from torch.func import functional_call, vmap
 from torch.utils import _pytree as pytree
 from transformers.cache_utils import Cache
@@ -61,6 +62,10 @@ def _tensors(module: nn.Module, remove_duplicate: bool = True) -> dict[str, torc
     return {**dict(module.named_parameters(remove_duplicate=remove_duplicate)),
             **dict(module.named_buffers(remove_duplicate=remove_duplicate))}
 
+
+
+def _kept(t: torch.Tensor) -> torch.Tensor:  # a saved tensor, kept as it is
+    return t
 
 
 def refused_by_vmap(exc: RuntimeError) -> bool:
@@ -174,15 +179,13 @@ class VectorisedFallback(nn.Module):
         if (self.loop or (grad and self.__dict__.get("loop_under_autograd"))
                 or any(isinstance(t, Cache) for t in leaves)):  # a cache: each member appends to its rows
             return self._loop(args, kwargs)
+        if grad and "loop_under_autograd" not in self.__dict__:
+            self.__dict__["loop_under_autograd"] = self._no_autograd_through_vmap(leaves, spec)
+            if self.__dict__["loop_under_autograd"]:
+                return self._loop(args, kwargs)
         try:
             return self._vmap(leaves, spec)
         except RuntimeError as exc:
-            if grad and "is not differentiable with respect to" in str(exc):
-                # Inside vmap a kernel was chosen that autograd cannot go through, where the member's own call picks
-                # one it can (CPU flash attention, not differentiable in a mask to train: T5's position bias). Under
-                # autograd, member by member from now on.
-                self.__dict__["loop_under_autograd"] = True
-                return self._loop(args, kwargs)
             if not refused_by_vmap(exc):
                 raise
             # vmap refuses these inputs (data-dependent control flow on values that differ between members):
@@ -190,6 +193,24 @@ class VectorisedFallback(nn.Module):
             # puts the module in a loop, so that the plan says so.
             self.__dict__["vmap_refused"] = f"vmap refused: {str(exc).splitlines()[0][:160]}"
             return self._loop(args, kwargs)
+
+    def _no_autograd_through_vmap(self, leaves: list, spec) -> bool:
+        """Whether, inside vmap, a kernel is chosen that autograd cannot go through where the member's own call picks
+        one it can (CPU flash attention, not differentiable in a mask to train: T5's position bias); then, under
+        autograd, the module runs member by member. Tried once, on the first call under autograd, apart from the
+        call itself: under saved-tensor hooks of its own, since activation checkpointing counts the tensors a
+        forward saves and would count those of a try that fails (recomputed without it, the count differs:
+        CheckpointError), and with the random state put back, which checkpointing replays for the recomputation.
+        Any other failure is the call's to meet."""
+        accelerators = {t.device for t in leaves if isinstance(t, torch.Tensor) and t.device.type not in ("cpu", "meta")}
+        device_type = next(iter(accelerators)).type if accelerators else "cuda"
+        devices = [d.index or 0 for d in accelerators if d.type == device_type]
+        try:
+            with torch.random.fork_rng(devices, device_type=device_type), saved_tensors_hooks(_kept, _kept):
+                self._vmap(leaves, spec)
+        except RuntimeError as exc:
+            return "is not differentiable with respect to" in str(exc)
+        return False
 
     def _loop(self, args: tuple, kwargs: dict):
         state, code = self._state(), self._code()

@@ -8,7 +8,7 @@ import torch
 import transformers
 from conftest import CASES
 from families import members_from
-from oracle import TOLERANCE, max_member_error
+from oracle import TOLERANCE, max_member_error, member_gradients
 from torch import nn
 
 from hf_wide import Kind, PerMember, WideModel
@@ -195,3 +195,56 @@ def test_jetmoes_experts_count_their_tokens_in_a_loop_and_return_token_rows(veri
         got, want = wide(**inputs), [m(**inputs) for m in models]
     assert (got.logits - torch.stack([w.logits for w in want])).abs().max() <= TOLERANCE
     assert torch.allclose(got.loss, torch.stack([w.loss for w in want]), atol=TOLERANCE)
+
+
+def _zero_dropout(model: nn.Module) -> nn.Module:
+    for module in model.modules():
+        if isinstance(module, nn.Dropout):
+            module.p = 0.0
+        module.__dict__.update({k: 0.0 for k, v in vars(module).items() if "dropout" in k and isinstance(v, float)})
+    return model
+
+
+def _checkpointed(model, on: bool = True):
+    if on:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model.train()
+
+
+def test_t5s_position_bias_attention_trains_under_activation_checkpointing():
+    # Its first call under autograd tried vmap, which chose CPU flash attention (not differentiable in the position
+    # bias) and failed after saving tensors, then ran member by member. Checkpointing counted the failed try's
+    # tensors in the forward, and the recomputation (member by member from the start) saved fewer: CheckpointError.
+    case = CASES["t5-encoder"]
+    members = [_zero_dropout(case.build(seed)) for seed in range(3)]
+    wide = WideModel.from_models(members, share_identical=False)
+    for model in (*members, wide.model):
+        _checkpointed(model)
+    inputs = case.inputs(2, padded=True)
+    out = wide(**inputs).last_hidden_state
+    cotangent = torch.randn(out.shape, generator=torch.Generator().manual_seed(0))
+    out.backward(cotangent)
+    for i, member in enumerate(members):
+        member(**inputs).last_hidden_state.backward(cotangent[i])
+        got = member_gradients(wide, i)
+        for name, param in member.named_parameters():
+            torch.testing.assert_close(got[name], param.grad, atol=1e-5, rtol=1e-4)
+
+
+def test_the_try_under_autograd_leaves_the_random_state_that_checkpointing_replays():
+    # The try draws its dropout masks from the random state; had it kept them, the forward would have drawn the next
+    # ones, and the recomputation (from the state at the checkpoint) the try's: gradients of other masks.
+    case = CASES["t5-encoder"]
+    wide = WideModel.from_models([case.build(seed) for seed in range(3)], share_identical=False)
+    plain, checkpointed = copy.deepcopy(wide), copy.deepcopy(wide)
+    inputs = case.inputs(2, padded=True)
+    grads = []
+    for model, on in ((plain, False), (checkpointed, True)):
+        _checkpointed(model.model, on)
+        model.train()
+        torch.manual_seed(1)
+        model(**inputs).last_hidden_state.pow(2).sum().backward()
+        grads.append({name: p.grad for name, p in model.named_parameters() if p.grad is not None})
+    assert grads[0] and grads[0].keys() == grads[1].keys()
+    for name, grad in grads[0].items():
+        torch.testing.assert_close(grads[1][name], grad, msg=lambda m, name=name: f"{name}: {m}")
