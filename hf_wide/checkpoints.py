@@ -209,20 +209,23 @@ def fill_(model: nn.Module, aliases: dict[str, list[str]], num_members: int,
     """Fill a materialised wide model member by member: ``read(i, name, dst)`` writes member i's tensor ``name``
     into ``dst``, a view into the wide model's storage (``member(i, share=True)`` gives those views). A tensor
     that all members share (a shared module's) is read once. Returns the number of elements written."""
-    done: dict[int, torch.Tensor] = {}  # keeps the tensors alive, so their ids stay unique
+    done: dict[tuple, torch.Tensor] = {}  # by place in storage: two views of one tied tensor are read once
     fallbacks = [(path, m) for path, m in model.named_modules() if isinstance(m, (PerMemberFallback, VectorisedFallback))]
     for i in range(num_members):
         view = member_copy(model, i, aliases, share=True)
         tensors = list(state_tensors(view).items())
-        # A fallback's own copy of a tensor tied to one outside it (T5's encoder embeddings and the model's
-        # shared table) is not reached through the member's view, whose ties lead outside: read it as well.
+        # A fallback's tensor tied to one outside it (T5's encoder embeddings and the model's shared table) is not
+        # reached through the member's view, whose ties lead outside: its own view is read as well, once where
+        # it is the same place (tied again, hf_wide.swap.retie), or as the copy it is (a frozen one, held per
+        # member beside a stacked one)
         reached = {name for name, _ in tensors}
         tensors += [(full, t) for path, fallback in fallbacks
                     for name, t in state_tensors(fallback.to_module(i, share=True)).items()
                     if (full := f"{path}.{name}" if path else name) not in reached]
         for name, t in tensors:
-            if id(t) not in done:
-                done[id(t)] = t
+            place = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride())
+            if place not in done:
+                done[place] = t
                 read(i, name, t)
     return sum(t.numel() for t in done.values())
 

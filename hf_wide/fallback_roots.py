@@ -3,7 +3,7 @@ by member (a loop) rather than as one vmapped call. Helpers of :mod:`hf_wide.pla
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from torch import nn
 
@@ -116,3 +116,54 @@ def settle(root: str, modules: dict[str, nn.Module], callers: dict[str, set[str]
         if settled == root:
             return root
         root = settled
+
+
+def tied_to_own_code(roots: Sequence[str], own_code: Callable[[str], bool], aliases: dict[str, list[str]],
+                     trained: set[str]) -> dict[str, str]:
+    """The modules that must run as each member's own module because they hold a parameter to train (in
+    ``trained``) tied to one that such a fallback holds, with the reason: a fallback root that would run from stacked
+    tensors, or the holder's module itself. Each member's own module holds its own tensor, which a stacked tensor
+    elsewhere cannot be: two tensors, which training would update apart (RecurrentGemma's lm_head is its
+    embed_tokens, inside a model that keeps state and runs per member). Where both run as each member's own module,
+    each member's two are one tensor again (:func:`hf_wide.swap.retie`). A frozen tensor's copies stay equal (a
+    LoRA base's embeddings: its lm_head stays wide)."""
+    found: dict[str, str] = {}
+    for names in aliases.values():
+        if not trained.intersection(names):
+            continue
+        holders = {name: next((r for r in roots if is_under(name.rpartition(".")[0], r)), None) for name in names}
+        own = [name for name, root in holders.items() if root is not None and own_code(root)]
+        for name, root in holders.items():
+            if own and (root is None or not own_code(root)):
+                found.setdefault(name.rpartition(".")[0] if root is None else root,
+                                 f"{name} is {own[0]}, which runs as each member's own module")
+    return found
+
+
+def outermost_roots(fallback_roots: dict[str, str], modules: dict[str, nn.Module], callers: dict[str, set[str]],
+                    aliases: dict[str, list[str]], loop_of: Callable[[str], tuple[str | None, bool]]
+                    ) -> dict[str, tuple[str | None, bool]]:
+    """The fallbacks a plan runs, outermost first, each with ``loop_of``'s (why it runs member by member, whether as
+    each member's own module): every root of ``fallback_roots`` settled where it can run (:func:`settle`), those
+    inside another left out, and a module tied to one run as each member's own module run so too
+    (:func:`tied_to_own_code`; added to ``fallback_roots`` with the reason)."""
+    trained = {f"{path}.{name}" if path else name for path, module in modules.items()
+               for name, p in module.named_parameters(recurse=False) if p.requires_grad}
+    tied_own: dict[str, str] = {}
+    while True:
+        for root in list(fallback_roots):
+            settled = settle(root, modules, callers)
+            if settled != root:
+                fallback_roots.setdefault(settled, fallback_roots.pop(root))
+        outermost = []
+        for root in sorted(fallback_roots, key=lambda p: (p.count(".") + bool(p), p)):
+            if not any(is_under(root, kept) for kept in outermost):
+                outermost.append(root)
+        loops = {root: (tied_own[root], True) if root in tied_own else loop_of(root) for root in outermost}
+        tied = {root: why for root, why in tied_to_own_code(outermost, lambda r: loops[r][1], aliases, trained).items()
+                if root not in tied_own}
+        if not tied:
+            return loops
+        tied_own.update(tied)
+        for root in tied:
+            fallback_roots.setdefault(root, "holds a tensor tied to a module that runs per member")

@@ -38,7 +38,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from .fallback_roots import (common_ancestor, is_under, loop_reason, rewriting_ancestor, rows_root, settle,
+from .fallback_roots import (common_ancestor, is_under, loop_reason, outermost_roots, rewriting_ancestor, rows_root,
                              unbatched_root)
 from .plan import OWN_CODE_LOOP, STACKED_LOOP, Demotions, Kind, ModulePlan, WidePlan
 from .primitives.base import same_value
@@ -211,18 +211,13 @@ def make_plan(
         else:
             entries[fqn] = ModulePlan(fqn=fqn, module_class=type(modules[fqn]).__name__, kind=Kind.REWRITTEN,
                                       wide_class=rewrite_cls.__name__, reason=f"{why}: computed for every member")
-    for root in list(fallback_roots):
-        settled = settle(root, modules, trace.callers)
-        if settled != root:
-            fallback_roots.setdefault(settled, fallback_roots.pop(root))
-    outermost = []
-    for root in sorted(fallback_roots, key=lambda p: (p.count(".") + bool(p), p)):
-        if not any(is_under(root, kept) for kept in outermost):
-            outermost.append(root)
+    loops = outermost_roots(fallback_roots, modules, trace.callers, aliases,
+                            lambda root: loop_reason(root, modules, opaque, demotions, member_modules))
+    outermost = list(loops)
     entries = {f: e for f, e in entries.items() if not any(is_under(f, root) for root in outermost)}
     for root in outermost:
         module = modules[root]
-        loop, own_code = loop_reason(root, modules, opaque, demotions, member_modules)
+        loop, own_code = loops[root]
         entries[root] = ModulePlan(
             fqn=root,
             module_class=type(module).__name__,

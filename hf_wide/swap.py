@@ -10,9 +10,11 @@ copied twice.
 from __future__ import annotations
 
 import copy
+from collections import OrderedDict
 from collections.abc import Sequence
 
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 from .adapter_layers import unpad
 from .capture import reset_capture_hooks
@@ -57,6 +59,7 @@ def build_wide(members: Sequence[nn.Module], plan: WidePlan, fold: Fold) -> nn.M
                 memo[id(mods[0])] = PerMemberFallback.from_modules(copies, fold)
     if keeps_storage():  # what is kept whole holds the members' own tensors (hf_wide.primitives.base)
         memo.update({id(t): t for t in (*template.parameters(), *template.buffers())})
+    memo.update(detached_handles(template))
     # If the whole model is one fallback, it is its own replacement.
     wide = memo[id(template)] if id(template) in memo else copy.deepcopy(template, memo)
     for fqn, entry in plan.entries.items():
@@ -100,6 +103,22 @@ def member_copy(
     remove_packing_hooks(member)  # a pipeline's padding-free encoder (hf_wide.packing): one member packs nothing
     retie(member, aliases)
     return reset_capture_hooks(member)  # hooks copied from the wide model sit on wide modules
+
+
+def detached_handles(model: nn.Module) -> dict[int, RemovableHandle]:
+    """id -> a copy with no hook dicts, for every hook handle ``model``'s modules keep (transformers'
+    ``enable_input_require_grads`` keeps a list of its input embeddings' hooks'). A copy of the model without the
+    modules the hooks were put on (swapped for wide ones) would refer weakly to copies of their hook dicts that die
+    as the copy ends, and torch cannot copy a handle with a dead extra dict (``RemovableHandle.__setstate__``:
+    TypeError): ``wide.member(i)`` and ``copy.deepcopy(wide)`` raised. There is no hook in them to remove."""
+    handles = {}
+    for module in model.modules():
+        for value in vars(module).values():
+            for handle in value if isinstance(value, (list, tuple)) else [value]:
+                if isinstance(handle, RemovableHandle):
+                    handles[id(handle)] = detached = RemovableHandle(OrderedDict())  # (a dead reference)
+                    detached.id = handle.id
+    return handles
 
 
 def remove_fold_hooks(model: nn.Module) -> None:
@@ -149,20 +168,49 @@ def member_model(wide, i: int, share: bool = False) -> nn.Module:
 def retie(model: nn.Module, aliases: dict[str, list[str]]) -> None:
     """Make tied tensors (several names, one tensor in the template) one tensor again in ``model``.
 
-    Wide primitives are built per module, so ``lm_head`` and ``embed_tokens`` first get two stacked copies
-    of the same weight; here the first name's tensor replaces the others. Names inside a fallback, or whose
-    shapes differ after swapping, cannot be tied and are left as they are.
+    Wide modules are built one by one, so ``lm_head`` and ``embed_tokens`` first get two stacked copies of the same
+    weight, and fallbacks copies of their own (a vectorised one in its ``stacked`` module, one that runs each member's
+    own module in each member's): the first name's tensor replaces the others', member by member where the members'
+    own modules hold them (BertForMaskedLM's embeddings, vectorised, and its decoder, a wide linear, had trained
+    apart). Names whose shapes differ after swapping (inside a fused block) are left as they are; the planner runs
+    a module tied to one that runs each member's own module the same way
+    (:func:`~hf_wide.fallback_roots.tied_to_own_code`).
     """
-    params = dict(model.named_parameters(remove_duplicate=False))
     done = set()
-    for name, names in aliases.items():
+    for names in aliases.values():
         if len(names) < 2 or names[0] in done:
             continue
         done.add(names[0])
-        first = params.get(names[0])
-        for other in names[1:]:
-            current = params.get(other)
-            if first is None or current is None or current is first or current.shape != first.shape:
-                continue
-            owner_name, _, attr = other.rpartition(".")
-            setattr(model.get_submodule(owner_name), attr, first)
+        places = [p for p in (_places(model, name) for name in names) if p]
+        for count in {len(p) for p in places}:  # one place (stacked, or the model's own), or one per member
+            alike = [p for p in places if len(p) == count]
+            for k in range(count):
+                first = getattr(*alike[0][k])
+                for owner, attr in (p[k] for p in alike[1:]):
+                    current = getattr(owner, attr)
+                    if first is not None and current is not None and current is not first and (
+                            current.shape == first.shape):
+                        setattr(owner, attr, first)
+
+
+def _places(model: nn.Module, name: str) -> list[tuple[nn.Module, str]]:
+    """Where ``model`` holds the template's tensor ``name``, as (module, attribute): one place, or one per member
+    inside a fallback that runs each member's own module; none where the path is gone (inside a fused block)."""
+    path, _, attr = name.rpartition(".")
+    owners = [model]
+    for part in path.split(".") if path else []:
+        owners = [o._modules.get(part) for m in owners for o in _held(m)]
+        if any(o is None for o in owners):
+            return []
+    owners = [o for m in owners for o in _held(m)]
+    return [(o, attr) for o in owners if attr in o._parameters or attr in o._buffers]
+
+
+def _held(module: nn.Module) -> list[nn.Module]:
+    """The modules holding the source's tensors in ``module``: a vectorised fallback's stacked copy of the source,
+    the members' own modules of a fallback that runs them, or the module itself."""
+    if isinstance(module, VectorisedFallback):
+        return [module.stacked]
+    if isinstance(module, PerMemberFallback):
+        return list(module.members)
+    return [module]

@@ -8,6 +8,7 @@ import torch
 from conftest import CASES, NUM_MEMBERS
 from oracle import TOLERANCE, main_output, max_member_error, member_gradients
 
+import test_architectures as arch
 from hf_wide import Kind, PerMember, WideModel
 
 
@@ -110,6 +111,71 @@ def test_tied_embeddings_stay_one_tensor(fused, case_id):
     assert wide.model.lm_head.weight.shape[0] == NUM_MEMBERS
     back = wide.member(0)
     assert back.lm_head.weight is back.get_input_embeddings().weight
+
+
+def _gradients_are_the_members(wide, members, inputs, names=None):
+    out = main_output(wide(**inputs))
+    cotangent = torch.randn(out.shape, generator=torch.Generator().manual_seed(0))
+    out.backward(cotangent)
+    for i, member in enumerate(members):
+        main_output(member(**inputs)).backward(cotangent[i])
+        got = member_gradients(wide, i)
+        for name, param in member.named_parameters():
+            if names is None or name in names:
+                torch.testing.assert_close(got.get(name), param.grad, atol=1e-5, rtol=1e-4,
+                                           msg=lambda m, name=name: f"member {i}'s {name}: {m}")
+
+
+def test_a_masked_lms_decoder_trains_its_embeddings_as_its_members_do():
+    # Its embeddings run vectorised (no builder for BertEmbeddings), its decoder (tied to their word embeddings) as a
+    # wide linear: two stacked copies of one tensor, never tied again (a tie was made only between wide primitives),
+    # so each took its part of the gradient and training moved them apart: 20.8 off in the word embeddings' gradient.
+    models = arch.members(arch.ENCODERS["bert-mlm"])
+    wide = WideModel.from_models(models, share_identical=False)
+    assert wide.plan.entries["bert.embeddings"].kind == Kind.VECTORISED
+    _gradients_are_the_members(wide, models, arch.text_batch(0))
+
+
+def test_embeddings_each_member_runs_stay_one_tensor_with_their_ties():
+    # A hook on the input embeddings (transformers' enable_input_require_grads, from gradient_checkpointing_enable
+    # before fusing) runs them as each member's own module: T5's shared and encoder.embed_tokens, two such modules of
+    # one tensor, were copied apart, and the encoder's took the whole gradient (shared none).
+    case = CASES["t5-encoder"]
+    members = [case.build(seed) for seed in range(NUM_MEMBERS)]
+    for member in members:
+        member.enable_input_require_grads()
+    wide = WideModel.from_models(members, share_identical=False)
+    assert wide.plan.entries["shared"].wide_class == "PerMemberFallback"
+    for i in range(NUM_MEMBERS):
+        assert wide.model.shared.members[i].weight is wide.model.encoder.embed_tokens.members[i].weight
+    _gradients_are_the_members(wide, members, case.inputs(2, padded=True), {"shared.weight"})
+
+
+def test_a_head_tied_to_a_module_each_member_runs_runs_per_member_too():
+    # RecurrentGemma keeps state in its modules, so its model runs as each member's own; its lm_head (its embeddings'
+    # tensor) was a wide linear, a stacked copy that training would have moved apart from the members' embeddings.
+    models = arch.members(arch.DECODERS["recurrent_gemma"])
+    wide = WideModel.from_models(models, share_identical=False)  # (its model's normalizer, shared, kept it apart)
+    entry = wide.plan.entries["lm_head"]
+    assert entry.wide_class == "PerMemberFallback" and "lm_head.weight is model.embed_tokens.weight" in entry.reason
+    for i in range(NUM_MEMBERS):
+        assert wide.model.lm_head.members[i].weight is wide.model.model.members[i].embed_tokens.weight
+    inputs = arch.text_batch(0)
+    assert arch.worst(wide, models, inputs) <= TOLERANCE
+    wide(**inputs).logits.sum().backward()
+    for i, model in enumerate(models):
+        model(**inputs).logits.sum().backward()
+        torch.testing.assert_close(wide.model.lm_head.members[i].weight.grad, model.lm_head.weight.grad)
+
+
+def test_a_frozen_head_tied_to_a_module_each_member_runs_stays_wide():
+    # Copies of a tensor nothing trains stay equal (a LoRA base's embeddings and lm_head): the head keeps its speed.
+    models = arch.members(arch.DECODERS["recurrent_gemma"])
+    for model in models:
+        model.requires_grad_(False)
+    wide = WideModel.from_models(models, share_identical=False)
+    assert wide.plan.entries["lm_head"].wide_class == "WideLinear"
+    assert arch.worst(wide, models, arch.text_batch(0)) <= TOLERANCE
 
 
 def test_wide_model_holds_about_one_members_parameter_tensors(fused):
