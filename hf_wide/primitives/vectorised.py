@@ -32,6 +32,7 @@ from torch.func import functional_call, vmap
 from torch.utils import _pytree as pytree
 from transformers.cache_utils import Cache
 
+from ..compare import device_lost
 from ..fold import Fold, enter_member_code, leave_member_code
 from . import member_cache
 from .base import copy_module, meta_copy
@@ -195,21 +196,36 @@ class VectorisedFallback(nn.Module):
             return self._loop(args, kwargs)
 
     def _no_autograd_through_vmap(self, leaves: list, spec) -> bool:
-        """Whether, inside vmap, a kernel is chosen that autograd cannot go through where the member's own call picks
-        one it can (CPU flash attention, not differentiable in a mask to train: T5's position bias); then, under
-        autograd, the module runs member by member. Tried once, on the first call under autograd, apart from the
-        call itself: under saved-tensor hooks of its own, since activation checkpointing counts the tensors a
-        forward saves and would count those of a try that fails (recomputed without it, the count differs:
-        CheckpointError), and with the random state put back, which checkpointing replays for the recomputation.
-        Any other failure is the call's to meet."""
+        """Whether autograd cannot go through this module's vmap where it goes through each member's own call: a
+        kernel chosen inside vmap is not differentiable (CPU flash attention in a mask to train: T5's position
+        bias), or its backward fails batched (one that reads a value; CUDA's memory-efficient attention over a
+        vmapped bias, "LSE is not correctly aligned"). Then, under autograd, the module runs member by member. Tried
+        once, forward and backward, on the first call under autograd, apart from the call itself: under saved-tensor
+        hooks of its own, since activation checkpointing counts the tensors a forward saves and would count those
+        of a try (recomputed without it, the count differs: CheckpointError), with the random state put back, which
+        checkpointing replays for the recomputation, on copies of the inputs (nothing it does reaches the call's
+        inputs or their graph), and with gradients returned, not accumulated. Any other failure of the forward is
+        the call's to meet."""
         accelerators = {t.device for t in leaves if isinstance(t, torch.Tensor) and t.device.type not in ("cpu", "meta")}
         device_type = next(iter(accelerators)).type if accelerators else "cuda"
         devices = [d.index or 0 for d in accelerators if d.type == device_type]
-        try:
-            with torch.random.fork_rng(devices, device_type=device_type), saved_tensors_hooks(_kept, _kept):
-                self._vmap(leaves, spec)
-        except RuntimeError as exc:
-            return "is not differentiable with respect to" in str(exc)
+        copies = [t.detach().clone().requires_grad_(t.requires_grad) if isinstance(t, torch.Tensor) else t
+                  for t in leaves]
+        with torch.random.fork_rng(devices, device_type=device_type), saved_tensors_hooks(_kept, _kept):
+            try:
+                outputs = self._vmap(copies, spec)
+            except RuntimeError as exc:
+                return "is not differentiable with respect to" in str(exc)
+            outputs = [t for t in pytree.tree_leaves(outputs) if isinstance(t, torch.Tensor) and t.requires_grad]
+            inputs = [t for t in (*self.stacked.parameters(), *copies) if isinstance(t, torch.Tensor) and t.requires_grad]
+            if not (outputs and inputs):
+                return False
+            try:
+                torch.autograd.grad(outputs, inputs, [torch.ones_like(t) for t in outputs], allow_unused=True)
+            except RuntimeError as exc:
+                if device_lost(exc):
+                    raise
+                return True
         return False
 
     def _loop(self, args: tuple, kwargs: dict):

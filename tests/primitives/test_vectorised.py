@@ -248,3 +248,47 @@ def test_the_try_under_autograd_leaves_the_random_state_that_checkpointing_repla
     assert grads[0] and grads[0].keys() == grads[1].keys()
     for name, grad in grads[0].items():
         torch.testing.assert_close(grads[1][name], grad, msg=lambda m, name=name: f"{name}: {m}")
+
+
+class ItemInBackward(torch.autograd.Function):
+    """Doubles its input; its backward reads a value, which vmap cannot batch (as CUDA's memory-efficient attention
+    cannot take a vmapped bias in its backward: "LSE is not correctly aligned")."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(x):
+        return x * 2
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        pass
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * (2.0 if grad.abs().sum().item() >= 0 else 0.0)
+
+
+class ScaledTwice(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.scale = nn.Parameter(torch.randn(8))
+
+    def forward(self, x):
+        return ItemInBackward.apply(x * self.scale)
+
+
+def test_a_module_whose_backward_fails_batched_trains_member_by_member():
+    # Its forward vmaps (and is planned so), its backward does not: it raised in backward.
+    torch.manual_seed(0)
+    members = [ScaledTwice() for _ in range(3)]
+    wide = WideModel.from_models(members, (torch.randn(2, 8),))
+    assert wide.plan.entries[""].kind == Kind.VECTORISED
+    x = torch.randn(4, 8)
+    out = wide(x)
+    cotangent = torch.randn(out.shape)
+    out.backward(cotangent)
+    for i, member in enumerate(members):
+        member(x).backward(cotangent[i])
+        torch.testing.assert_close(member_gradients(wide, i)["scale"], member.scale.grad)
+    assert torch.equal(out.detach(), torch.stack([member(x) for member in members]).detach())
