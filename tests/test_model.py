@@ -33,6 +33,23 @@ def test_member_round_trip_state_dict(fused, case_id):
             assert torch.equal(got[key], expected[key]), key
 
 
+def _gradients_are_the_members(wide, members, inputs, names=None):
+    """Each member's gradients read off the wide model's (for a cotangent of its own) equal the member's own, for
+    every parameter it trains (or those in ``names``)."""
+    out = main_output(wide(**inputs))
+    cotangent = torch.randn(out.shape, generator=torch.Generator().manual_seed(0))
+    out.backward(cotangent)
+    for i, member in enumerate(members):
+        main_output(member(**inputs)).backward(cotangent[i])
+        got = member_gradients(wide, i)
+        want = {name: p.grad for name, p in member.named_parameters()
+                if p.grad is not None and (names is None or name in names)}
+        assert want and got.keys() >= want.keys()
+        for name, grad in want.items():
+            torch.testing.assert_close(got[name], grad, atol=1e-5, rtol=1e-4,
+                                       msg=lambda m, name=name: f"member {i}'s {name}: {m}")
+
+
 @pytest.mark.parametrize("case_id", ["bert-seqcls", "llama-causallm", "gpt2-causallm", "t5-encoder", "mpnet-seqcls",
                                      "deberta-v2-seqcls", "resnet-imgcls", "vit-imgcls"])
 def test_each_members_gradients_are_its_own(case_id):
@@ -43,17 +60,7 @@ def test_each_members_gradients_are_its_own(case_id):
     case = CASES[case_id]
     members = [case.build(seed) for seed in range(NUM_MEMBERS)]
     wide = WideModel.from_models(members, share_identical=False)
-    inputs = case.inputs(2, padded=True)
-    out = main_output(wide(**inputs))
-    cotangent = torch.randn(out.shape, generator=torch.Generator().manual_seed(0))
-    out.backward(cotangent)
-    for i, member in enumerate(members):
-        main_output(member(**inputs)).backward(cotangent[i])
-        got = member_gradients(wide, i)
-        want = {name: p.grad for name, p in member.named_parameters() if p.grad is not None}
-        assert want and got.keys() >= want.keys()
-        for name, grad in want.items():
-            torch.testing.assert_close(got[name], grad, atol=1e-5, rtol=1e-4, msg=lambda m, name=name: f"{name}: {m}")
+    _gradients_are_the_members(wide, members, case.inputs(2, padded=True))
 
 
 @pytest.mark.parametrize("frozen", ["all but the head", "q only"])
@@ -111,19 +118,6 @@ def test_tied_embeddings_stay_one_tensor(fused, case_id):
     assert wide.model.lm_head.weight.shape[0] == NUM_MEMBERS
     back = wide.member(0)
     assert back.lm_head.weight is back.get_input_embeddings().weight
-
-
-def _gradients_are_the_members(wide, members, inputs, names=None):
-    out = main_output(wide(**inputs))
-    cotangent = torch.randn(out.shape, generator=torch.Generator().manual_seed(0))
-    out.backward(cotangent)
-    for i, member in enumerate(members):
-        main_output(member(**inputs)).backward(cotangent[i])
-        got = member_gradients(wide, i)
-        for name, param in member.named_parameters():
-            if names is None or name in names:
-                torch.testing.assert_close(got.get(name), param.grad, atol=1e-5, rtol=1e-4,
-                                           msg=lambda m, name=name: f"member {i}'s {name}: {m}")
 
 
 def test_a_masked_lms_decoder_trains_its_embeddings_as_its_members_do():
