@@ -133,8 +133,10 @@ def tied_to_own_code(roots: Sequence[str], own_code: Callable[[str], bool], alia
             continue
         holders = {name: next((r for r in roots if is_under(name.rpartition(".")[0], r)), None) for name in names}
         own = [name for name, root in holders.items() if root is not None and own_code(root)]
+        if not own:
+            continue
         for name, root in holders.items():
-            if own and (root is None or not own_code(root)):
+            if root is None or not own_code(root):
                 found.setdefault(name.rpartition(".")[0] if root is None else root,
                                  f"{name} is {own[0]}, which runs as each member's own module")
     return found
