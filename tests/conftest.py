@@ -9,6 +9,13 @@ import pytest
 sys.path.insert(0, os.path.dirname(__file__))
 os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
 
+# Each pytest-xdist worker's torch (and the processes it starts) takes its share of the cores, set before torch is
+# imported: two workers of two OpenMP threads each on a 2-core machine wait on one another's cores (test_model and
+# test_architectures ran 25-33% slower so).
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _WORKERS > 1:
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // _WORKERS)))
+
 from families import FAMILIES  # noqa: E402
 
 from hf_wide import WideModel  # noqa: E402
