@@ -32,6 +32,11 @@ from .routers import asks_for_router_logits, member_router_logits, replace_route
 from .swap import member_model
 
 
+# Methods of the members' class that compute each row's features outside their forward, from the modules it runs
+# (CLIP's and SigLIP's towers and projections): a wide model runs them as its forward, every member on the rows
+FEATURE_METHODS = frozenset({"get_text_features", "get_image_features", "get_audio_features", "get_video_features"})
+
+
 class WideValidationError(RuntimeError):
     """The fused model's output for a member differs from that member run alone."""
 
@@ -197,6 +202,31 @@ class WideModel(nn.Module):
         tensors ``(N, B, ...)`` give each its own. Every output tensor gains a leading member dim; given labels, the
         loss is each member's, ``(N,)`` (:mod:`hf_wide.losses`); asked for router logits, so are the mixture of
         experts' load-balancing losses (:mod:`hf_wide.routers`)."""
+        return self._run(None, args, kwargs)
+
+    def __getattr__(self, name: str):
+        """The members' :data:`FEATURE_METHODS` (CLIP's ``get_text_features``, say), run as the forward runs: every
+        member on the rows, each output ``(N, B, ...)``."""
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            if name not in FEATURE_METHODS or not callable(getattr(self._members_class(), name, None)):
+                raise
+
+        def method(*args, **kwargs):
+            return self._run(name, args, kwargs)
+
+        method.__name__ = method.__qualname__ = name
+        return method
+
+    def _members_class(self) -> type:
+        model = self.model.base_model.model if self._inner else self.model
+        if isinstance(model, VectorisedFallback):  # the whole model as a fallback: its methods run per member too
+            return type(model.proto)
+        return type(model.members[0] if isinstance(model, PerMemberFallback) else model)
+
+    def _run(self, method: str | None, args: tuple, kwargs: dict):
+        """The members' ``forward`` (``method`` None) or their ``method``, every member on the folded rows."""
         if (not self._capture_hooks or self._unrecorded) and asks_for_capture(kwargs, self.config):
             self._install_capture_hooks()
             require_recorded(self._unrecorded, kwargs, self.config)
@@ -212,11 +242,12 @@ class WideModel(nn.Module):
         labelled = not LABEL_ARGUMENTS.isdisjoint(kwargs)  # each member's loss, on its own rows
         routed = asks_for_router_logits(kwargs, self.config)  # each member's router logits and balancing loss
         model = self.model.base_model.model if self._inner else self.model
+        call = model if method is None else getattr(model, method)
         try:
-            if (labelled and n > 1) or routed:
+            if method is None and ((labelled and n > 1) or routed):
                 outputs = _split_by_member(model, self.fold, n * batch, labelled and n > 1, routed, args, kwargs)
             else:
-                outputs = model(*args, **kwargs)
+                outputs = call(*args, **kwargs)
         finally:
             self.fold.reset()
         losses, routers = (), ()

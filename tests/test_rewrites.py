@@ -106,3 +106,42 @@ def test_clip_checkpoints_with_one_logit_scale_are_rewritten_and_round_trip(tmp_
     apart = WideModel.from_models(members)
     assert [(e.fqn, e.kind) for e in apart.plan.fallbacks] == [("", Kind.VECTORISED)]
     assert pair_error(apart, members, texts_and_images(3, 2)) <= TOLERANCE
+
+
+def _features_error(wide, references, inputs: dict) -> float:
+    """The largest difference of any member's text and image features (``get_text_features``,
+    ``get_image_features``: their projected ``pooler_output`` and their tower's last hidden state) from its own."""
+    texts, images = {"input_ids": inputs["input_ids"]}, {"pixel_values": inputs["pixel_values"]}
+    errors = []
+    with torch.no_grad():
+        for method, given in (("get_text_features", texts), ("get_image_features", images)):
+            got = getattr(wide, method)(**given)
+            for i, reference in enumerate(references):
+                want = getattr(reference, method)(**given)
+                for key in ("pooler_output", "last_hidden_state"):
+                    assert got[key].shape == (len(references), *want[key].shape), (method, key)
+                    errors.append((got[key][i] - want[key]).abs().max().item())
+    return max(errors)
+
+
+def test_text_and_image_features_are_each_members(tmp_path):
+    """``wide.get_text_features`` and ``wide.get_image_features`` (what retrieval calls, outside the forward): each
+    member's, ``(N, B, ...)``, over adapters of one base, full checkpoints rewritten, and a model run vectorised
+    whole (its methods per member); a model without them has none."""
+    adapters = pair_adapters("clip", tmp_path, (2, 4))
+    inputs = texts_and_images(3, 2)
+    assert _features_error(WideModel.from_pretrained(adapters), [adapter_alone("clip", tmp_path, a) for a in adapters],
+                           inputs) <= TOLERANCE
+    members = [pair("clip", seed) for seed in range(3)]
+    for member in members[1:]:
+        member.logit_scale.data.copy_(members[0].logit_scale.data)
+    rewritten = WideModel.from_models(members)
+    assert type(rewritten.model) is WideCLIPModel
+    assert _features_error(rewritten, members, inputs) <= TOLERANCE
+    with torch.no_grad():
+        members[2].logit_scale.add_(0.5)
+    apart = WideModel.from_models(members)
+    assert [(e.fqn, e.kind) for e in apart.plan.fallbacks] == [("", Kind.VECTORISED)]
+    assert _features_error(apart, members, inputs) <= TOLERANCE
+    bert = WideModel.from_models([CASES["bert-seqcls"].build(seed) for seed in range(2)])
+    assert not hasattr(bert, "get_text_features") and not hasattr(bert, "get_anything_else")
