@@ -32,7 +32,8 @@ browser:
 	} || echo "WARNING: chromium could not be installed: the browser test will be skipped."
 
 # Two pytest-xdist workers, each module on one (tests/conftest.py runs the modules that start Ray one after another):
-# on a 2-core machine much of the time is subprocesses starting and servers waiting.
+# on a 2-core machine much of the time is subprocesses starting and servers waiting. Each worker's torch (and what
+# it starts) takes its share of the cores, OMP_NUM_THREADS (tests/conftest.py): 2 x 2 threads on 2 cores ran 25% slower.
 TEST_WORKERS ?= 2
 
 test: $(VENV)/.dev browser
