@@ -95,11 +95,12 @@ class WideServer:
 
 def build_app(model_ids: Sequence[str] | str, task: str = "text-classification", *, replicas: int = 1,
               max_batch_size: int = 32, batch_wait_ms: float = BATCH_WAIT_MS, num_cpus: float | None = None,
-              **pipeline_options) -> serve.Application:
+              max_constructor_retry_count: int | None = None, **pipeline_options) -> serve.Application:
     """The Ray Serve application serving ``model_ids`` (members, a fused repo, adapters, local folders) for
     ``task``; ``num_cpus`` is what Ray reserves for each replica (Ray's default: 1; it also sets the replica's
-    torch threads), and ``pipeline_options`` go to :func:`hf_wide.pipeline` (``combine``, ``compile``,
-    ``batch_size``, ``revision``, ``token``, ...)."""
+    torch threads), ``max_constructor_retry_count`` how many times Ray Serve starts a replica whose constructor failed
+    (its default: three per replica, at most 20), and ``pipeline_options`` go to :func:`hf_wide.pipeline`
+    (``combine``, ``compile``, ``batch_size``, ``revision``, ``token``, ...)."""
     from ..pipelines import Combine
     from .tasks import check_task
 
@@ -113,8 +114,10 @@ def build_app(model_ids: Sequence[str] | str, task: str = "text-classification",
     if (combine == Combine.WEIGHTED) != (pipeline_options.get("weights") is not None):
         raise ValueError("combine='weighted' takes weights, one per member (--weights), and the other rules none.")
     pipeline_options.setdefault("batch_size", max_batch_size)  # one Ray batch, one forward where it fits
-    actor_options = {} if num_cpus is None else {"num_cpus": num_cpus}
-    return WideServer.options(num_replicas=replicas, ray_actor_options=actor_options).bind(
+    options = {"num_replicas": replicas, "ray_actor_options": {} if num_cpus is None else {"num_cpus": num_cpus}}
+    if max_constructor_retry_count is not None:
+        options["max_constructor_retry_count"] = max_constructor_retry_count
+    return WideServer.options(**options).bind(
         model_ids, task, pipeline_options, max_batch_size, batch_wait_ms)
 
 

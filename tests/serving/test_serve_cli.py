@@ -4,6 +4,7 @@ stop``, Kubernetes)."""
 import contextlib
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -149,12 +150,15 @@ def test_a_model_the_replicas_cannot_load_is_said_in_its_own_words(tmp_path):
     assert last.startswith("hf-wide serve: error: The replicas could not load the model: "
                            "hf_wide.compat.IncompatibleMembersError: member 1"), done.stderr[-3000:]
     assert "all members must be the same model class" in last
+    # One start of the replica, not Ray's three: a local Ray's replica loads what was fetched here, and fails alike.
+    replicas = set(re.findall(r"ServeReplica:hf-wide:WideServer\S*\s*\(pid=(\d+)", done.stderr))
+    assert len(replicas) == 1, done.stderr[-3000:]
 
 
 def test_haproxy_takes_free_ports_where_rays_are_taken(monkeypatch):
-    from hf_wide.serving import HIGH_THROUGHPUT_ENV, haproxy_ports, ray_environment
+    from hf_wide.serving import DRAINING_ENV, HIGH_THROUGHPUT_ENV, haproxy_ports, ray_environment
 
-    for name in ("RAY_SERVE_HAPROXY_STATS_PORT", *HIGH_THROUGHPUT_ENV):
+    for name in ("RAY_SERVE_HAPROXY_STATS_PORT", *HIGH_THROUGHPUT_ENV, *DRAINING_ENV):
         monkeypatch.delenv(name, raising=False)
     with socket.socket() as busy:
         busy.bind(("0.0.0.0", 0))
@@ -170,10 +174,14 @@ def test_haproxy_takes_free_ports_where_rays_are_taken(monkeypatch):
     assert haproxy_ports() == {"RAY_SERVE_HAPROXY_STATS_PORT": str(free)}  # Ray's default, where it is free
     with ray_environment(True) as values:
         assert os.environ["RAY_SERVE_HAPROXY_STATS_PORT"] == values["RAY_SERVE_HAPROXY_STATS_PORT"] == str(free)
-        assert all(os.environ[k] == v for k, v in HIGH_THROUGHPUT_ENV.items())
-    assert not {"RAY_SERVE_HAPROXY_STATS_PORT", *HIGH_THROUGHPUT_ENV} & set(os.environ)  # as it was
-    monkeypatch.setenv("RAY_SERVE_HAPROXY_STATS_PORT", "12345")  # the user's choice stands
+        assert all(os.environ[k] == v for k, v in {**HIGH_THROUGHPUT_ENV, **DRAINING_ENV}.items())
+    assert not {"RAY_SERVE_HAPROXY_STATS_PORT", *HIGH_THROUGHPUT_ENV, *DRAINING_ENV} & set(os.environ)  # as it was
+    monkeypatch.setenv("RAY_SERVE_HAPROXY_STATS_PORT", "12345")  # the user's choices stand
+    monkeypatch.setenv("RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S", "30")
     assert haproxy_ports() == {}
+    with ray_environment(True) as values:
+        assert os.environ["RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S"] == "30"
+        assert not set(DRAINING_ENV) & set(values)
     with ray_environment(False) as values:
         assert values == {} and not set(HIGH_THROUGHPUT_ENV) & set(os.environ)
 
