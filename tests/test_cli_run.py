@@ -10,7 +10,6 @@ from PIL import Image
 from pipelines.text_members import bert_tokenizer, build_members, decoder_tokenizer, save_members, sentences
 
 from hf_wide import cli
-from hf_wide.benchmark.pipeline import run_pipeline_benchmark
 from hf_wide.pipelines import pipeline
 
 TEXTS = sentences(3, seed=31)
@@ -110,13 +109,10 @@ def test_errors_are_reported_with_exit_code_2(saved, capsys, argv, message):
     assert message in capsys.readouterr().err
 
 
-def test_the_pipeline_benchmark_runs_and_checks_its_results(capsys, tmp_path):
-    assert cli.build_parser().parse_args(["benchmark", "--pipeline"]).pipeline
-    path = tmp_path / "bench.json"
-    records = run_pipeline_benchmark(texts=40, new_tokens=3, batches=(2,), unbatched=False, repeats=1,
-                                     json_path=str(path))
-    classification, decoding = records
-    assert classification["member_labels_match"] == 1 and classification["ours_speedup_vs_batched"] > 0
-    assert decoding["same_tokens"] and decoding["speedup"] > 0
-    assert json.loads(path.read_text())["records"] == json.loads(json.dumps(records))
-    assert "text-classification" in capsys.readouterr().out
+def test_benchmark_pipeline_runs_the_pipeline_benchmark(monkeypatch, tmp_path):
+    # What it runs and checks: tests/benchmark/test_pipeline_benchmark.py (the same small run here took a minute).
+    calls = []
+    monkeypatch.setattr("hf_wide.benchmark.pipeline.run_pipeline_benchmark", lambda **kw: calls.append(kw) or [])
+    path = str(tmp_path / "bench.json")
+    assert cli.main(["benchmark", "--pipeline", "--threads", "1", "--json", path]) == 0
+    assert calls == [{"threads": 1, "json_path": path}]

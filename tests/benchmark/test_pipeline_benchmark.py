@@ -12,8 +12,10 @@ def test_small_pipeline_benchmark_writes_checked_records(tmp_path, capsys):
     assert json.loads(path.read_text())["records"] == json.loads(json.dumps(records))
     classification, decoding = records
     assert classification["member_labels_match"] == 1.0  # eager and compiled members = transformers pipelines
+    assert classification["ours_speedup_vs_batched"] > 0
     for name in ("ours", "ours_compiled", "transformers_batched"):
         assert classification[f"{name}_s"] > 0
     assert decoding["same_tokens"] is True and decoding["batch"] == 2 and decoding["speedup"] > 0
     assert all(r["cpu_allocator"] and r["threads"] >= 1 for r in records)
-    assert "ensemble decoding" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "text-classification" in out and "ensemble decoding" in out
