@@ -85,14 +85,14 @@ class WideModel(nn.Module):
         self._inner = runs_inner_model(model)  # a LoRA PeftModel: its transformers model is called directly
         # a rewritten model that scores each member's rows against its own (CLIP's): every batched input folded
         self.own_batches = any(getattr(m, "mixes_rows", False) for m in model.modules())
-        install_member_losses(model.base_model.model if self._inner else model, fold)  # each member's loss
+        install_member_losses(self._called, fold)  # each member's loss
         # generate() calls the model's forward itself (and an encoder-decoder's encoder first), with rows it may
         # expand (beams, several sequences per input): this pre-hook records the rows of each call, in the thread
         # that is generating only.
         encoder = model.get_encoder() if hasattr(model, "get_encoder") else None
         for module in {id(m): m for m in (model, encoder) if isinstance(m, nn.Module)}.values():
             module.register_forward_pre_hook(fold, with_kwargs=True)
-        install_choice_rows(model.base_model.model if self._inner else model, fold)  # (B, C, T): B*C rows inside
+        install_choice_rows(self._called, fold)  # (B, C, T): B*C rows inside
 
     # ---------------------------------------------------------------- construction
     @classmethod
@@ -219,8 +219,13 @@ class WideModel(nn.Module):
         method.__name__ = method.__qualname__ = name
         return method
 
+    @property
+    def _called(self) -> nn.Module:
+        """The module a call runs: the transformers model inside a LoRA PeftModel, called directly; else the model."""
+        return self.model.base_model.model if self._inner else self.model
+
     def _members_class(self) -> type:
-        model = self.model.base_model.model if self._inner else self.model
+        model = self._called
         if isinstance(model, VectorisedFallback):  # the whole model as a fallback: its methods run per member too
             return type(model.proto)
         return type(model.members[0] if isinstance(model, PerMemberFallback) else model)
@@ -241,7 +246,7 @@ class WideModel(nn.Module):
         self.fold.anchor = first_tensor((*args, *kwargs.values())).new_empty(n * batch, 0)
         labelled = not LABEL_ARGUMENTS.isdisjoint(kwargs)  # each member's loss, on its own rows
         routed = asks_for_router_logits(kwargs, self.config)  # each member's router logits and balancing loss
-        model = self.model.base_model.model if self._inner else self.model
+        model = self._called
         call = model if method is None else getattr(model, method)
         try:
             if method is None and ((labelled and n > 1) or routed):
