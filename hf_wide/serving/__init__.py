@@ -158,13 +158,15 @@ def serve(model_ids: Sequence[str] | str, task: str = "text-classification", *, 
     if high_throughput and not local:
         raise ValueError(f"high_throughput applies to a local Ray, not to one at address={address!r}: "
                          f"{HIGH_THROUGHPUT_HINT}")
-    if local:  # members fetched here first: a replica's load reads this machine's files and fails alike each time
-        kwargs.setdefault("max_constructor_retry_count", kwargs.get("replicas", 1))  # once per replica, not thrice
-    app = build_app(model_ids, task, **kwargs)
+    app = build_app(model_ids, task, **kwargs)  # (its options checked before anything is fetched)
     if local:  # what would fail in the replicas, said before Ray starts rather than after their attempts
         require_free(host, port)
         require_cpus(kwargs.get("replicas", 1), kwargs.get("num_cpus"))
-        check_head(fetch_members(model_ids, kwargs)[0], task)
+        folders = fetch_members(model_ids, kwargs)
+        check_head(folders[0], task)
+        if not any(map(_has_a_base, folders)):  # the replicas load what is here: one that fails would fail alike again
+            retries = {"max_constructor_retry_count": kwargs.get("replicas", 1), **kwargs}  # once each, not thrice
+            app = build_app(model_ids, task, **retries)
         with ray_environment(high_throughput):
             ray.init(include_dashboard=False, logging_level="ERROR")
     else:
@@ -224,6 +226,14 @@ def check_head(folder: Path, task: str) -> None:
     refusal = class_refusal(architectures[0], task, TASKS[task].heads) if len(architectures) == 1 else None
     if refusal is not None:
         raise ValueError(refusal)
+
+
+def _has_a_base(folder: Path) -> bool:
+    """Whether ``folder`` holds PEFT adapters, or a saved ensemble of them: the replicas fetch their base."""
+    from ..adapters import adapter_config
+    from ..saving import read_section
+
+    return adapter_config(folder) is not None or "adapters" in (read_section(folder) or {})
 
 
 def _replica_failure(ray_serve) -> str | None:

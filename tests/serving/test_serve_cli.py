@@ -155,6 +155,20 @@ def test_a_model_the_replicas_cannot_load_is_said_in_its_own_words(tmp_path):
     assert len(replicas) == 1, done.stderr[-3000:]
 
 
+def test_only_replicas_that_load_what_was_fetched_try_once(tmp_path):
+    # A local Ray's replicas load the members fetched before it started; adapters' base they fetch themselves, and a
+    # download may fail once and not twice: those keep Ray Serve's retries.
+    from hf_wide.serving import _has_a_base
+
+    full, adapter, ensemble = (tmp_path / name for name in ("full", "adapter", "ensemble"))
+    for folder, name, content in [(full, "config.json", {"model_type": "bert"}),
+                                  (adapter, "adapter_config.json", {"peft_type": "LORA"}),
+                                  (ensemble, "config.json", {"hf_wide": {"adapters": {"base_model": "org/base"}}})]:
+        folder.mkdir()
+        (folder / name).write_text(json.dumps(content))
+    assert [_has_a_base(f) for f in (full, adapter, ensemble)] == [False, True, True]
+
+
 def test_haproxy_takes_free_ports_where_rays_are_taken(monkeypatch):
     from hf_wide.serving import DRAINING_ENV, HIGH_THROUGHPUT_ENV, haproxy_ports, ray_environment
 
