@@ -28,6 +28,7 @@ from .losses import LABEL_ARGUMENTS, install_member_losses, member_loss_outputs,
 from .parallel import gather_members, gather_outputs, local_inputs
 from .plan import Kind, WidePlan
 from .primitives import PerMemberFallback, VectorisedFallback
+from .primitives.member_cache import contiguous_keys
 from .routers import asks_for_router_logits, member_router_logits, replace_router_logits
 from .swap import member_model
 
@@ -255,6 +256,8 @@ class WideModel(nn.Module):
                 outputs = call(*args, **kwargs)
         finally:
             self.fold.reset()
+        if torch.compiler.is_compiling():  # the cache's strides as every later step leaves them: one decoding graph
+            contiguous_keys(outputs)
         losses, routers = (), ()
         if labelled or isinstance(outputs, dict):  # a ModelOutput's losses are checked, labels or not
             outputs, losses = member_loss_outputs(outputs, n, labelled)  # each (N,)

@@ -97,6 +97,21 @@ def set_row_tensors(cache: Cache, tensors: list[torch.Tensor]) -> None:
     _map_rows(cache, lambda t: next(given))
 
 
+def contiguous_keys(output) -> None:
+    """Make the keys and values of a model output's dynamic cache contiguous, for ``torch.compile``. A layer's first
+    update holds them as the attention made them (a transposed view of the projection), every later one as their
+    concatenation (contiguous); a compiled forward handed the cache back guards on their strides, so the second
+    decoding step compiled a graph of its own, and the third another. Under compilation only; a no-op on
+    contiguous tensors."""
+    caches = [v for v in output.values() if isinstance(v, Cache)] if isinstance(output, dict) else []
+    for cache in caches:
+        for own in (cache.self_attention_cache, cache.cross_attention_cache) if type(
+                cache) is EncoderDecoderCache else (cache,):
+            for layer in own.layers if type(own) is DynamicCache else ():
+                if type(layer) is DynamicLayer and layer.is_initialized:
+                    layer.keys, layer.values = layer.keys.contiguous(), layer.values.contiguous()
+
+
 def _map_rows(cache: Cache, fn) -> None:
     if type(cache) is EncoderDecoderCache:
         _map_rows(cache.self_attention_cache, fn)

@@ -163,7 +163,9 @@ class VectorisedFallback(nn.Module):
     def _code(self) -> nn.Module:
         """This thread's copy of the source on the meta device: ``functional_call`` swaps the module's tensors
         for the call's, so two threads must not share one."""
-        calls = self.__dict__.setdefault("_calls", threading.local())
+        calls = self.__dict__.get("_calls")  # not setdefault: a new threading.local per call breaks compiled graphs
+        if calls is None:
+            calls = self.__dict__["_calls"] = threading.local()
         if not hasattr(calls, "proto"):
             calls.proto = copy_module(self.proto)
         if calls.proto.training != self.training:  # not a child, which train() and eval() would reach: its dropout
