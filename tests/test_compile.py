@@ -1,4 +1,4 @@
-"""torch.compile: no graph breaks for the BERT, DeBERTa and Llama families, outputs equal to eager, and one
+"""torch.compile: no graph breaks for the BERT, DeBERTa, Llama and T5 families, outputs equal to eager, and one
 graph for every batch size > 1 and sequence length."""
 
 import pytest
@@ -19,6 +19,7 @@ def fresh_dynamo():
 
 @pytest.mark.parametrize("case_id", [
     "bert-seqcls", "roberta-tokcls", "deberta-v2-seqcls", "llama-causallm", "qwen2-causallm",
+    "t5-encoder",  # its first attention vectorised (vmap): a mask every member shares is no data-dependent branch
 ])
 def test_no_graph_breaks(fused, case_id):
     _, wide = fused(case_id)
@@ -53,6 +54,19 @@ def test_inductor_output_equals_eager():
         eager = wide(**inputs).logits
         compiled = wide.compile()(**inputs).logits
     assert (compiled - eager).abs().max() <= TOLERANCE
+
+
+def test_a_compiled_vectorised_module_gives_each_member_its_own_output():
+    # T5's first attention runs under vmap; compiled, its mask (the same for every member) goes in batched
+    case = CASES["t5-encoder"]
+    members = [case.build(seed) for seed in range(2)]
+    wide = WideModel.from_models(members).compile(backend="aot_eager")
+    with torch.no_grad():
+        for batch in (2, 3):
+            inputs = case.inputs(batch, padded=True)
+            out = main_output(wide(**inputs))
+            for i, member in enumerate(members):
+                assert (out[i] - main_output(member(**inputs))).abs().max() <= TOLERANCE
 
 
 def test_a_compiled_model_gives_and_trains_each_members_loss():

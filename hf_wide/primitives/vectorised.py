@@ -247,7 +247,7 @@ class VectorisedFallback(nn.Module):
                 t, dim = t // n, None  # a size of the N*B rows (roles.is_rows_size): each member's B
             elif folded:
                 t = t.view(n, rows // n, *t.shape[1:])  # (N, B, ...)
-                if not t.is_floating_point() and torch.equal(t, t[:1].expand_as(t)):
+                if not (t.is_floating_point() or torch.compiler.is_compiling()) and torch.equal(t, t[:1].expand_as(t)):
                     t, dim = t[0], None  # ids or a mask every member shares: one (B, ...), as the source sees it
                 else:
                     dim = 0
