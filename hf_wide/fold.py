@@ -211,11 +211,15 @@ def fold_inputs(n: int, args: tuple, kwargs: dict, own_batches: bool = False,
     primary = [args[0]] if args else []
     primary += [kwargs[k] for k in PRIMARY_INPUTS if k in kwargs]
     batch = next((b for b in (_batch_of(v, n) for v in primary) if b is not None), batches[0])
-    for value in leaves:
+    named = [*((f"argument {i}", a) for i, a in enumerate(args)), *kwargs.items()]
+    for key, value in named:
         if isinstance(value, PerMember) and value.tensor.shape[1] != batch:
+            main = next((f" of {k}" for k, v in named if k in ("argument 0", *PRIMARY_INPUTS) and v is not value
+                         and _batch_of(v, n) == batch), "")
             raise ValueError(
-                f"Per-member inputs must share one batch size: got B={value.tensor.shape[1]} and B={batch}."
-            )
+                f"{key} gives each member {value.tensor.shape[1]} rows, but the batch{main} has {batch}: a per-member "
+                "input holds each member's own rows of the batch, (N, B, ...). Inputs with a batch of their own "
+                "(CLIP's images beside its texts) can only be shared by every member.")
 
     if n > 1 and not own_batches:
         for key, value in kwargs.items():  # a batch of its own, passed whole to every member, that reads as folded

@@ -102,3 +102,14 @@ def test_encoder_outputs_given_by_the_user_are_folded_as_inputs():
         full = wide(input_ids=ids, decoder_input_ids=decoder_ids)
         again = wide(encoder_outputs=(PerMember(full.encoder_last_hidden_state),), decoder_input_ids=decoder_ids)
         assert (again.logits - full.logits).abs().max() <= TOLERANCE
+
+
+def test_a_per_member_input_of_another_batch_is_named_with_the_batch_it_misses():
+    from hf_wide import PerMember
+    from hf_wide.fold import fold_inputs
+
+    ids, images = torch.zeros(2, 5, dtype=torch.long), PerMember(torch.zeros(3, 4, 3, 8, 8))  # 4 images, 2 texts
+    with pytest.raises(ValueError, match="pixel_values gives each member 4 rows, but the batch of input_ids has 2"):
+        fold_inputs(3, (), {"input_ids": ids, "pixel_values": images})
+    with pytest.raises(ValueError, match="argument 1 gives each member 4 rows, but the batch of argument 0 has 2"):
+        fold_inputs(3, (ids, images), {})
