@@ -23,7 +23,7 @@ class ChoiceRows:
         self.fold = fold
 
     def enter(self, module, args, kwargs):
-        calls = self.fold._calls
+        calls = self.fold._calls.state
         calls.outer.append(calls.anchor)
         first = next((v for v in (*args, *kwargs.values()) if isinstance(v, torch.Tensor) and v.dim() > 0), None)
         if calls.anchor is not None and first is not None:  # (outside a wide forward, nothing to follow)
@@ -35,7 +35,7 @@ class ChoiceRows:
         return first.shape[0]
 
     def leave(self, module, args, kwargs, output):
-        calls = self.fold._calls
+        calls = self.fold._calls.state
         if calls.outer:
             calls.anchor = calls.outer.pop()
         return None

@@ -24,14 +24,23 @@ from typing import Any
 import torch
 
 
-class _Calls(threading.local):
-    """Per-thread state of one wide model's calls. ``threading.local`` runs ``__init__`` anew in every thread
-    that reads it, so each thread's dict holds both names from the start (dynamo guards on their presence)."""
+class _CallState:
+    """One thread's state of one wide model's calls."""
 
     def __init__(self):
         self.anchor: torch.Tensor | None = None
         self.recording = False
         self.outer: list[torch.Tensor | None] = []  # the rows around each call of an inner model (ChoiceRows)
+
+
+class _Calls(threading.local):
+    """Each thread's :class:`_CallState`. ``threading.local`` runs ``__init__`` anew in every thread that reads it.
+    The state is an object of its own, not the local's attributes: dynamo drops what compiled code sets on a
+    ``threading.local`` at a graph break (the code after the break read no rows: XLM, whose forward breaks the
+    graph at ``.item()``, failed to compile), and keeps what it sets on a plain object."""
+
+    def __init__(self):
+        self.state = _CallState()
 
 
 @dataclasses.dataclass
@@ -50,20 +59,20 @@ class Fold:
     @property
     def anchor(self) -> torch.Tensor | None:
         """(N*B, 0) during a forward in this thread, else None."""
-        return self._calls.anchor
+        return self._calls.state.anchor
 
     @anchor.setter
     def anchor(self, value: torch.Tensor | None) -> None:
-        self._calls.anchor = value
+        self._calls.state.anchor = value
 
     @property
     def recording(self) -> bool:
         """Whether the pre-hook records rows in this thread (during ``generate``, whose forwards it calls)."""
-        return self._calls.recording
+        return self._calls.state.recording
 
     @recording.setter
     def recording(self, value: bool) -> None:
-        self._calls.recording = value
+        self._calls.state.recording = value
 
     @contextlib.contextmanager
     def rows_of(self, x: torch.Tensor) -> Iterator[None]:
@@ -97,7 +106,7 @@ class Fold:
     def reset(self) -> None:
         self.anchor = None
         self.recording = False
-        self._calls.outer.clear()
+        self._calls.state.outer.clear()
 
     def split(self, x: torch.Tensor) -> torch.Tensor:
         """(N*B, *rest) -> (N, B, *rest); a broadcast (1, *rest) -> (N, 1, *rest) without a copy."""

@@ -69,6 +69,29 @@ def test_a_compiled_vectorised_module_gives_each_member_its_own_output():
                 assert (out[i] - main_output(member(**inputs))).abs().max() <= TOLERANCE
 
 
+def test_code_after_a_graph_break_still_knows_the_forwards_rows(monkeypatch):
+    # The rows were set on a threading.local in compiled code, which dynamo dropped at a graph break: the embeddings
+    # after it expanded BERT's (1, T) positions to N rows, not N*B, and the compile failed (XLM breaks at .item())
+    import transformers.models.bert.modeling_bert as modeling_bert
+
+    case = CASES["bert-seqcls"]
+    members = [case.build(seed) for seed in range(3)]
+    wide = WideModel.from_models(members)
+    forward = modeling_bert.BertEmbeddings.forward
+
+    def breaking(self, *args, **kwargs):
+        torch._dynamo.graph_break()
+        return forward(self, *args, **kwargs)
+
+    monkeypatch.setattr(modeling_bert.BertEmbeddings, "forward", breaking)
+    wide.compile(backend="eager", dynamic=False)  # (dynamic shapes across the break: minutes of sympy)
+    inputs = case.inputs(2, padded=True)
+    with torch.no_grad():
+        out = wide(**inputs).logits
+        for i, member in enumerate(members):
+            assert (out[i] - member(**inputs).logits).abs().max() <= TOLERANCE
+
+
 def test_a_compiled_model_gives_and_trains_each_members_loss():
     # The split of the loss by member is a TorchFunctionMode, which code compiled around it did not apply: the loss
     # came out over every member's rows, and was refused. That call now runs eagerly, the rest compiled.
