@@ -206,7 +206,7 @@ def test_per_member_inputs_of_the_wrong_shape_are_refused(fused):
     _, wide = fused("bert-seqcls")
     with pytest.raises(ValueError, match="leading dim"):
         wide(input_ids=PerMember(torch.zeros(NUM_MEMBERS + 1, 2, 7, dtype=torch.long)))
-    with pytest.raises(ValueError, match="one batch size"):
+    with pytest.raises(ValueError, match="attention_mask gives each member 3 rows, but the batch of input_ids has 2"):
         wide(input_ids=PerMember(torch.zeros(NUM_MEMBERS, 2, 7, dtype=torch.long)),
              attention_mask=PerMember(torch.ones(NUM_MEMBERS, 3, 7, dtype=torch.long)))
 
