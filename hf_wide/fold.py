@@ -220,6 +220,7 @@ def fold_inputs(n: int, args: tuple, kwargs: dict, own_batches: bool = False,
     primary = [args[0]] if args else []
     primary += [kwargs[k] for k in PRIMARY_INPUTS if k in kwargs]
     batch = next((b for b in (_batch_of(v, n) for v in primary) if b is not None), batches[0])
+    kwargs = _expand_per_position(kwargs, batch)
     named = [*((f"argument {i}", a) for i, a in enumerate(args)), *kwargs.items()]
     for key, value in named:
         if isinstance(value, PerMember) and value.tensor.shape[1] != batch:
@@ -261,6 +262,21 @@ def fold_inputs(n: int, args: tuple, kwargs: dict, own_batches: bool = False,
         return fold(value, own_batches and key in BATCHED_INPUTS)
 
     return tuple(fold(a) for a in args), {k: fold_kwarg(k, v) for k, v in kwargs.items()}, batch
+
+
+def _expand_per_position(kwargs: dict, batch: int) -> dict:
+    """``kwargs`` with a 1-D ``token_type_ids`` beside 2-D ``input_ids`` (or 3-D ``inputs_embeds``) expanded to the
+    batch, ``(T,) -> (B, T)``: one segment id per position, which the member's embedding lookup broadcasts over its
+    rows (BERT's ``(T, D)`` added to ``(B, T, D)``). Left 1-D, its T positions read as T rows and were split among
+    the members."""
+    types = kwargs.get("token_type_ids")
+    text = kwargs.get("input_ids")
+    dims = text.dim() if isinstance(text, torch.Tensor) else None
+    if dims is None and isinstance(kwargs.get("inputs_embeds"), torch.Tensor):
+        dims = kwargs["inputs_embeds"].dim() - 1
+    if isinstance(types, torch.Tensor) and types.dim() == 1 and dims == 2:
+        return {**kwargs, "token_type_ids": types.expand(batch, *types.shape)}  # (B, T)
+    return kwargs
 
 
 # The inputs a model's batch is read from, in order (after its first positional argument)

@@ -35,6 +35,21 @@ def test_the_positions_to_keep_logits_of_are_no_batch(fused):
             assert got[i].shape == want.shape and (got[i] - want).abs().max() <= TOLERANCE
 
 
+@pytest.mark.parametrize("length", [5, 2])  # 2: as long as the batch, which read as its rows
+def test_one_segment_id_per_position_is_every_rows(fused, length):
+    # BERT broadcasts a 1-D token_type_ids (T,) over its rows; the wide model read its T positions as rows and
+    # raised a reshape error (or a broadcast error where T == B)
+    members, wide = fused("bert-seqcls")
+    ids = CASES["bert-seqcls"].inputs(len(members), padded=False)["input_ids"][:2, :length]
+    types = (torch.arange(length) >= length // 2).long()
+    with torch.no_grad():
+        got = wide(input_ids=ids, token_type_ids=types).logits
+        for i, member in enumerate(members):
+            want = member(input_ids=ids, token_type_ids=types).logits
+            assert got[i].shape == want.shape and (got[i] - want).abs().max() <= TOLERANCE
+            assert (want - member(input_ids=ids).logits).abs().max() > 1e-4  # the segment ids count
+
+
 def clip_members() -> list:
     """Three CLIP members whose every tensor differs (their logit_scale too): the wide model runs each whole."""
     config = transformers.CLIPConfig(
