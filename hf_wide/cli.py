@@ -250,8 +250,10 @@ def build_parser() -> argparse.ArgumentParser:
     run.set_defaults(func=_run)
 
     from .benchmark import register_cli
+    from .cli_fuse import register_cli as register_fuse
     from .serving.cli import register_cli as register_serve
 
+    register_fuse(sub)
     register_cli(sub)
     register_serve(sub)
     return parser

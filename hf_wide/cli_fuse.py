@@ -1,0 +1,76 @@
+"""``hf-wide fuse``: the members fused into one repo, saved to a folder or pushed to the Hub, which
+``WideModel.from_pretrained`` (and ``hf-wide run`` and ``serve``) load back as one id."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from .hub import DTYPES
+
+
+def register_cli(sub) -> None:
+    fuse = sub.add_parser(
+        "fuse", help="fuse the members into one repo: save it to a folder or push it to the Hub",
+        description="Downloads (or reads) the members, fuses and verifies them as WideModel.from_pretrained does, "
+                    "prints what became of their modules, and writes the fused repo (stacked weights, a config with "
+                    "an hf_wide section, the tokenizer, a model card naming the members at their commits) to --output, "
+                    "to the Hub repo --push-to-hub (created if needed, in one commit), or both. Adapters of one base "
+                    "are saved as their base's id and their own weights, not the base's.")
+    fuse.add_argument("models", nargs="+", metavar="ID",
+                      help="member repo ids or local folders, or PEFT adapters of one base")
+    fuse.add_argument("--output", metavar="DIR", help="save the fused repo to this folder")
+    fuse.add_argument("--push-to-hub", metavar="REPO_ID", help="upload the fused repo to this Hub repo")
+    fuse.add_argument("--revision", nargs="+", metavar="REV",
+                      help="the members' revision (a branch, tag or commit): one for all, or one per member")
+    fuse.add_argument("--base-model", metavar="ID", help="adapters: the base to load them on (default: the one they "
+                                                          "name)")
+    fuse.add_argument("--base-revision", metavar="REV", help="adapters: the base's revision")
+    fuse.add_argument("--merge", action="store_true",
+                      help="adapters: merge each into its own copy of the base (N full weight sets)")
+    fuse.add_argument("--dtype", choices=[*DTYPES, "auto"], default=None,
+                      help="load the members in this dtype (default: transformers' default)")
+    fuse.add_argument("--offline", action="store_true", help="use the local cache only")
+    fuse.add_argument("--token", default=None, help="a Hub token (default: HF_TOKEN or the one `hf auth login` "
+                                                    "saved)")
+    fuse.add_argument("--private", action="store_true", help="create the Hub repo private")
+    fuse.add_argument("--commit-message", default=None)
+    fuse.add_argument("--create-pr", action="store_true", help="push to a pull request, not to main")
+    fuse.add_argument("--max-shard-size", default="5GB", help="largest weight file (default 5GB)")
+    fuse.add_argument("--allow-pickle", action="store_true", help="read members saved as pickles (.bin) only")
+    fuse.add_argument("--trust-remote-code", action="store_true")
+    fuse.add_argument("--allow-label-mismatch", action="store_true",
+                      help="fuse members whose label names differ (their outputs are then not one label space)")
+    fuse.add_argument("--plan", action="store_true", help="print the whole plan, not only its summary")
+    fuse.set_defaults(func=_fuse)
+
+
+def _fuse(args: argparse.Namespace) -> int:
+    from .cli import BAD_FILES
+    from .model import WideModel, WideValidationError
+
+    def error(message) -> int:
+        print(f"hf-wide fuse: error: {message}", file=sys.stderr)
+        return 2
+
+    if args.output is None and args.push_to_hub is None:
+        return error("say where the fused repo goes: --output DIR, --push-to-hub REPO_ID, or both.")
+    revision = args.revision[0] if args.revision and len(args.revision) == 1 else args.revision
+    try:
+        wide = WideModel.from_pretrained(
+            args.models, revision=revision, dtype=args.dtype, token=args.token, local_files_only=args.offline,
+            allow_pickle=args.allow_pickle, trust_remote_code=args.trust_remote_code,
+            allow_label_mismatch=args.allow_label_mismatch, base_model=args.base_model,
+            base_revision=args.base_revision, merge=args.merge)
+        print(wide.plan if args.plan else wide.plan.summary())
+        if args.output is not None:
+            wide.save_pretrained(args.output, max_shard_size=args.max_shard_size)
+            print(f"Saved the fused repo to {args.output}")
+        if args.push_to_hub is not None:
+            commit = wide.push_to_hub(args.push_to_hub, private=True if args.private else None, token=args.token,
+                                      commit_message=args.commit_message, create_pr=args.create_pr,
+                                      max_shard_size=args.max_shard_size)
+            print(f"Pushed the fused repo to {commit.pr_url or commit.commit_url}")
+    except (ValueError, TypeError, OSError, WideValidationError, *BAD_FILES) as exc:  # hub errors are OSErrors
+        return error(exc)
+    return 0

@@ -1,0 +1,95 @@
+"""``hf-wide fuse`` (hf_wide/cli_fuse.py): members fused into one repo, saved to a folder or pushed to the test Hub,
+and loaded back equal to the members; what it refuses, in one line."""
+
+import json
+
+import pytest
+from conftest import CASES
+from hub_server import TOKEN, hub  # noqa: F401  (the fixture)
+from lora_members import LLAMA, alone, save_adapter
+from oracle import TOLERANCE, max_member_error
+
+from hf_wide import WideModel
+from hf_wide.cli import main
+
+CASE = CASES["bert-seqcls"]
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    root = tmp_path_factory.mktemp("members")
+    members = [CASE.build(seed) for seed in range(2)]
+    for seed, model in enumerate(members):
+        model.save_pretrained(root / f"seed-{seed}")
+    return members, [str(root / f"seed-{seed}") for seed in range(2)]
+
+
+def test_members_to_a_folder_that_loads_back(saved, tmp_path, capsys):
+    members, paths = saved
+    assert main(["fuse", *paths, "--output", str(tmp_path / "wide")]) == 0
+    out = capsys.readouterr().out
+    assert "BertForSequenceClassification x 2 members" in out and f"Saved the fused repo to {tmp_path / 'wide'}" in out
+    assert "WideLinear" not in out  # the summary, not the plan's table (--plan prints it)
+    back = WideModel.from_pretrained(str(tmp_path / "wide"))
+    assert back.member_ids == paths
+    assert max_member_error(back, members, CASE.inputs(3, padded=True)) <= TOLERANCE
+
+
+def test_pushed_at_pinned_revisions_and_loaded_back_from_a_fresh_cache(hub, saved, tmp_path, capsys):
+    members, paths = saved
+    hub.publish("alice/seed-0", paths[0])
+    sha = hub.publish("alice/seed-1", paths[1], revision="v1")
+    assert main(["fuse", "alice/seed-0", "alice/seed-1", "--revision", "main", "v1", "--push-to-hub",
+                 "alice/wide", "--private", "--token", TOKEN, "--commit-message", "two seeds", "--plan"]) == 0
+    out = capsys.readouterr().out
+    assert "WideLinear" in out  # --plan: every module
+    repo = hub.repos["alice/wide"]
+    assert repo.private and f"/alice/wide/commit/{repo.branches['main']}" in out
+    assert repo.commits[repo.branches["main"]].title == "two seeds"
+    back = WideModel.from_pretrained("alice/wide", token=TOKEN, cache_dir=tmp_path / "fresh")
+    assert back.member_ids == ["alice/seed-0", "alice/seed-1"] and back.member_revisions[1] == sha
+    assert max_member_error(back, members, CASE.inputs(3, padded=True)) <= TOLERANCE
+
+
+def test_adapters_of_a_base_on_the_hub(hub, tmp_path, capsys):
+    LLAMA.build(0).save_pretrained(tmp_path / "base")
+    base_sha = hub.publish("alice/base", tmp_path / "base")
+    adapters = [save_adapter(LLAMA, tmp_path / "base", tmp_path / f"lora-{seed}", seed, base_name="alice/base", r=4,
+                             target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM") for seed in range(2)]
+    for seed, adapter in enumerate(adapters):
+        hub.publish(f"alice/lora-{seed}", adapter)
+    assert main(["fuse", "alice/lora-0", "alice/lora-1", "--base-revision", base_sha, "--output",
+                 str(tmp_path / "wide")]) == 0
+    back = WideModel.from_pretrained(str(tmp_path / "wide"))
+    references = [alone(LLAMA, tmp_path / "base", adapter) for adapter in adapters]
+    inputs = LLAMA.inputs(2, padded=True)
+    assert max_member_error(back, references, inputs) <= TOLERANCE
+    config = json.loads((tmp_path / "wide" / "config.json").read_text())["hf_wide"]["adapters"]
+    assert config["base_model"] == "alice/base" and config["base_revision"] == base_sha
+    assert not list((tmp_path / "wide").glob("*.safetensors"))  # the base referenced, not copied
+
+
+@pytest.mark.parametrize("argv, said", [
+    ([], "--output DIR, --push-to-hub REPO_ID, or both"),
+    (["--output", "{tmp}/w", "--revision", "a", "b", "c"], "Got 3 revisions for 2 members"),
+    (["--output", "{tmp}/w", "--dtype", "int8"], "invalid choice"),
+])
+def test_what_it_refuses_is_one_line(saved, tmp_path, capsys, argv, said):
+    _, paths = saved
+    argv = [a.replace("{tmp}", str(tmp_path)) for a in argv]
+    if "int8" in argv:  # argparse's own refusal
+        with pytest.raises(SystemExit):
+            main(["fuse", *paths, *argv])
+    else:
+        assert main(["fuse", *paths, *argv]) == 2
+    err = capsys.readouterr().err
+    assert said in err and "Traceback" not in err
+    assert not (tmp_path / "w").exists()
+
+
+def test_a_missing_member_is_named(saved, tmp_path, capsys):
+    _, paths = saved
+    missing = str(tmp_path / "nope")
+    assert main(["fuse", paths[0], missing, "--output", str(tmp_path / "w")]) == 2
+    err = capsys.readouterr().err.splitlines()[-1]  # (after the progress bar)
+    assert err.startswith("hf-wide fuse: error: member 1 (") and "there is no folder" in err
