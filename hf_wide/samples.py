@@ -81,7 +81,10 @@ def _token_ids(model: nn.Module, config, batch: int, seq_len: int, device) -> di
     vocab = _vocab_size(config)
     ids = torch.randint(0, vocab, (batch, seq_len), device=device)
     text = config.get_text_config()
-    specials = {getattr(text, f"{name}_token_id", None) for name in ("pad", "bos", "eos", "decoder_start")}
+    specials = set()
+    for name in ("pad", "bos", "eos", "decoder_start"):  # an int, None, or a list (Llama 3 Instruct's eos ids)
+        value = getattr(text, f"{name}_token_id", None)
+        specials.update(value if isinstance(value, (list, tuple)) else [value])
     specials = sorted(i for i in specials if isinstance(i, int) and 0 <= i < vocab)
     plain = next((i for i in range(vocab) if i not in specials), None)
     if specials and plain is not None:
