@@ -101,3 +101,10 @@ def device_lost(exc: BaseException) -> bool:
     device is gone and every later call on it fails too, so it is raised as it is, never taken for a strategy that
     disagrees and tried another way."""
     return isinstance(exc, getattr(torch, "AcceleratorError", ()))
+
+
+def first_line(exc: BaseException, limit: int = 160) -> str:
+    """``exc``'s type and the first line of its message, for a note in the plan: ``AssertionError`` alone for a bare
+    ``assert`` (FSMT's attention checks its shapes so), whose message is empty."""
+    lines = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {lines[0][:limit]}" if lines else type(exc).__name__

@@ -8,6 +8,7 @@ import warnings
 import torch
 from torch import nn
 
+from .compare import first_line
 from .path_reads import probe_reads, with_reads
 from .samples import sample_kwargs
 from .tracer import Trace, module_flops, trace
@@ -25,7 +26,7 @@ def trace_members(template: nn.Module, args: tuple = (), kwargs: dict | None = N
     except Exception as exc:
         if _runs(template, args, kwargs):  # torch's counter failed, not the model (2.11's on GQA flash attention)
             warnings.warn(f"FLOPs not counted: torch's FLOP counter failed on {type(template).__name__} "
-                          f"({type(exc).__name__}: {str(exc).splitlines()[0][:160]})", stacklevel=3)
+                          f"({first_line(exc)})", stacklevel=3)
             return _traced(template, args, kwargs), {}, ", ".join(shapes)
         if not built:
             raise

@@ -29,7 +29,7 @@ import torch
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
-from .compare import device_lost
+from .compare import device_lost, first_line
 from .primitives import roles as input_roles
 from .samples import sample_kwargs
 
@@ -220,7 +220,7 @@ def trace(model: nn.Module, args: tuple = (), kwargs: dict | None = None) -> Tra
         except Exception as exc:  # export raises many types; we report and try the next way
             if device_lost(exc):
                 raise
-            notes.append(f"{method} failed: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}")
+            notes.append(f"{method} failed: {first_line(exc, 200)}")
         finally:
             _release_export_graph()
     if program is None:

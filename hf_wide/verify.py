@@ -31,7 +31,7 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from .compare import UNCHECKED, compare_outputs, device_lost, equal, tf32_possible
+from .compare import UNCHECKED, compare_outputs, device_lost, equal, first_line, tf32_possible
 from .cpu import release_freed_memory
 from .fold import Fold
 from .plan import STACKED_LOOP, Kind, WidePlan
@@ -146,7 +146,7 @@ def check_module(module: nn.Module, fold: Fold, wide_call: tuple, member_calls: 
     except Exception as exc:  # a module that cannot run its members' inputs disagrees with them
         if device_lost(exc):
             raise
-        return f"raised {type(exc).__name__} on its members' inputs: {str(exc).splitlines()[0][:160]}"
+        return f"raised on its members' inputs: {first_line(exc)}"
     finally:
         fold.reset()
     refused = module.__dict__.pop("vmap_refused", None)  # a vectorised module that had to loop on the sample
@@ -219,7 +219,7 @@ def verify_modules(wide, paths: Sequence[str], references: Sequence[nn.Module], 
             except Exception as exc:  # the innermost checked module it was raised in disagrees with its members
                 if not recorder.running or device_lost(exc):
                     raise
-                failure = {recorder.running[-1]: f"raised {type(exc).__name__}: {str(exc).splitlines()[0][:160]}"}
+                failure = {recorder.running[-1]: f"raised {first_line(exc)}"}
                 return failure, recorded, None
         for path, call in recorder.calls.items():
             if call is not _AGREED and path in checked:

@@ -114,6 +114,12 @@ SEQ2SEQ = {
         vocab_size=V, d_model=32, encoder_layers=1, decoder_layers=1, encoder_attention_heads=4,
         decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=64, pad_token_id=0,
         decoder_start_token_id=0)),
+    # its attention checks its shapes with a bare assert: a message-less error, which verification once failed to
+    # report (IndexError) instead of running that attention as each member's own code
+    "fsmt": lambda: tf.FSMTForConditionalGeneration(tf.FSMTConfig(
+        langs=["en", "de"], src_vocab_size=V, tgt_vocab_size=V, d_model=32, encoder_layers=1, decoder_layers=1,
+        encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64,
+        max_position_embeddings=64, pad_token_id=1, decoder_start_token_id=2)),
 }
 
 # Other inputs than text or images alone: (factory, inputs, output to compare).
