@@ -55,6 +55,9 @@ class Fold:
 
     num_members: int
     _calls: _Calls = dataclasses.field(default_factory=_Calls, init=False, repr=False, compare=False)
+    # Set by ``WideModel.compile(dynamic=False)``: compiled graphs have fixed shapes, so vectorised modules keep vmap
+    # (hf_wide.primitives.vectorised); not copied, as a copy of a compiled model is not compiled
+    compiled_static: bool = dataclasses.field(default=False, init=False, repr=False, compare=False)
 
     @property
     def anchor(self) -> torch.Tensor | None:

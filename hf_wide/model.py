@@ -327,10 +327,13 @@ class WideModel(nn.Module):
 
         Batch and sequence lengths vary from call to call, so shapes are dynamic by default
         (``dynamic=True``): one graph serves every batch size above 1 and every sequence length, with no
-        padding to buckets (batch size 1 gets a graph of its own, as torch specialises size-1 dims).
+        padding to buckets (batch size 1 gets a graph of its own, as torch specialises size-1 dims). Vectorised
+        modules then run their members one after another in the graph (vmap would fix their shapes); with
+        ``dynamic=False``, under vmap.
         Other ``torch.compile`` arguments (``mode=``, ``backend=``, ``fullgraph=``) pass through.
         """
         compile_kwargs.setdefault("dynamic", True)
+        self.fold.compiled_static = compile_kwargs["dynamic"] is False
         super().compile(**compile_kwargs)
         return self
 

@@ -30,7 +30,9 @@ def test_no_graph_breaks(fused, case_id):
     assert explanation.graph_count == 1
 
 
-@pytest.mark.parametrize("case_id", ["bert-seqcls", "llama-causallm"])
+# T5's first attention is vectorised: under vmap its relative-position embedding and attention fixed the length and
+# the batch in the graph (a graph per shape); compiled, a vectorised module runs its members in a loop
+@pytest.mark.parametrize("case_id", ["bert-seqcls", "llama-causallm", "t5-encoder"])
 def test_lengths_and_batch_sizes_share_one_graph(case_id):
     case = CASES[case_id]
     members = [case.build(seed) for seed in range(2)]
@@ -56,11 +58,13 @@ def test_inductor_output_equals_eager():
     assert (compiled - eager).abs().max() <= TOLERANCE
 
 
-def test_a_compiled_vectorised_module_gives_each_member_its_own_output():
-    # T5's first attention runs under vmap; compiled, its mask (the same for every member) goes in batched
+@pytest.mark.parametrize("dynamic", [True, False])
+def test_a_compiled_vectorised_module_gives_each_member_its_own_output(dynamic):
+    # T5's first attention is vectorised: compiled with dynamic shapes, it runs member by member; with fixed shapes,
+    # under vmap, where its mask (the same for every member) goes in batched
     case = CASES["t5-encoder"]
     members = [case.build(seed) for seed in range(2)]
-    wide = WideModel.from_models(members).compile(backend="aot_eager")
+    wide = WideModel.from_models(members).compile(backend="aot_eager", dynamic=dynamic)
     with torch.no_grad():
         for batch in (2, 3):
             inputs = case.inputs(batch, padded=True)

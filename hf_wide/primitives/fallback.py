@@ -189,7 +189,8 @@ def run_per_member(fold: Fold, members: Sequence, token_rows: bool, args: tuple,
     outer = enter_member_code()  # a loss a member computes in it is its own (hf_wide.losses)
     try:
         for m, module in enumerate(members):
-            member_leaves = [views[id(t)][m] if id(t) in views else member_slice(t, m, carries)
+            # (ids read only where there are caches: compiled, an input's id() is a guard that its next call fails)
+            member_leaves = [views[id(t)][m] if views and id(t) in views else member_slice(t, m, carries)
                              for t, carries in zip(leaves, batched)]
             m_args, m_kwargs = pytree.tree_unflatten(member_leaves, spec)
             outputs.append(module(*m_args, **m_kwargs))

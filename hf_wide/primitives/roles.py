@@ -107,10 +107,11 @@ def rows_and_batched(known: dict[str, Roles], rows: int | None, num_members: int
     key = call_key(spec)
     seen = known.get(key)
     if seen is not None:
-        lengths = {t.shape[0] for t, role in zip(leaves, seen) if role and isinstance(t, torch.Tensor) and
-                   t.dim() > 0 and t.shape[0] > 1}
-        if len(lengths) == 1 and next(iter(lengths)) % rows == 0:
-            rows = lengths.pop()
+        # (compared, not hashed in a set: hashing a compiled graph's symbolic size fixes it to its value)
+        lengths = [t.shape[0] for t, role in zip(leaves, seen) if role and isinstance(t, torch.Tensor) and
+                   t.dim() > 0 and t.shape[0] > 1]
+        if lengths and all(length == lengths[0] for length in lengths) and lengths[0] % rows == 0:
+            rows = lengths[0]
     batched = [isinstance(t, torch.Tensor) and t.dim() > 0 and t.shape[0] == rows and
                (seen is None or seen[i] is not False) or is_rows_size(t, seen and seen[i], num_members)
                for i, t in enumerate(leaves)]

@@ -75,7 +75,13 @@ def refused_by_vmap(exc: RuntimeError) -> bool:
     return "vmap" in str(exc) or "doesn't have storage" in str(exc)
 
 class VectorisedFallback(nn.Module):
-    """N members of one module, run as one ``vmap`` of its own forward over their stacked tensors."""
+    """N members of one module, run as one ``vmap`` of its own forward over their stacked tensors.
+
+    Compiled (``torch.compile``), it runs its members one after another instead, each on its own rows and slice of the
+    stacked tensors: vmap's batching rules fix sizes in the graph (T5's relative-position embedding the length, scaled
+    dot-product attention the batch; Swin's window counts failed), so a graph was compiled for every batch size and
+    length, and past dynamo's recompile limit the model ran eagerly. Member by member, the sizes stay symbolic. (A
+    graph of fixed shapes, ``WideModel.compile(dynamic=False)``, keeps vmap: its graph is smaller and faster.)"""
 
     expands_broadcasts = True  # False where it is the whole model: its outputs go to the caller as they are
 
@@ -180,7 +186,8 @@ class VectorisedFallback(nn.Module):
         leaves, spec = pytree.tree_flatten((args, kwargs))
         grad = torch.is_grad_enabled()
         if (self.loop or (grad and self.__dict__.get("loop_under_autograd"))
-                or any(isinstance(t, Cache) for t in leaves)):  # a cache: each member appends to its rows
+                or any(isinstance(t, Cache) for t in leaves)  # a cache: each member appends to its rows
+                or (torch.compiler.is_compiling() and not self.fold.compiled_static)):  # see the class's docstring
             return self._loop(args, kwargs)
         if grad and "loop_under_autograd" not in self.__dict__:
             self.__dict__["loop_under_autograd"] = self._no_autograd_through_vmap(leaves, spec)
@@ -194,7 +201,7 @@ class VectorisedFallback(nn.Module):
             # vmap refuses these inputs (data-dependent control flow on values that differ between members):
             # the same stacked tensors, member by member. Verification reads the note: on the sample, a refusal
             # puts the module in a loop, so that the plan says so.
-            self.__dict__["vmap_refused"] = f"vmap refused: {str(exc).splitlines()[0][:160]}"
+            self.__dict__["vmap_refused"] = f"vmap refused: {str(exc).strip().splitlines()[0][:160]}"
             return self._loop(args, kwargs)
 
     def _no_autograd_through_vmap(self, leaves: list, spec) -> bool:
@@ -295,3 +302,4 @@ class VectorisedFallback(nn.Module):
     def extra_repr(self) -> str:
         loop = ", loop=True" if self.loop else ""
         return f"num_members={self.num_members}, source={type(self.proto).__name__}{loop}"
+
