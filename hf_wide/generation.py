@@ -17,8 +17,9 @@ import torch
 from torch import nn
 
 from .capture import asks_for_capture, require_recorded
-from .fold import fold_inputs, unfold_generated
+from .fold import fold_inputs
 from .parallel import gather_members, local_inputs
+from .unfold import unfold_generated
 
 
 def generate_wide(wide, args: tuple, kwargs: dict):

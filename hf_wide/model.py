@@ -22,7 +22,7 @@ from .adapters import PEFT_FORWARD_ARGS, runs_inner_model, without_peft_args
 from .capture import asks_for_capture, install_capture_hooks, require_recorded, reset_capture_hooks
 from .choices import install_choice_rows
 from .compat import member_names
-from .fold import Fold, fold_inputs, other_batches, unfold_outputs
+from .fold import Fold, fold_inputs, other_batches
 from .generation import generate_wide
 from .losses import LABEL_ARGUMENTS, install_member_losses, member_loss_outputs, member_losses, replace_loss
 from .parallel import gather_members, gather_outputs, local_inputs
@@ -31,6 +31,7 @@ from .primitives import PerMemberFallback, VectorisedFallback
 from .primitives.member_cache import contiguous_keys
 from .routers import asks_for_router_logits, member_router_logits, replace_router_logits
 from .swap import member_model
+from .unfold import unfold_outputs
 
 
 # Methods of the members' class that compute each row's features outside their forward, from the modules it runs

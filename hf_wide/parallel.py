@@ -234,7 +234,7 @@ def _per_member(value: Any, n_local: int, batch: int) -> bool:
 
 def _walk(value: Any, visit: Callable, rebuild: bool = False) -> Any:
     """Visit the tensors of outputs (tuples, lists, dicts, ``ModelOutput``s) in a fixed order; with ``rebuild``,
-    put back what ``visit`` returns (``ModelOutput``s updated in place, as :func:`hf_wide.fold.unfold_outputs`)."""
+    put back what ``visit`` returns (``ModelOutput``s updated in place, as :func:`hf_wide.unfold.unfold_outputs`)."""
     if isinstance(value, torch.Tensor):
         result = visit(value)
         return result if rebuild else value
