@@ -302,4 +302,3 @@ class VectorisedFallback(nn.Module):
     def extra_repr(self) -> str:
         loop = ", loop=True" if self.loop else ""
         return f"num_members={self.num_members}, source={type(self.proto).__name__}{loop}"
-
