@@ -228,11 +228,11 @@ def test_no_graph_of_the_trace_outlives_it():
 
 def test_modules_reached_through_a_sliced_module_list_keep_their_own_paths():
     """Export may name a layer called as ``self.layers[:n][i]`` by the slice; the plan needs the layer's path."""
-    from hf_wide.tracer import _unslice
+    from hf_wide.tracer_graph import unslice
 
-    assert _unslice("base.layers.slice(None, 2, None).1.attn") == "base.layers.1.attn"
-    assert _unslice("layers.slice(2, None, 3).1") == "layers.5"
-    assert _unslice("layers.slice(-2, None, None).0") == "layers.slice(-2, None, None).0"  # unknown length: as is
+    assert unslice("base.layers.slice(None, 2, None).1.attn") == "base.layers.1.attn"
+    assert unslice("layers.slice(2, None, 3).1") == "layers.5"
+    assert unslice("layers.slice(-2, None, None).0") == "layers.slice(-2, None, None).0"  # unknown length: as is
 
 
 def test_export_failure_plans_from_the_module_tree_loudly():
