@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .hub import DTYPES
+from .loading import DTYPES
 
 
 def register_cli(sub) -> None:

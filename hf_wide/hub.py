@@ -25,7 +25,7 @@ from huggingface_hub.utils import tqdm as hf_tqdm
 from .adapter_repos import adapter_folders
 from .adapters import adapter_config, load_adapter_members
 from .fuse import needs_verifying
-from .loading import load_models, load_streaming, verified, weights_format
+from .loading import load_models, load_streaming, resolve_device, resolve_dtype, verified, weights_format
 from .saving import load_fused, read_section
 from .samples import sample_inputs
 
@@ -39,47 +39,6 @@ SAFETENSORS_PATTERNS = ["*.safetensors", "*.safetensors.index.json"]
 PICKLE_PATTERNS = ["*.bin", "*.bin.index.json"]
 # Config, tokenizer, processor and chat-template files: small, and what a pipeline needs besides the weights.
 META_PATTERNS = ["*.json", "*.txt", "*.model", "*.tiktoken", "*.jinja", "*.py"]
-
-DTYPES = {
-    "float32": torch.float32,
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "float64": torch.float64,
-}
-
-
-def resolve_dtype(dtype: str | torch.dtype | None) -> torch.dtype | str | None:
-    """``None`` or "auto" (as saved), or one of :data:`DTYPES` given as a name or a ``torch.dtype``."""
-    if dtype is None or dtype == "auto":
-        return dtype
-    if isinstance(dtype, str):
-        name = dtype.removeprefix("torch.")
-        if name in DTYPES:
-            return DTYPES[name]
-    elif dtype in DTYPES.values():
-        return dtype
-    raise ValueError(f"Unsupported dtype {dtype!r}: use one of {', '.join(DTYPES)}, 'auto' or None.")
-
-
-def resolve_device(device=None, device_map=None) -> torch.device | None:
-    """The one device the wide model goes to. The members are folded into each layer, so a layer cannot be split
-    across devices: ``device_map`` is "auto" (the first accelerator, else the CPU), a device, or ``{"": device}``."""
-    if device_map is None:
-        return None if device is None else torch.device(device)
-    if device is not None:
-        raise ValueError("Pass device= or device_map=, not both.")
-    if device_map == "auto":
-        accelerator = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
-        return torch.device(accelerator.type, 0) if accelerator is not None else torch.device("cpu")
-    if isinstance(device_map, dict):
-        if set(device_map) != {""}:
-            raise NotImplementedError(
-                f"device_map {device_map!r} splits the model across devices; hf-wide keeps the wide model on one "
-                "device (every layer holds all members). Use device_map='auto' or {'': device}."
-            )
-        device_map = device_map[""]
-    return torch.device(device_map)
-
 
 class _QuietTqdm(hf_tqdm):
     """snapshot_download's own bars (files, bytes), switched off: all members share one bar."""
@@ -237,55 +196,72 @@ def load_wide(
     fused = [name for name, folder in zip(names, folders) if read_section(folder) is not None]
     adapters = [adapter_config(folder) for folder in folders]
     saved = read_section(folders[0]) if len(ids) == 1 and fused else None
+    fuse = dict(validate=validate, allow_label_mismatch=allow_label_mismatch, share_identical=share_identical,
+                verify=verify)
+    load = dict(base_model=base_model, base_revision=base_revision, merge=merge, allow_pickle=allow_pickle,
+                dtype=torch_dtype, device=device, trust_remote_code=trust_remote_code, hub_kwargs=hub_kwargs,
+                model_kwargs=model_kwargs)
+    validated = False  # against the models themselves, where they were loaded as models
     if saved is not None and "adapters" in saved:  # a saved ensemble of adapters: its base, then its adapters
-        member_folders, adapters = adapter_folders(folders[0], saved)
-        sources = saved["adapters"]
-        fused, ids, revisions = [], saved["member_ids"], saved["member_revisions"]
-        base_model, base_revision = base_model or sources["base_model"], base_revision or sources["base_revision"]
-        source_dirs = [folders[0]]
-    else:
-        member_folders, revisions, source_dirs = folders, [commit_sha(folder) for folder in folders], folders
-    if fused:
+        wide, validated = _fuse_adapter_list(cls, ids, folders, adapters, saved, load, fuse), True
+    elif fused:
         if len(ids) > 1:
             raise ValueError(f"{fused[0]} is a fused hf-wide repo: load it on its own, not as a member.")
         wide = load_fused(cls, folders[0], name=ids[0], dtype=torch_dtype, device=device, **model_kwargs)
     elif any(adapters):
-        from .adapter_groups import fuse_adapters
-
-        # (fused with copy_shared=False: our own members, whose base's tensors become the wide model's)
-        wide, sources, padded = fuse_adapters(
-            cls, ids, member_folders, adapters,
-            load=dict(base_model=base_model, base_revision=base_revision, merge=merge, allow_pickle=allow_pickle,
-                      dtype=torch_dtype, device=device, trust_remote_code=trust_remote_code, hub_kwargs=hub_kwargs,
-                      model_kwargs=model_kwargs),
-            fuse=dict(validate=validate, allow_label_mismatch=allow_label_mismatch, share_identical=share_identical,
-                      verify=verify))
-        wide.adapter_sources, wide._source_dirs = sources, source_dirs
-        if not merge:  # (merged, every member is a plain model already)
-            wide.full_members = frozenset(i for i, config in enumerate(adapters) if config is None)
-            wide.padded_targets = padded
-        wide.member_revisions = list(revisions)
-        validate = False  # done against the models themselves
+        wide, validated = _fuse_adapter_list(cls, ids, folders, adapters, None, load, fuse), True
     else:
         if base_model is not None or base_revision is not None or merge:
             raise ValueError("base_model=, base_revision= and merge= apply to PEFT adapters; none of the members is one.")
-        wide = None
-        if all(weights_format(folder, name, allow_pickle) for folder, name in zip(folders, names)):
-            wide = load_streaming(cls, ids, folders, names, torch_dtype, device, trust_remote_code,
-                                   allow_label_mismatch, share_identical, model_kwargs)
-            if wide is not None and (verify or needs_verifying(wide.plan.trace_method, wide.plan.model_class)):
-                wide = verified(wide, share_identical)
-        if wide is None:  # pickle weights, or tensor names that transformers converts on load
-            models = load_models(ids, folders, torch_dtype, device, allow_pickle, trust_remote_code, **model_kwargs)
-            wide = cls.from_models(models, validate=validate, allow_label_mismatch=allow_label_mismatch,
-                                   member_ids=ids, share_identical=share_identical, verify=verify)
-            wide._source_dirs = folders
-            validate = False  # done against the models themselves
-        wide.member_revisions = [commit_sha(folder) for folder in folders]
-    if validate:
+        wide, validated = _fuse_checkpoints(cls, ids, folders, names, load, fuse)
+    if validate and not validated:
         members = [wide.member(i) for i in range(wide.num_members)]
         wide.validate(members, (), sample_inputs(members[0]))
     return wide
+
+
+def _fuse_adapter_list(cls, ids, folders, adapters, saved: dict | None, load: dict, fuse: dict):
+    """The wide model of a list that holds PEFT adapters (:mod:`hf_wide.adapter_groups`; ``load`` and ``fuse``: its
+    options), or of the saved ensemble of adapters in ``folders[0]``, whose config section is ``saved``: the base it
+    names (unless ``load`` names another), then its adapters."""
+    from .adapter_groups import fuse_adapters
+
+    if saved is not None:
+        member_folders, adapters = adapter_folders(folders[0], saved)
+        sources = saved["adapters"]
+        ids, revisions, source_dirs = saved["member_ids"], saved["member_revisions"], [folders[0]]
+        load = {**load, "base_model": load["base_model"] or sources["base_model"],
+                "base_revision": load["base_revision"] or sources["base_revision"]}
+    else:
+        member_folders, revisions, source_dirs = folders, [commit_sha(folder) for folder in folders], folders
+    # (fused with copy_shared=False: our own members, whose base's tensors become the wide model's)
+    wide, sources, padded = fuse_adapters(cls, ids, member_folders, adapters, load=load, fuse=fuse)
+    wide.adapter_sources, wide._source_dirs = sources, source_dirs
+    if not load["merge"]:  # (merged, every member is a plain model already)
+        wide.full_members = frozenset(i for i, config in enumerate(adapters) if config is None)
+        wide.padded_targets = padded
+    wide.member_revisions = list(revisions)
+    return wide
+
+
+def _fuse_checkpoints(cls, ids, folders, names, load: dict, fuse: dict):
+    """The wide model of N full checkpoints, and whether it was validated against the members: streamed from their
+    safetensors files where it can be (:func:`~hf_wide.loading.load_streaming`, then verified), else the members
+    loaded as models and fused (pickle weights, or tensor names that transformers converts on load)."""
+    wide = None
+    if all(weights_format(folder, name, load["allow_pickle"]) for folder, name in zip(folders, names)):
+        wide = load_streaming(cls, ids, folders, names, load["dtype"], load["device"], load["trust_remote_code"],
+                              fuse["allow_label_mismatch"], fuse["share_identical"], load["model_kwargs"])
+        if wide is not None and (fuse["verify"] or needs_verifying(wide.plan.trace_method, wide.plan.model_class)):
+            wide = verified(wide, fuse["share_identical"])
+    validated = wide is None
+    if wide is None:
+        models = load_models(ids, folders, load["dtype"], load["device"], load["allow_pickle"],
+                             load["trust_remote_code"], **load["model_kwargs"])
+        wide = cls.from_models(models, member_ids=ids, **fuse)
+        wide._source_dirs = folders
+    wide.member_revisions = [commit_sha(folder) for folder in folders]
+    return wide, validated
 
 
 def as_ids(model_ids) -> list[str]:

@@ -4,7 +4,8 @@ The low-memory path (:func:`load_streaming`, DESIGN.md "The Hub"): member 0 is l
 dropped; the wide model is then built from meta-device skeletons and filled member by member from the safetensors
 files (:mod:`hf_wide.checkpoints`), so the peak stays near the fused model's own size, and :func:`verified` checks
 every fused module against the members as transformers runs them. Pickle checkpoints, and checkpoints whose tensor
-names transformers must convert, are loaded as whole models instead (:func:`load_models`).
+names transformers must convert, are loaded as whole models instead (:func:`load_models`). The dtype and the one
+device a load asks for are read here too (:func:`resolve_dtype`, :func:`resolve_device`).
 """
 
 from __future__ import annotations
@@ -32,6 +33,47 @@ from .verify import diagnose
 from .verify_cache import require_cache_agrees
 
 logger = logging.getLogger(__name__)
+
+
+DTYPES = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float64": torch.float64,
+}
+
+
+def resolve_dtype(dtype: str | torch.dtype | None) -> torch.dtype | str | None:
+    """``None`` or "auto" (as saved), or one of :data:`DTYPES` given as a name or a ``torch.dtype``."""
+    if dtype is None or dtype == "auto":
+        return dtype
+    if isinstance(dtype, str):
+        name = dtype.removeprefix("torch.")
+        if name in DTYPES:
+            return DTYPES[name]
+    elif dtype in DTYPES.values():
+        return dtype
+    raise ValueError(f"Unsupported dtype {dtype!r}: use one of {', '.join(DTYPES)}, 'auto' or None.")
+
+
+def resolve_device(device=None, device_map=None) -> torch.device | None:
+    """The one device the wide model goes to. The members are folded into each layer, so a layer cannot be split
+    across devices: ``device_map`` is "auto" (the first accelerator, else the CPU), a device, or ``{"": device}``."""
+    if device_map is None:
+        return None if device is None else torch.device(device)
+    if device is not None:
+        raise ValueError("Pass device= or device_map=, not both.")
+    if device_map == "auto":
+        accelerator = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
+        return torch.device(accelerator.type, 0) if accelerator is not None else torch.device("cpu")
+    if isinstance(device_map, dict):
+        if set(device_map) != {""}:
+            raise NotImplementedError(
+                f"device_map {device_map!r} splits the model across devices; hf-wide keeps the wide model on one "
+                "device (every layer holds all members). Use device_map='auto' or {'': device}."
+            )
+        device_map = device_map[""]
+    return torch.device(device_map)
 
 
 def weights_format(folder: Path, name: str, allow_pickle: bool) -> bool:

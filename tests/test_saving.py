@@ -11,7 +11,7 @@ from safetensors import safe_open
 
 from hf_wide import IncompatibleMembersError, Kind, WideModel
 from hf_wide.checkpoints import WEIGHTS_INDEX_NAME, Checkpoint
-from hf_wide.hub import resolve_device
+from hf_wide.loading import resolve_device
 from hf_wide.saving import CONFIG_KEY
 
 ROUND_TRIP_CASES = [
