@@ -9,7 +9,6 @@
 
 from __future__ import annotations
 
-import os
 import threading
 import warnings
 from collections.abc import Sequence
@@ -24,6 +23,7 @@ from .choices import install_choice_rows
 from .compat import member_names
 from .fold import Fold, fold_inputs, other_batches
 from .generation import generate_wide
+from .hub_mixin import WideHubMixin
 from .losses import LABEL_ARGUMENTS, install_member_losses, member_loss_outputs, member_losses, replace_loss
 from .parallel import gather_members, gather_outputs, local_inputs
 from .plan import Kind, WidePlan
@@ -43,13 +43,15 @@ class WideValidationError(RuntimeError):
     """The fused model's output for a member differs from that member run alone."""
 
 
-class WideModel(nn.Module):
+class WideModel(WideHubMixin, nn.Module):
     """N members folded into the batch of one model (see DESIGN.md, "Execution").
 
     Attributes: ``model`` (the folded template: the members' class with wide modules swapped in),
     ``plan`` (:class:`WidePlan`), ``num_members``, ``member_ids`` and ``member_configs``; ``adapter_sources``
     for members loaded as PEFT adapters (:mod:`hf_wide.adapter_repos`: their base and adapter configs), and
     ``full_members``: which of those members were full checkpoints (the base in the list, say), not adapters.
+    Loading, saving and uploading (``from_pretrained``, ``save_pretrained``, ``push_to_hub``, ...) come from
+    :class:`~hf_wide.hub_mixin.WideHubMixin`.
     """
 
     adapter_sources = None
@@ -130,49 +132,6 @@ class WideModel(nn.Module):
         return fuse_models(cls, models, sample_inputs, validate=validate, allow_label_mismatch=allow_label_mismatch,
                            member_ids=member_ids, share_identical=share_identical, verify=verify, atol=atol,
                            copy_shared=copy_shared)
-
-    @classmethod
-    def from_pretrained(cls, model_ids: Sequence[str | os.PathLike] | str | os.PathLike, **kwargs) -> "WideModel":
-        """Download (or read) N checkpoints and fuse them, or load one fused repo (a single id whose config.json
-        has an ``hf_wide`` section, as written by :meth:`save_pretrained`). Options (``revision``, ``dtype``,
-        ``device``, ``device_map``, ``token``, ``allow_pickle``, ...): see :func:`hf_wide.hub.load_wide`."""
-        from .hub import load_wide
-
-        return load_wide(cls, model_ids, **kwargs)
-
-    # ---------------------------------------------------------------- saving
-    def save_pretrained(self, save_directory, *, max_shard_size: int | str = "5GB", tokenizer=None, processor=None,
-                        overwrite_readme: bool = False):
-        """Write one fused repo (stacked weights, config with an ``hf_wide`` section, tokenizer files, model card)
-        that :meth:`from_pretrained` loads back. See :func:`hf_wide.saving.save_wide`."""
-        from .saving import save_wide
-
-        return save_wide(self, save_directory, max_shard_size=max_shard_size, tokenizer=tokenizer,
-                         processor=processor, overwrite_readme=overwrite_readme)
-
-    def push_to_hub(self, repo_id: str, *, private: bool | None = None, token: str | None = None,
-                    commit_message: str | None = None, create_pr: bool = False, overwrite_readme: bool = False,
-                    **save_kwargs):
-        """Upload the fused repo to ``repo_id`` in one commit; a README already there is kept unless
-        ``overwrite_readme``. See :func:`hf_wide.export.push_wide`."""
-        from .export import push_wide
-
-        return push_wide(self, repo_id, private=private, token=token, commit_message=commit_message,
-                         create_pr=create_pr, overwrite_readme=overwrite_readme, **save_kwargs)
-
-    def save_members(self, save_directory, names: Sequence[str] | None = None):
-        """Every member as an ordinary transformers repo in ``save_directory/member-{i}``: the inverse of fusion
-        (adapters as PEFT adapter folders, the base among them as its own repo)."""
-        from .export import save_members
-
-        return save_members(self, save_directory, names)
-
-    def push_members(self, repo_ids: Sequence[str], *, private: bool | None = None, token: str | None = None,
-                     commit_message: str | None = None):
-        """Upload member i as an ordinary transformers repo to ``repo_ids[i]``."""
-        from .export import push_members
-
-        return push_members(self, repo_ids, private=private, token=token, commit_message=commit_message)
 
     # ---------------------------------------------------------------- running
     @property
