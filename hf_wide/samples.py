@@ -17,6 +17,7 @@ from torch import nn
 
 SAMPLE_BATCH, SAMPLE_SEQ = 2, 8
 AUDIO_SAMPLES = 16_000  # a second of 16 kHz audio: wav2vec2's feature extractor needs a few hundred at least
+AUDIO_FRAMES = 49  # what a second of it becomes in wav2vec2's feature extractor (strides 5 x 2^6: 320 samples a frame)
 
 
 def sample_inputs(model: nn.Module, batch: int = SAMPLE_BATCH, seq_len: int = SAMPLE_SEQ) -> dict:
@@ -35,7 +36,7 @@ def sample_inputs(model: nn.Module, batch: int = SAMPLE_BATCH, seq_len: int = SA
     elif main == "input_ids":
         sample = _token_ids(model, config, batch, seq_len, device)
     elif main == "input_values":  # raw audio (wav2vec2, HuBERT, WavLM, ...): (B, samples)
-        sample = {"input_values": torch.randn(batch, AUDIO_SAMPLES, device=device, dtype=dtype)}
+        sample = {"input_values": torch.randn(batch, _audio_samples(config), device=device, dtype=dtype)}
     elif main == "input_features" and hasattr(config, "num_mel_bins") and hasattr(config, "max_source_positions"):
         # log-mel frames (Whisper): the encoder's two convs halve them to exactly its positions
         frames = 2 * config.max_source_positions
@@ -59,6 +60,20 @@ def sample_inputs(model: nn.Module, batch: int = SAMPLE_BATCH, seq_len: int = SA
         vocab = _vocab_size(config)
         sample["decoder_input_ids"] = torch.randint(0, vocab, (batch, max(2, seq_len // 2)), device=device)
     return sample
+
+
+def _audio_samples(config) -> int:
+    """Samples of raw audio that the config's convolutional feature extractor (``conv_kernel``, ``conv_stride``)
+    makes :data:`AUDIO_FRAMES` frames of: a second, for wav2vec2 and its kin as released; far less for a small
+    config that downsamples less (10x: 500 samples, where a second made 1,600 frames, which WavLM's and SEW-D's
+    relative attention took tens of seconds over). :data:`AUDIO_SAMPLES` without such a config."""
+    kernels, strides = getattr(config, "conv_kernel", None), getattr(config, "conv_stride", None)
+    if not kernels or not strides or len(kernels) != len(strides):
+        return AUDIO_SAMPLES
+    samples = AUDIO_FRAMES
+    for kernel, stride in zip(reversed(kernels), reversed(strides)):  # each conv: out = (in - kernel) // stride + 1
+        samples = (samples - 1) * stride + kernel
+    return samples
 
 
 def _inner(model: nn.Module) -> nn.Module:
