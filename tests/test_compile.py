@@ -1,6 +1,8 @@
 """torch.compile: no graph breaks for the BERT, DeBERTa, Llama and T5 families, outputs equal to eager, and one
 graph for every batch size > 1 and sequence length."""
 
+import warnings
+
 import pytest
 import torch
 from conftest import CASES
@@ -45,6 +47,18 @@ def test_lengths_and_batch_sizes_share_one_graph(case_id):
             alone = main_output(members[1](input_ids=ids, attention_mask=torch.ones_like(ids)))
             assert (out[1] - alone).abs().max() <= TOLERANCE
     assert counter.frame_count == 1
+
+
+def test_compiling_a_vectorised_module_warns_of_nothing_of_ours(monkeypatch):
+    # Each compile of a model with a vectorised module warned that dynamo traced through an lru_cache of hf-wide's
+    monkeypatch.setattr(torch._dynamo.utils, "warn_once_cache", set())  # (dynamo warns of each thing once a process)
+    case = CASES["t5-encoder"]
+    wide = WideModel.from_models([case.build(seed) for seed in range(2)]).compile(backend=CompileCounter())
+    with warnings.catch_warnings(record=True) as caught, torch.no_grad():
+        warnings.simplefilter("always")
+        wide(**case.inputs(2, padded=True))
+    ours = [str(w.message) for w in caught if "hf_wide" in str(w.message) or "hf_wide" in w.filename]
+    assert not ours
 
 
 def test_inductor_output_equals_eager():

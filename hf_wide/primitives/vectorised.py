@@ -91,6 +91,8 @@ class VectorisedFallback(nn.Module):
         self.stacked = stacked  # the source's structure, every tensor (N, ...)
         self.loop = loop  # member by member, never vmapped (the plan says why)
         object.__setattr__(self, "proto", proto)  # the source on the meta device: the forward's code; not a child
+        # Asked once, not in the forward: torch.compile warned of the lru_cache it would read there on every compile
+        self.token_rows = token_rows(proto)
 
     @classmethod
     def from_modules(cls, mods: Sequence[nn.Module], fold: Fold, loop: bool = False) -> "VectorisedFallback":
@@ -133,7 +135,7 @@ class VectorisedFallback(nn.Module):
             value = getattr(view, name)
             if is_own_method(value, view):  # a method of the source's class: every member's, on its rows
                 views = [view, *(self.to_module(i, share=True) for i in range(1, self.num_members))]
-                tokens = token_rows(self.proto)
+                tokens = self.token_rows
                 return per_member_method(self.fold, [getattr(v, name) for v in views], tokens)
             if not isinstance(value, nn.Module):
                 return value
@@ -241,7 +243,7 @@ class VectorisedFallback(nn.Module):
         state, code = self._state(), self._code()
         calls = [lambda *a, i=i, **k: functional_call(code, {n: t[i] for n, t in state.items()}, a, k)
                  for i in range(self.num_members)]
-        tokens = token_rows(self.proto)
+        tokens = self.token_rows
         return run_per_member(self.fold, calls, tokens, args, kwargs, self.expands_broadcasts, self.input_roles)
 
     def _vmap(self, leaves: list, spec):
