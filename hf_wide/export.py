@@ -11,9 +11,12 @@ import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
+import transformers
 from huggingface_hub import HfApi
+from huggingface_hub.utils import tqdm as hf_tqdm
 
 from .checkpoints import WEIGHTS_INDEX_NAME
+from .loading import quiet_transformers_bars
 from .saving import copy_tokenizer_files, refuse_peft_without_sources, save_wide
 
 
@@ -38,12 +41,17 @@ def save_members(wide, save_directory: str | Path, names: Sequence[str] | None =
     if len(names) != wide.num_members:
         raise ValueError(f"Got {len(names)} names for {wide.num_members} members.")
     refuse_peft_without_sources(wide)
-    if getattr(wide, "adapter_sources", None) is not None:  # PEFT adapter folders; the base member: its own repo
+    adapters = getattr(wide, "adapter_sources", None) is not None
+    if adapters:
         from .adapter_repos import save_adapter
-
-        return [save_adapter(wide, i, Path(save_directory) / name) or save_member(wide, i, Path(save_directory) / name)
-                for i, name in enumerate(names)]
-    return [save_member(wide, i, Path(save_directory) / name) for i, name in enumerate(names)]
+    show_bar = len(names) > 1 and transformers.utils.logging.is_progress_bar_enabled()
+    directories = []
+    for i, name in enumerate(hf_tqdm(names, desc="Saving members", unit="member", disable=not show_bar)):
+        directory = Path(save_directory) / name
+        with quiet_transformers_bars():  # the members share one bar, not transformers' own for each
+            # a PEFT adapter folder, where it was loaded as an adapter; else (the base among them too) its own repo
+            directories.append((adapters and save_adapter(wide, i, directory)) or save_member(wide, i, directory))
+    return directories
 
 
 # ---------------------------------------------------------------- to the Hub

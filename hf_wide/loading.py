@@ -220,8 +220,8 @@ def load_models(model_ids, folders, torch_dtype, device, allow_pickle, trust_rem
 
 
 @contextlib.contextmanager
-def _no_transformers_bars():
-    """transformers' bar per checkpoint, switched off: the members share one bar."""
+def quiet_transformers_bars():
+    """transformers' bar per checkpoint (loading, saving), switched off: the members share one bar."""
     were_on = transformers.utils.logging.is_progress_bar_enabled()
     transformers.utils.logging.disable_progress_bar()
     try:
@@ -241,7 +241,7 @@ def load_member(folder, name, torch_dtype, *, device, use_safetensors, trust_rem
         config = transformers.AutoConfig.from_pretrained(folder, trust_remote_code=trust_remote_code)
         klass = model_class_for(config, name)
     report = _HeldReport(str(folder)) if may_miss else contextlib.nullcontext()
-    with _no_transformers_bars(), report:
+    with quiet_transformers_bars(), report:
         try:
             model, info = klass.from_pretrained(str(folder), dtype=torch_dtype, use_safetensors=use_safetensors,
                                                 trust_remote_code=trust_remote_code, output_loading_info=True,

@@ -219,9 +219,13 @@ def test_labels_per_member_and_dtype(tmp_path):
     assert {p.dtype for p in half.parameters()} == {torch.bfloat16}
 
 
-def test_save_members_gives_ordinary_checkpoints(fused, tmp_path):
+def test_save_members_gives_ordinary_checkpoints(fused, tmp_path, capfd):
     members, wide = fused("bert-seqcls")
+    capfd.readouterr()
     folders = wide.save_members(tmp_path)
+    bars = capfd.readouterr().err.replace("\r", "\n")
+    # one bar for the members, not transformers' for each
+    assert "Saving members: 100%" in bars and "3/3" in bars and "Writing model shards" not in bars
     assert [f.name for f in folders] == ["member-0", "member-1", "member-2"]
     inputs = CASES["bert-seqcls"].inputs(2, padded=True)
     with torch.no_grad():

@@ -109,13 +109,10 @@ def make_demo_members(output: str | Path, num_members: int = 8, seed: int = 0, e
         optimizer.step()
         schedule.step()
     wide.eval()
-    paths = []
     processor = image_processor()
-    for m in range(num_members):
-        path = output / f"member-{m}"
-        wide.member(m).save_pretrained(path)
+    paths = wide.save_members(output)  # output/member-{m}
+    for path in paths:
         processor.save_pretrained(path)
-        paths.append(path)
     seconds = time.perf_counter() - start
     (output / "training.json").write_text(json.dumps(
         {"members": num_members, "epochs": epochs, "seconds": round(seconds, 1), "threads": torch.get_num_threads()}
