@@ -6,7 +6,7 @@ primitive) is checked there and then, on its own inputs: each member's module is
 them and must return what the wide module returned for those rows (:mod:`hf_wide.verify_here`). The others (the
 vectorised modules, loops over stacked tensors, and a block that takes a table per member) are checked against
 their members' outputs, recorded beforehand in a forward of each member on the sample with hooks that keep, for
-every such module, the first call's output; a wide module whose output in the wide forward holds every member's
+every such module, the first call's output (:mod:`hf_wide.verify_record`); a wide module whose output in the wide forward holds every member's
 output agrees with its members. The wide forward's inputs also show which of a module's arguments carry the
 folded rows: ``(N*B, ...)`` where the member's has ``(B, ...)``, ``(N, ...)`` where it has one tensor per member
 (DeBERTa's stacked table), or the member's very shape (a broadcast). Any module that did not agree is then called on
@@ -37,73 +37,9 @@ from .fold import Fold
 from .plan import STACKED_LOOP, Kind, WidePlan
 from .samples import sample_kwargs
 from .verify_here import agrees_here, checked_here
+from .verify_record import AGREED, NO_INPUTS, Recorder, record_members
 
 CHECKED = (Kind.BLOCK, Kind.PRIMITIVE, Kind.VECTORISED)  # and loops over stacked tensors: member 0's code
-
-
-_AGREED = object()  # a wide module's call that agreed with its members there and then: nothing kept
-_NO_INPUTS = object()  # a member's call recorded by its output alone
-
-
-class _Recorder:
-    """Forward hooks that keep the first call of each named module: ``calls[path] = (args, kwargs, output)``.
-    ``running`` holds the paths entered and not yet left: after an exception, where it was raised.
-    With ``inputs=False`` only outputs are kept (``_NO_INPUTS`` for the inputs); a call for which
-    ``agrees(path, args, kwargs, output)`` holds is kept as ``_AGREED`` alone. The sample's activations are not
-    small next to a model's weights, and only a module that disagrees needs its inputs."""
-
-    def __init__(self, model: nn.Module, paths: Sequence[str], inputs: bool = True, agrees=None):
-        self.calls: dict[str, tuple] = {}
-        self.running: list[str] = []
-        self.inputs, self.agrees = inputs, agrees
-        modules = dict(model.named_modules())
-        self.handles = []
-        for p in paths:
-            if p in modules:
-                self.handles.append(modules[p].register_forward_pre_hook(self._enter(p)))
-                self.handles.append(modules[p].register_forward_hook(self._hook(p), with_kwargs=True))
-
-    def _enter(self, path: str):
-        def hook(module, args):
-            self.running.append(path)
-        return hook
-
-    def _hook(self, path: str):
-        def hook(module, args, kwargs, output):
-            self.running.pop()
-            if path in self.calls:
-                return
-            if self.agrees is not None and self.agrees(path, args, kwargs, output):
-                self.calls[path] = _AGREED
-            elif self.inputs:  # copies: later code may write into these tensors in place
-                self.calls[path] = _copy((args, dict(kwargs), output))
-            else:
-                self.calls[path] = (_NO_INPUTS, _NO_INPUTS, _copy(output))
-        return hook
-
-    def __enter__(self) -> "_Recorder":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        for handle in self.handles:
-            handle.remove()
-
-
-def _copy(tree):
-    return pytree.tree_map(lambda t: t.detach().clone() if isinstance(t, torch.Tensor) else t, tree)
-
-
-def record_members(references: Sequence[nn.Module], paths: Sequence[str], args: tuple, kwargs: dict,
-                   inputs: bool = True) -> list[dict]:
-    """For each reference model, the first call (args, kwargs, output) of every module in ``paths`` (with
-    ``inputs=False``, its output alone); the model's own output under the key ``None``."""
-    recorded = []
-    for model in references:
-        with _Recorder(model, paths, inputs) as recorder, torch.no_grad():
-            output = model(*args, **sample_kwargs(model, kwargs))
-        recorder.calls[None] = ((), {}, _copy(output))
-        recorded.append(recorder.calls)
-    return recorded
 
 
 def _fold_leaf(wide, parts: list):
@@ -213,7 +149,7 @@ def verify_modules(wide, paths: Sequence[str], references: Sequence[nn.Module], 
             return modules[path].__dict__.get("vmap_refused") is None and compare_outputs(
                 output, references, rows, tf32) is None
 
-        with _Recorder(wide.model, paths, agrees=agrees) as recorder, torch.no_grad():
+        with Recorder(wide.model, paths, agrees=agrees) as recorder, torch.no_grad():
             try:
                 output = wide(*args, **sample_kwargs(wide.model, kwargs))
             except Exception as exc:  # the innermost checked module it was raised in disagrees with its members
@@ -222,12 +158,12 @@ def verify_modules(wide, paths: Sequence[str], references: Sequence[nn.Module], 
                 failure = {recorder.running[-1]: f"raised {first_line(exc)}"}
                 return failure, recorded, None
         for path, call in recorder.calls.items():
-            if call is not _AGREED and path in checked:
+            if call is not AGREED and path in checked:
                 suspects.setdefault(path, call)
         start += len(group)
         del group  # before the next group's are recorded
         release_freed_memory()  # its freed pages, which the next group's recordings, of other sizes, may not reuse
-    unrecorded = [p for p in suspects if recorded[0].get(p, (_NO_INPUTS,))[0] is _NO_INPUTS]
+    unrecorded = [p for p in suspects if recorded[0].get(p, (NO_INPUTS,))[0] is NO_INPUTS]
     if unrecorded:  # the members' inputs of the modules to check on them
         for calls, new in zip(recorded, record_members(references, unrecorded, args, kwargs)):
             calls.update({p: new[p] for p in unrecorded if p in new})
