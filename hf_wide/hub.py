@@ -201,15 +201,16 @@ def load_wide(
     load = dict(base_model=base_model, base_revision=base_revision, merge=merge, allow_pickle=allow_pickle,
                 dtype=torch_dtype, device=device, trust_remote_code=trust_remote_code, hub_kwargs=hub_kwargs,
                 model_kwargs=model_kwargs)
-    validated = False  # against the models themselves, where they were loaded as models
+    validated = True  # by the fusion (given validate=), against the members loaded as models
     if saved is not None and "adapters" in saved:  # a saved ensemble of adapters: its base, then its adapters
-        wide, validated = _fuse_adapter_list(cls, ids, folders, adapters, saved, load, fuse), True
+        wide = _fuse_adapter_list(cls, ids, folders, adapters, saved, load, fuse)
     elif fused:
         if len(ids) > 1:
             raise ValueError(f"{fused[0]} is a fused hf-wide repo: load it on its own, not as a member.")
         wide = load_fused(cls, folders[0], name=ids[0], dtype=torch_dtype, device=device, **model_kwargs)
+        validated = False
     elif any(adapters):
-        wide, validated = _fuse_adapter_list(cls, ids, folders, adapters, None, load, fuse), True
+        wide = _fuse_adapter_list(cls, ids, folders, adapters, None, load, fuse)
     else:
         if base_model is not None or base_revision is not None or merge:
             raise ValueError("base_model=, base_revision= and merge= apply to PEFT adapters; none of the members is one.")

@@ -242,6 +242,23 @@ def test_fused_repo_cannot_be_a_member(fused, tmp_path):
         WideModel.from_pretrained([str(tmp_path / "members" / "member-0"), str(tmp_path / "fused")])
 
 
+def test_validate_checks_every_member_once_however_it_was_loaded(sharing_members, tmp_path, monkeypatch):
+    members, paths = sharing_members
+    checked = []
+    check = WideModel.validate
+    monkeypatch.setattr(WideModel, "validate", lambda self, models, *a, **k: (checked.append(len(models)),
+                                                                              check(self, models, *a, **k)))
+    wide = WideModel.from_pretrained(paths, validate=True)  # from the files: against its members taken out
+    assert checked == [3]
+    wide.save_pretrained(tmp_path / "fused")
+    WideModel.from_pretrained(str(tmp_path / "fused"), validate=True)  # a fused repo: the same
+    assert checked == [3, 3]
+    folder = tmp_path / "pickled"  # loaded as models and fused: checked against them there, not again
+    members[0].save_pretrained(folder, safe_serialization=False)
+    WideModel.from_pretrained([str(folder), *paths[1:]], validate=True, allow_pickle=True)
+    assert checked == [3, 3, 3]
+
+
 def test_weights_of_the_wrong_shape_name_the_member(sharing_members, tmp_path):
     members, paths = sharing_members
     config = members[0].config
