@@ -115,5 +115,24 @@ class WidePlan:
             lines.append(f"FLOPs per member forward on {self.sample_shape}: {self.total_flops / 1e6:.3f} MFLOPs")
         for r in rows:
             lines.append("  ".join(c.ljust(w) for c, w in zip(r[:5], widths)) + ("  " + r[5] if r[5] else ""))
-        lines += [f"warning: {w}" for w in self.warnings]
+        lines += [f"warning: {w}" for w in grouped_notes(self.warnings)]
         return "\n".join(lines)
+
+
+def grouped_notes(notes: list[str]) -> list[str]:
+    """``notes`` with those that say the same of several modules ("{path}: {reason}") as one line, where the first
+    of them stood: a 32-layer model's reason for each layer's attention is one line, not 32."""
+    paths: dict[str, list[str]] = {}  # reason -> the modules it is given for, in order
+    for note in notes:
+        path, sep, reason = note.partition(": ")
+        if sep and path and " " not in path:
+            paths.setdefault(reason, []).append(path)
+    lines = []
+    for note in notes:
+        path, sep, reason = note.partition(": ")
+        named = paths.get(reason, []) if sep and path and " " not in path else []
+        if len(named) < 3:
+            lines.append(note)
+        elif path == named[0]:  # the group's line; the others' are in it
+            lines.append(f"{path} (and {len(named) - 1} more modules, the last {named[-1]}): {reason}")
+    return lines

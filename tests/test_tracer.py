@@ -1,5 +1,7 @@
 """The tracer and planner on plain torch modules: raw parameters, row mixing, export failures."""
 
+import copy
+
 import pytest
 import torch
 from torch import nn
@@ -292,6 +294,17 @@ def test_plan_prints_flops_and_every_module(fused):
     assert "WideLinear" in text and "WideEmbedding" in text and "WideLayerNorm" in text
     assert wide.plan.total_flops > 0
     assert wide.plan.entries["classifier"].flops > 0
+
+
+def test_a_reason_given_for_many_modules_is_printed_once(fused):
+    # A 32-layer model printed the same reason for each layer's attention: 32 lines
+    plan = copy.copy(fused("bert-seqcls")[1].plan)
+    plan.warnings = ["export (dynamic batch) failed: why", *(f"layers.{i}.attn: not a WideAttention block: r"
+                                                           for i in range(4)), "a.b: once", "c.d: once"]
+    assert str(plan).splitlines()[-4:] == [
+        "warning: export (dynamic batch) failed: why",
+        "warning: layers.0.attn (and 3 more modules, the last layers.3.attn): not a WideAttention block: r",
+        "warning: a.b: once", "warning: c.d: once"]  # (two alike stay apart)
 
 
 def test_a_text_model_without_a_vocabulary_asks_for_sample_inputs():
