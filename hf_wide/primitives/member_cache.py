@@ -215,8 +215,10 @@ def _rows_of(old, values: list, fresh: bool):
 
 
 def _is_view_of(value, old: torch.Tensor, member: int, num_members: int) -> bool:
-    """Whether ``value`` is still member ``member``'s view of ``old``'s rows (its writes are in ``old``)."""
-    if not isinstance(value, torch.Tensor) or value.shape[1:] != old.shape[1:]:
+    """Whether ``value`` is still member ``member``'s view of ``old``'s rows (its writes are in ``old``). Compiled,
+    never: dynamo cannot read a storage's address (a graph break per layer and step), and the members' tensors
+    concatenated hold the same rows, their writes included."""
+    if torch.compiler.is_compiling() or not isinstance(value, torch.Tensor) or value.shape[1:] != old.shape[1:]:
         return False
     batch = old.shape[0] // num_members
     return (value.shape[0] == batch and value.untyped_storage().data_ptr() == old.untyped_storage().data_ptr()
