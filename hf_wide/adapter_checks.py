@@ -24,9 +24,11 @@ def lora_refusal(config: dict) -> str | None:
         return (f"uses init_lora_weights={init!r}, which changes the base's weights as the adapter loads, where its "
                 "members share one base (PEFT can convert such an adapter into an ordinary LoRA one: "
                 "path_initial_model_for_weight_conversion in save_pretrained)")
-    for option in ("use_bdlora", "lora_bias"):  # fan_in_fan_out: GPT-2's Conv1D, taken (blocks/lora.py)
-        if config.get(option):
-            return f"uses {option}={config[option]!r}, which hf-wide does not fuse"
+    if config.get("use_bdlora"):  # (fan_in_fan_out, GPT-2's Conv1D: taken, blocks/lora.py)
+        return f"uses use_bdlora={config['use_bdlora']!r}, which hf-wide does not fuse"
+    if config.get("lora_bias"):  # merge=True, offered next, then fails on a layer without a bias: said beforehand
+        return ("uses lora_bias=True, which hf-wide does not fuse (merged, it needs every adapted layer of the base "
+                "to have a bias of its own: PEFT cannot merge it otherwise)")
     # (MiCA, init_lora_weights="mica", is LoRA's forward with B frozen: fused as LoRA)
     for option in ("alora_invocation_tokens", "arrow_config", "velora_config", "monteclora_config", "kasa_config"):
         if config.get(option) not in (None, False):

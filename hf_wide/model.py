@@ -26,11 +26,12 @@ from .generation import generate_wide
 from .hub_mixin import WideHubMixin
 from .losses import LABEL_ARGUMENTS, install_member_losses, member_loss_outputs, member_losses, replace_loss
 from .parallel import gather_members, gather_outputs, local_inputs
-from .plan import Kind, WidePlan
+from .plan import WidePlan
 from .primitives import PerMemberFallback, VectorisedFallback
 from .primitives.member_cache import contiguous_keys
 from .routers import asks_for_router_logits, member_router_logits, replace_router_logits
 from .swap import member_model
+from .training import check_training, needs_check, trained_shared
 from .unfold import unfold_outputs
 
 
@@ -193,6 +194,8 @@ class WideModel(WideHubMixin, nn.Module):
 
     def _run(self, method: str | None, args: tuple, kwargs: dict):
         """The members' ``forward`` (``method`` None) or their ``method``, every member on the folded rows."""
+        if needs_check(self):  # members that would not each train as alone: refused (hf_wide.training)
+            check_training(self)
         if (not self._capture_hooks or self._unrecorded) and asks_for_capture(kwargs, self.config):
             self._install_capture_hooks()
             require_recorded(self._unrecorded, kwargs, self.config)
@@ -266,20 +269,15 @@ class WideModel(WideHubMixin, nn.Module):
         return generate_wide(self, args, kwargs)
 
     def train(self, mode: bool = True) -> "WideModel":
-        shared = [e.name for e in self.plan.by_kind(Kind.SHARED) if e.params]
-        if mode and shared and not getattr(self, "_warned_shared", False):
+        """As ``nn.Module.train``; warns once of trainable modules the members share (:mod:`hf_wide.training`)."""
+        shared = trained_shared(self) if mode and not getattr(self, "_warned_shared", False) else []
+        if shared:
             warnings.warn(
-                f"Training a wide model whose modules {shared[:3]}... are shared by all members: they stay one "
-                "tensor. Fuse with share_identical=False to train every member's copy independently."
+                f"Training a wide model whose modules {shared[:3]}{'...' if len(shared) > 3 else ''} are shared by "
+                "all members, and trainable: each is one tensor, trained by every member's gradient at once. Fuse "
+                "with share_identical=False to train every member's copy independently."
             )
             self._warned_shared = True
-        if mode and self.differently_trained and not getattr(self, "_warned_trained", False):
-            warnings.warn(
-                f"Training a wide model whose members train different tensors: {list(self.differently_trained[:3])}"
-                "... are trained by some members and kept fixed by others. Each is one stacked tensor, trained (or "
-                "not) for every member as member 0 trains it."
-            )
-            self._warned_trained = True
         return super().train(mode)
 
     def compile(self, **compile_kwargs) -> "WideModel":

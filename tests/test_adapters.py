@@ -518,25 +518,6 @@ def test_adapters_over_a_bfloat16_base_compute_as_peft_does(llama_adapters):
         torch.float32)
 
 
-def test_training_members_that_train_different_tensors_is_warned_of():
-    """PEFT's ``bias="lora_only"`` trains the adapted layers' biases, ``bias="none"`` keeps them fixed: stacked, a
-    tensor is trained or not as member 0's is, which ``train()`` says rather than letting one member's training
-    differ from its PeftModel's unseen."""
-    from lora_members import adapted
-
-    base = BERT.build(0)
-    members = [adapted(base, seed, r=4, target_modules=["query"], bias=bias)
-               for seed, bias in enumerate(["none", "lora_only"])]
-    wide = WideModel.from_models(members, share_identical=False)
-    assert wide.differently_trained and all(name.endswith("query.base_layer.bias") for name in wide.differently_trained)
-    with pytest.warns(UserWarning, match=r"train different tensors.*query\.base_layer\.bias.*as member 0"):
-        wide.train()
-    same = WideModel.from_models([adapted(base, seed, r=4, target_modules=["query"]) for seed in range(2)],
-                                 share_identical=False)
-    assert same.differently_trained == ()
-
-
-
 def test_adapters_that_replicate_layers_fuse_only_when_they_all_replicate_them_alike(llama_adapters, tmp_path):
     # layer_replication builds a deeper model whose layers share the base's tensors in its pattern. Beside the base,
     # the base member was given the adapter's replicated layers (0.088 off, silently); two patterns fused right, but

@@ -1,0 +1,65 @@
+"""What training a wide model does exactly, and what it warns of or refuses.
+
+Each stacked tensor's slice i gets member i's gradient, so that training the wide model trains every member as it
+would train alone (:mod:`hf_wide.losses`: each member's loss), with these exceptions:
+
+- a module the members hold alike is kept once (``share_identical``): trainable, it gets every member's gradient at
+  once. ``train()`` warns, naming those modules (:func:`trained_shared`); ``share_identical=False`` keeps a copy per
+  member.
+- a stacked tensor is trained for every member or for none. Members that train different tensors (PEFT's
+  ``bias="lora_only"`` beside ``bias="none"``, or ``requires_grad`` set apart), and members given no-ops where the
+  others have adapters (zero LoRA updates for ``target_modules`` they lack, the base's module for ``modules_to_save``
+  they lack) that would train, cannot each train as alone: a forward that computes gradients in training mode is
+  refused (:func:`check_training`). One in training mode without gradients (dropout at inference) runs.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .plan import Kind
+
+
+def trained_shared(wide) -> list[str]:
+    """The modules the members share (held once) with parameters that training changes. A frozen one (an adapted
+    base's) stays as every member holds it: shared, it trains exactly."""
+    modules = dict(wide.model.named_modules())
+    return [e.name for e in wide.plan.by_kind(Kind.SHARED) if e.params and e.name in modules
+            and any(p.requires_grad for p in modules[e.name].parameters())]
+
+
+def training_refusal(wide) -> str | None:
+    """Why training ``wide`` would not train each member as it trains alone (None: it would, but for the shared
+    modules of :func:`trained_shared`)."""
+    if not any(p.requires_grad for p in wide.parameters()):
+        return None
+    if wide.differently_trained:  # whatever the stacked tensor's flag: member 0's, which another's differs from
+        names = list(wide.differently_trained)
+        return (f"its members train different tensors: {names[:3]}{'...' if len(names) > 3 else ''} are trained by "
+                "some members and kept fixed by others")
+    modules = dict(wide.model.named_modules())
+    for i, paths in enumerate(wide.padded_targets or []):
+        trained = [p for p in paths if p not in modules or any(t.requires_grad for t in modules[p].parameters())]
+        if trained:
+            return (f"member {i} holds no-ops where other members have adapters or saved modules ({trained[:2]}"
+                    f"{'...' if len(trained) > 2 else ''}: their target_modules or modules_to_save differ), and they "
+                    "would train")
+    return None
+
+
+@torch.compiler.disable  # (a walk over the model, on this rare path only)
+def check_training(wide) -> None:
+    """Refuse a forward that computes gradients in training mode where :func:`training_refusal` says why."""
+    reason = training_refusal(wide)
+    if reason is not None:
+        raise RuntimeError(
+            f"hf-wide cannot train this wide model exactly: {reason}. Each such tensor is one stacked tensor, trained "
+            "for every member or for none, so a member would not train as it does alone. Fuse members that train "
+            "the same tensors (the same target_modules, bias and modules_to_save; requires_grad set alike), or "
+            "freeze the wide model (wide.requires_grad_(False)) to run it in training mode for its dropout.")
+
+
+def needs_check(wide) -> bool:
+    """Whether a forward must ask :func:`check_training` first: in training mode, computing gradients, over members
+    that train different tensors or hold no-ops (cheap: no walk over the parameters otherwise)."""
+    return wide.training and torch.is_grad_enabled() and bool(wide.differently_trained or wide.padded_targets)
