@@ -26,20 +26,22 @@ def pipeline_tag(model_class: str) -> str | None:
     return next((tag for suffix, tag in PIPELINE_TAGS if model_class.endswith(suffix)), None)
 
 
-def _member_row(i: int, model_id: str, revision: str | None, labels: list[str]) -> str:
-    """A row of the members table; members downloaded from the Hub (those with a commit sha) are linked."""
+def _member_row(i: int, model_id: str, revision: str | None, labels: list[str], subfolder: str | None = None) -> str:
+    """A row of the members table; members downloaded from the Hub (those with a commit sha) are linked, to their
+    subfolder where they were in one."""
+    inside = f"/{subfolder.strip('/')}" if subfolder else ""
     if revision:
-        name = f"[{model_id}]({constants.ENDPOINT}/{model_id})"
-        rev = f"[`{revision[:7]}`]({constants.ENDPOINT}/{model_id}/tree/{revision})"
+        name = f"[{model_id}]({constants.ENDPOINT}/{model_id})" + (f" `{inside[1:]}`" if inside else "")
+        rev = f"[`{revision[:7]}`]({constants.ENDPOINT}/{model_id}/tree/{revision}{inside})"
     else:
-        name, rev = f"`{model_id}` (local)", "-"
+        name, rev = f"`{model_id}{inside}` (local)", "-"
     return f"| {i} | {name} | {rev} | {', '.join(labels) if labels else '-'} |"
 
 
 def model_card(wide, repo_id: str | None = None) -> str:
     """README.md for ``wide`` saved as a fused repo (``repo_id``: where it will live, for the usage snippet)."""
     model_class = wide.plan.model_class
-    hub_members = [m for m, rev in zip(wide.member_ids, wide.member_revisions) if rev]
+    hub_members = list(dict.fromkeys(m for m, rev in zip(wide.member_ids, wide.member_revisions) if rev))
     data = ModelCardData(
         library_name="hf-wide",
         tags=["hf-wide", "ensemble"],
@@ -47,9 +49,10 @@ def model_card(wide, repo_id: str | None = None) -> str:
         pipeline_tag=pipeline_tag(model_class),
     )
     configs = wide.member_configs or [None] * wide.num_members
+    subfolders = wide.member_subfolders or [None] * wide.num_members
     rows = [
-        _member_row(i, m, rev, [str(v) for _, v in sorted((getattr(c, "id2label", None) or {}).items())])
-        for i, (m, rev, c) in enumerate(zip(wide.member_ids, wide.member_revisions, configs))
+        _member_row(i, m, rev, [str(v) for _, v in sorted((getattr(c, "id2label", None) or {}).items())], sub)
+        for i, (m, rev, c, sub) in enumerate(zip(wide.member_ids, wide.member_revisions, configs, subfolders))
     ]
     title = repo_id.split("/")[-1] if repo_id else f"{model_class} x {wide.num_members}"
     where = repo_id or "path/to/this/folder"

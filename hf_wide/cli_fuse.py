@@ -23,6 +23,9 @@ def register_cli(sub) -> None:
     fuse.add_argument("--push-to-hub", metavar="REPO_ID", help="upload the fused repo to this Hub repo")
     fuse.add_argument("--revision", nargs="+", metavar="REV",
                       help="the members' revision (a branch, tag or commit): one for all, or one per member")
+    fuse.add_argument("--subfolder", nargs="+", metavar="DIR",
+                      help="where in its repo each member is (a training run's checkpoint-N, say): one for all, or "
+                           "one per member")
     fuse.add_argument("--base-model", metavar="ID", help="adapters: the base to load them on (default: the one they "
                                                           "name)")
     fuse.add_argument("--base-revision", metavar="REV", help="adapters: the base's revision")
@@ -56,9 +59,10 @@ def _fuse(args: argparse.Namespace) -> int:
     if args.output is None and args.push_to_hub is None:
         return error("say where the fused repo goes: --output DIR, --push-to-hub REPO_ID, or both.")
     revision = args.revision[0] if args.revision and len(args.revision) == 1 else args.revision
+    subfolder = args.subfolder[0] if args.subfolder and len(args.subfolder) == 1 else args.subfolder
     try:
         wide = WideModel.from_pretrained(
-            args.models, revision=revision, dtype=args.dtype, token=args.token, local_files_only=args.offline,
+            args.models, revision=revision, subfolder=subfolder, dtype=args.dtype, token=args.token, local_files_only=args.offline,
             allow_pickle=args.allow_pickle, trust_remote_code=args.trust_remote_code,
             allow_label_mismatch=args.allow_label_mismatch, base_model=args.base_model,
             base_revision=args.base_revision, merge=args.merge)

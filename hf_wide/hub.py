@@ -48,13 +48,14 @@ class _QuietTqdm(hf_tqdm):
         super().__init__(*args, **kwargs)
 
 
-def _revisions(revision: str | Sequence[str | None] | None, n: int) -> list[str | None]:
-    if revision is None or isinstance(revision, str):
-        return [revision] * n
-    revisions = list(revision)
-    if len(revisions) != n:
-        raise ValueError(f"Got {len(revisions)} revisions for {n} members: give one revision, or one per member.")
-    return revisions
+def per_member(value: str | Sequence[str | None] | None, n: int, what: str = "revision") -> list[str | None]:
+    """One ``value`` (a revision, a subfolder) for every member, or one per member."""
+    if value is None or isinstance(value, str):
+        return [value] * n
+    values = list(value)
+    if len(values) != n:
+        raise ValueError(f"Got {len(values)} {what}s for {n} members: give one {what}, or one per member.")
+    return values
 
 
 # What download_members hands to huggingface_hub's snapshot_download, besides the revision and patterns.
@@ -75,25 +76,30 @@ def download_members(
     model_ids: Sequence[str],
     revision: str | Sequence[str | None] | None = None,
     *,
+    subfolder: str | Sequence[str | None] | None = None,
     allow_pickle: bool = False,
     max_workers: int = 8,
     **hub_kwargs,
 ) -> list[Path]:
     """Local folders for every member: existing directories as they are, Hub repos via ``snapshot_download``
-    (in parallel, one progress bar). ``hub_kwargs``: ``token``, ``cache_dir``, ``local_files_only``,
+    (in parallel, one progress bar). ``subfolder``: where in the repo (or folder) the member is, as transformers'
+    ``from_pretrained(..., subfolder=)`` takes it (one for all, or one per member: a training run's
+    ``checkpoint-N`` folders, say). ``hub_kwargs``: ``token``, ``cache_dir``, ``local_files_only``,
     ``force_download``."""
     check_hub_kwargs(hub_kwargs)
-    revisions = _revisions(revision, len(model_ids))
+    revisions = per_member(revision, len(model_ids))
+    subfolders = per_member(subfolder, len(model_ids), "subfolder")
     hub_kwargs.setdefault("tqdm_class", _QuietTqdm)
     patterns = META_PATTERNS + SAFETENSORS_PATTERNS + (PICKLE_PATTERNS if allow_pickle else [])
 
-    def fetch(item: tuple[int, str, str | None]) -> Path:
-        i, model_id, rev = item
+    def fetch(item: tuple[int, str, str | None, str | None]) -> Path:
+        i, model_id, rev, sub = item
+        name = member_name(i, model_id, sub) + (f" at revision {rev!r}" if rev else "")
         if os.path.isdir(model_id):
-            return Path(model_id)
-        name = f"member {i} ({model_id})" + (f" at revision {rev!r}" if rev else "")
+            return _inside(Path(model_id), sub, name)
         try:
-            folder = Path(snapshot_download(model_id, revision=rev, allow_patterns=patterns, **hub_kwargs))
+            folder = Path(snapshot_download(model_id, revision=rev, allow_patterns=[
+                f"{sub.strip('/')}/{p}" for p in patterns] if sub else patterns, **hub_kwargs))
         except Exception as exc:  # the hub client's errors, offline misses, network failures
             hint = ""
             if isinstance(exc, HFValidationError) and _path_like(model_id):
@@ -104,11 +110,12 @@ def download_members(
             if "/" in model_id:  # 'models/seed-0' reads as a repo id, and may have been meant as a folder
                 hint += f"\nThere is no local folder {os.path.abspath(model_id)} either."
             raise MemberLoadError(f"{name}: {type(exc).__name__}: {exc}{hint}") from exc
+        sha, folder = folder.name, _inside(folder, sub, name)
         if not allow_pickle and not any(folder.glob("*.safetensors")):
-            _refuse_if_pickle_only(model_id, folder.name, name, hub_kwargs)
+            _refuse_if_pickle_only(model_id, sha, name, hub_kwargs, sub)
         return folder
 
-    items = [(i, model_id, rev) for i, (model_id, rev) in enumerate(zip(model_ids, revisions))]
+    items = list(zip(range(len(model_ids)), model_ids, revisions, subfolders))
     with ThreadPoolExecutor(max_workers=max(1, min(max_workers, len(items)))) as pool:
         bar = hf_tqdm(total=len(items), desc="Fetching members", unit="member", disable=len(items) < 2)
         with bar:
@@ -125,12 +132,28 @@ def _path_like(model_id: str) -> bool:
     return model_id.startswith(("/", ".", "~")) or model_id.count("/") > 1 or (os.sep != "/" and os.sep in model_id)
 
 
-def _refuse_if_pickle_only(model_id: str, sha: str, name: str, hub_kwargs: dict) -> None:
+def member_name(i: int, model_id: str, subfolder: str | None = None) -> str:
+    """How errors name member ``i``."""
+    return f"member {i} ({model_id}" + (f", subfolder {subfolder!r})" if subfolder else ")")
+
+
+def _inside(folder: Path, subfolder: str | None, name: str) -> Path:
+    """``folder``'s ``subfolder`` (``folder`` itself without one), which must be there."""
+    if not subfolder:
+        return folder
+    inner = folder / subfolder
+    if not inner.is_dir():
+        raise MemberLoadError(f"{name}: there is no folder {subfolder!r} in it.")
+    return inner
+
+
+def _refuse_if_pickle_only(model_id: str, sha: str, name: str, hub_kwargs: dict, subfolder: str | None) -> None:
     """The download skipped pickle files; ask the repo's file list whether that is all it has."""
     if hub_kwargs.get("local_files_only"):
         return
     files = list_repo_files(model_id, revision=sha, token=hub_kwargs.get("token"))
-    if any(f.endswith(".bin") for f in files):
+    prefix = f"{subfolder.strip('/')}/" if subfolder else ""
+    if any(f.endswith(".bin") and f.startswith(prefix) for f in files):
         raise ValueError(
             f"{name} has only pickle weights (*.bin), which can run arbitrary code when loaded. "
             "Pass allow_pickle=True if you trust it."
@@ -138,8 +161,10 @@ def _refuse_if_pickle_only(model_id: str, sha: str, name: str, hub_kwargs: dict)
 
 
 def commit_sha(folder: Path) -> str | None:
-    """The commit a snapshot folder of the Hub cache holds (its name), or None for a plain folder."""
-    return folder.name if re.fullmatch(r"[0-9a-f]{40}", folder.name) and folder.parent.name == "snapshots" else None
+    """The commit a snapshot folder of the Hub cache (or a folder in one: a subfolder) holds, or None for a plain
+    folder."""
+    return next((p.name for p in (folder, *folder.parents)
+                 if re.fullmatch(r"[0-9a-f]{40}", p.name) and p.parent.name == "snapshots"), None)
 
 
 # ---------------------------------------------------------------- loading a wide model
@@ -148,6 +173,7 @@ def load_wide(
     model_ids: Sequence[str] | str,
     revision: str | Sequence[str | None] | None = None,
     *,
+    subfolder: str | Sequence[str | None] | None = None,
     dtype: str | torch.dtype | None = None,
     device: str | torch.device | None = None,
     device_map: str | dict | None = None,
@@ -171,7 +197,8 @@ def load_wide(
     ``member_parallel``: this rank of a ``torch.distributed`` job loads and fuses only its slice of the members
     (:mod:`hf_wide.parallel`). ``attn_implementation`` ("eager", "sdpa", ...) as in transformers' ``from_pretrained``:
     the members are traced, fused and verified with it. ``torch_dtype``: ``dtype``'s older name, which transformers
-    still takes (``dtype`` wins where both are given). See :func:`download_members` for ``hub_kwargs``."""
+    still takes (``dtype`` wins where both are given). See :func:`download_members` for ``subfolder`` and
+    ``hub_kwargs``."""
     check_hub_kwargs(hub_kwargs)
     dtype = dtype if dtype is not None else torch_dtype
     # A rank cannot see whether other ranks' members hold the same tensor: member-parallel ranks keep each member's
@@ -185,14 +212,15 @@ def load_wide(
                        trust_remote_code=trust_remote_code, allow_label_mismatch=allow_label_mismatch,
                        share_identical=share_identical, validate=validate, verify=verify, base_model=base_model,
                        base_revision=base_revision, merge=merge, **hub_kwargs)
-        return load_member_slice(*_slice_loader(cls, model_ids, revision, options), allow_label_mismatch)
+        return load_member_slice(*_slice_loader(cls, model_ids, revision, subfolder, options), allow_label_mismatch)
     ids = as_ids(model_ids)
     if not ids:
         raise ValueError("WideModel.from_pretrained needs at least one model id; got an empty list.")
     torch_dtype, device = resolve_dtype(dtype), resolve_device(device, device_map)
     model_kwargs = {} if attn_implementation is None else {"attn_implementation": attn_implementation}
-    folders = download_members(ids, revision, allow_pickle=allow_pickle, **hub_kwargs)
-    names = [f"member {i} ({model_id})" for i, model_id in enumerate(ids)]
+    folders = download_members(ids, revision, subfolder=subfolder, allow_pickle=allow_pickle, **hub_kwargs)
+    subfolders = per_member(subfolder, len(ids), "subfolder")
+    names = [member_name(i, model_id, sub) for i, (model_id, sub) in enumerate(zip(ids, subfolders))]
     fused = [name for name, folder in zip(names, folders) if read_section(folder) is not None]
     adapters = [adapter_config(folder) for folder in folders]
     saved = read_section(folders[0]) if len(ids) == 1 and fused else None
@@ -215,6 +243,8 @@ def load_wide(
         if base_model is not None or base_revision is not None or merge:
             raise ValueError("base_model=, base_revision= and merge= apply to PEFT adapters; none of the members is one.")
         wide, validated = _fuse_checkpoints(cls, ids, folders, names, load, fuse)
+    if any(subfolders) and not fused:  # (a fused repo's members are its own: it names their subfolders itself)
+        wide.member_subfolders = subfolders
     if validate and not validated:
         members = [wide.member(i) for i in range(wide.num_members)]
         wide.validate(members, (), sample_inputs(members[0]))
@@ -242,6 +272,8 @@ def _fuse_adapter_list(cls, ids, folders, adapters, saved: dict | None, load: di
         wide.full_members = frozenset(i for i, config in enumerate(adapters) if config is None)
         wide.padded_targets = padded
     wide.member_revisions = list(revisions)
+    if saved is not None and saved.get("member_subfolders"):
+        wide.member_subfolders = saved["member_subfolders"]
     return wide
 
 
@@ -273,18 +305,18 @@ def as_ids(model_ids) -> list[str]:
     return [os.fspath(i) if isinstance(i, os.PathLike) else i for i in model_ids]
 
 
-def _slice_loader(cls, model_ids, revision, options: dict):
+def _slice_loader(cls, model_ids, revision, subfolder, options: dict):
     """(N, load(members) -> the wide model of those members) for a member-parallel rank: member repos, each
     rank loading its own; or one fused repo, which every rank downloads and reads its members' bytes from."""
     ids = as_ids(model_ids)
     if len(ids) > 1:
-        revisions = list(revision) if isinstance(revision, (list, tuple)) else [revision] * len(ids)
-        if len(revisions) != len(ids):
-            raise ValueError(f"Got {len(revisions)} revisions for {len(ids)} members.")
-        return len(ids), lambda members: load_wide(cls, ids[members.start:members.stop],
-                                                   revisions[members.start:members.stop], **options)
+        revisions, subfolders = per_member(revision, len(ids)), per_member(subfolder, len(ids), "subfolder")
+        return len(ids), lambda members: load_wide(
+            cls, ids[members.start:members.stop], revisions[members.start:members.stop],
+            subfolder=subfolders[members.start:members.stop], **options)
     hub_kwargs = {k: v for k, v in options.items() if k not in inspect.signature(load_wide).parameters}
-    folder = download_members(ids, revision, allow_pickle=options["allow_pickle"], **hub_kwargs)[0]
+    folder = download_members(ids, revision, subfolder=subfolder, allow_pickle=options["allow_pickle"],
+                              **hub_kwargs)[0]
     section = read_section(folder)
     if section is None or "adapters" in section:
         what = "a saved ensemble of adapters" if section else "one checkpoint"

@@ -58,6 +58,7 @@ class WideModel(WideHubMixin, nn.Module):
     adapter_sources = None
     full_members: frozenset[int] = frozenset()
     padded_targets: list[list[str]] | None = None  # per member held here: the no-ops it was given (adapter_layers)
+    member_subfolders: list[str | None] | None = None  # where in its repo each member was, where one was given
     member_peft_configs: list[dict] | None = None  # each PeftModel member's own (the fused model holds member 0's)
     members_group = None  # a MemberGroup when the members are split over ranks (hf_wide.parallel)
     # parameters some members train and others keep fixed: held stacked, each trained or not as member 0's is

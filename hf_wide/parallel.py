@@ -130,6 +130,8 @@ def attach(wide, members: MemberGroup, allow_label_mismatch: bool = False):
 
     wide.member_ids = all_slices(members, wide.member_ids)
     wide.member_revisions = all_slices(members, wide.member_revisions)
+    if wide.member_subfolders is not None:  # (given to every rank alike)
+        wide.member_subfolders = all_slices(members, wide.member_subfolders)
     configs = all_slices(members, wide.member_configs or [wide.config] * len(members.local))
     first = [members.slices[r].start for r in range(members.world_size)]
     for i in first[1:]:  # each rank fused its own members; across ranks, they must agree as well

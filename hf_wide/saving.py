@@ -93,6 +93,7 @@ def wide_config_section(wide, shared: Sequence[str]) -> dict:
         "num_members": wide.num_members,
         "member_ids": list(wide.member_ids),
         "member_revisions": list(wide.member_revisions),
+        **({"member_subfolders": list(wide.member_subfolders)} if wide.member_subfolders else {}),
         "labels": [{str(k): v for k, v in (c.id2label or {}).items()} for c in configs],
         "member_config_overrides": [config_overrides(c, configs[0]) for c in configs],
         # generation_config.json is member 0's; each member's own settings beside it (its max_new_tokens, say)
@@ -155,7 +156,7 @@ def save_wide(wide, save_directory: str | Path, *, max_shard_size: int | str = D
         from .adapter_repos import save_adapter_ensemble
 
         section = {k: v for k, v in wide_config_section(wide, []).items() if k in (
-            "format_version", "num_members", "member_ids", "member_revisions")}
+            "format_version", "num_members", "member_ids", "member_revisions", "member_subfolders")}
         save_adapter_ensemble(wide, directory, section, repo_id, overwrite_readme)
         copy_tokenizer_files(getattr(wide, "_source_dirs", None) or [], directory)
         for preprocessor in (tokenizer, processor):
@@ -302,6 +303,8 @@ def load_fused(cls, folder: str | Path, *, name: str, dtype: torch.dtype | str |
         model.get_submodule(path).input_roles.update(known)
     wide = cls(model, plan, fold, aliases, [section["member_ids"][i] for i in members], configs, generation_configs)
     wide.member_revisions = [section["member_revisions"][i] for i in members]
+    if section.get("member_subfolders"):  # (where the members were given by subfolder)
+        wide.member_subfolders = [section["member_subfolders"][i] for i in members]
     wide._source_dirs = [folder]
     return wide.eval()
 

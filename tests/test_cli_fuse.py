@@ -2,6 +2,7 @@
 and loaded back equal to the members; what it refuses, in one line."""
 
 import json
+from pathlib import Path
 
 import pytest
 from conftest import CASES
@@ -32,6 +33,15 @@ def test_members_to_a_folder_that_loads_back(saved, tmp_path, capsys):
     assert "WideLinear" not in out  # the summary, not the plan's table (--plan prints it)
     back = WideModel.from_pretrained(str(tmp_path / "wide"))
     assert back.member_ids == paths
+    assert max_member_error(back, members, CASE.inputs(3, padded=True)) <= TOLERANCE
+
+
+def test_members_in_subfolders(saved, tmp_path):
+    members, paths = saved
+    root = str(Path(paths[0]).parent)
+    assert main(["fuse", root, root, "--subfolder", "seed-0", "seed-1", "--output", str(tmp_path / "wide")]) == 0
+    back = WideModel.from_pretrained(str(tmp_path / "wide"))
+    assert back.member_subfolders == ["seed-0", "seed-1"]
     assert max_member_error(back, members, CASE.inputs(3, padded=True)) <= TOLERANCE
 
 

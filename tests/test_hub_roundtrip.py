@@ -179,3 +179,30 @@ def test_a_member_with_a_corrupt_tensor_names_it(hub, published, member_folders,
     hub.publish("alice/bad", tmp_path / "bad")
     with pytest.raises(IncompatibleMembersError, match=r"member 1 \(alice/bad\) has 'classifier.weight' of shape"):
         WideModel.from_pretrained(["alice/seed-0", "alice/bad"])
+
+
+def test_members_in_subfolders_of_one_repo(hub, member_folders, tmp_path):
+    # A training run pushed with its checkpoints as folders of one repo (checkpoint-N), as transformers'
+    # from_pretrained(repo, subfolder=...) reads them: subfolder= was refused as an unknown option
+    members, paths, tokenizer = member_folders
+    run = {f"checkpoint-{100 * (i + 1)}/{f.name}": f.read_bytes() for i, p in enumerate(paths) for f in p.iterdir()}
+    sha = hub.publish("alice/run", {**run, "training_log.txt": "a file of the run's, not a member's"})
+    subfolders = ["checkpoint-100", "checkpoint-200", "checkpoint-300"]
+    wide = WideModel.from_pretrained(["alice/run"] * 3, subfolder=subfolders, token=TOKEN)
+    assert max_member_error(wide, members, CASE.inputs(3, padded=True)) <= TOLERANCE
+    assert wide.member_ids == ["alice/run"] * 3 and wide.member_revisions == [sha] * 3
+    assert wide.member_subfolders == subfolders
+    downloads = {r.path.split("/resolve/")[-1] for r in hub.requests if "/resolve/" in r.path}
+    assert not any(p.endswith("training_log.txt") for p in downloads)  # each member's folder, not the whole repo
+
+    wide.push_to_hub("alice/wide-run", token=TOKEN)
+    card = hub.repos["alice/wide-run"].commits[hub.repos["alice/wide-run"].branches["main"]].files["README.md"]
+    assert f"/alice/run/tree/{sha}/checkpoint-200" in card.decode()
+    assert card.decode().count("- alice/run") == 1  # base_model: the repo once
+    back = WideModel.from_pretrained("alice/wide-run", cache_dir=tmp_path / "fresh")
+    assert back.member_subfolders == subfolders and back.member_revisions == [sha] * 3
+
+    with pytest.raises(MemberLoadError, match=r"member 1 \(alice/run, subfolder 'checkpoint-150'\).*no folder"):
+        WideModel.from_pretrained(["alice/run"] * 2, subfolder=["checkpoint-100", "checkpoint-150"], token=TOKEN)
+    local = WideModel.from_pretrained([str(paths[0].parent)] * 2, subfolder=["seed-0", "seed-1"])  # folders too
+    assert max_member_error(local, members[:2], CASE.inputs(2, padded=True)) <= TOLERANCE
