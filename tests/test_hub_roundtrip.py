@@ -185,7 +185,8 @@ def test_members_in_subfolders_of_one_repo(hub, member_folders, tmp_path):
     # A training run pushed with its checkpoints as folders of one repo (checkpoint-N), as transformers'
     # from_pretrained(repo, subfolder=...) reads them: subfolder= was refused as an unknown option
     members, paths, tokenizer = member_folders
-    run = {f"checkpoint-{100 * (i + 1)}/{f.name}": f.read_bytes() for i, p in enumerate(paths) for f in p.iterdir()}
+    run = {f"checkpoint-{100 * (i + 1)}/{f.name}": f.read_bytes()  # weights and tokenizer in each, as Trainer saves
+           for i, p in enumerate(paths) for f in [*p.iterdir(), *tokenizer.iterdir()]}
     sha = hub.publish("alice/run", {**run, "training_log.txt": "a file of the run's, not a member's"})
     subfolders = ["checkpoint-100", "checkpoint-200", "checkpoint-300"]
     wide = WideModel.from_pretrained(["alice/run"] * 3, subfolder=subfolders, token=TOKEN)
@@ -204,5 +205,11 @@ def test_members_in_subfolders_of_one_repo(hub, member_folders, tmp_path):
 
     with pytest.raises(MemberLoadError, match=r"member 1 \(alice/run, subfolder 'checkpoint-150'\).*no folder"):
         WideModel.from_pretrained(["alice/run"] * 2, subfolder=["checkpoint-100", "checkpoint-150"], token=TOKEN)
+    from hf_wide.pipelines import pipeline
+
+    pipe = pipeline("text-classification", model=["alice/run"] * 3, token=TOKEN, model_kwargs={"subfolder": subfolders})
+    expected = pipeline("text-classification", model=wide, tokenizer=transformers.AutoTokenizer.from_pretrained(
+        tokenizer))("good bad good")
+    assert pipe("good bad good") == expected  # each member's tokenizer, from its own folder
     local = WideModel.from_pretrained([str(paths[0].parent)] * 2, subfolder=["seed-0", "seed-1"])  # folders too
     assert max_member_error(local, members[:2], CASE.inputs(2, padded=True)) <= TOLERANCE

@@ -67,7 +67,9 @@ def pipeline(
     kind = "tokenizer" if task != "image-classification" else "image_processor"
     if (tokenizer if kind == "tokenizer" else image_processor) is None:
         # a fused repo by its id: its own files; else each member's own (an adapter's base's, where it has none)
-        found = load_preprocessors([(sources[0], revision)] if isinstance(model, (str, os.PathLike)) else
+        subfolder = (model_kwargs or {}).get("subfolder")  # (a fused repo in a folder of its repo)
+        found = load_preprocessors([(sources[0], revision, subfolder if isinstance(subfolder, str) else None)]
+                                   if isinstance(model, (str, os.PathLike)) else
                                    preprocessor_sources(wide, kind, token=token), kind, token=token)
         tokenizer, image_processor = (found, None) if kind == "tokenizer" else (None, found)
     return pipeline_class(wide, tokenizer=tokenizer, image_processor=image_processor, **kwargs)

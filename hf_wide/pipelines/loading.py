@@ -54,17 +54,20 @@ PREPROCESSOR_FILES = {"tokenizer": ("tokenizer_config.json", "tokenizer.json"),
                       "image_processor": ("preprocessor_config.json",)}
 
 
-def preprocessor_sources(wide, kind: str, token=None) -> list[tuple[str, str | None]]:
-    """(repo id or folder, revision) to load each member's tokenizer or image processor from: the member's own, at
-    the commit its weights came from; for an adapter that ships none (PEFT saves the adapter alone), its base's,
-    at the base's commit, which is what it was trained with."""
+def preprocessor_sources(wide, kind: str, token=None) -> list[tuple[str, str | None, str | None]]:
+    """(repo id or folder, revision, subfolder) to load each member's tokenizer or image processor from: the
+    member's own, at the commit its weights came from (in its subfolder, where it was given one); for an adapter
+    that ships none (PEFT saves the adapter alone), its base's, at the base's commit, which is what it was trained
+    with."""
     adapters = getattr(wide, "adapter_sources", None)
+    subfolders = wide.member_subfolders or [None] * len(wide.member_ids)
     sources = []
-    for i, (source, revision) in enumerate(zip(wide.member_ids, wide.member_revisions)):
+    for i, (source, revision, sub) in enumerate(zip(wide.member_ids, wide.member_revisions, subfolders)):
+        inside = f"{sub.strip('/')}/" if sub else ""
         if adapters is not None and adapters.configs[i] is not None and not any(
-                _has_file(source, name, revision, token) is not False for name in PREPROCESSOR_FILES[kind]):
-            source, revision = adapters.base_model, adapters.base_revision
-        sources.append((str(source), revision))
+                _has_file(source, inside + name, revision, token) is not False for name in PREPROCESSOR_FILES[kind]):
+            source, revision, sub = adapters.base_model, adapters.base_revision, None
+        sources.append((str(source), revision, sub))
     return sources
 
 
@@ -87,22 +90,25 @@ def _has_file(source: str, filename: str, revision: str | None, token=None) -> b
         return None
 
 
-def load_preprocessors(sources: Sequence[str | tuple[str, str | None]], kind: str, token=None):
+def load_preprocessors(sources: Sequence[str | tuple], kind: str, token=None):
     """The one tokenizer (``kind="tokenizer"``) or image processor the members share, from ``sources`` (repo ids
-    or folders, or (id, revision) pairs). Members whose vocabularies or settings differ are refused with a message
-    naming them: pass ``tokenizer=`` (or ``image_processor=``) yourself to use one for all. So is a tokenizer with
-    no vocabulary (no tokenizer files)."""
+    or folders, or (id, revision) pairs, or (id, revision, subfolder) triples). Members whose vocabularies or
+    settings differ are refused with a message naming them: pass ``tokenizer=`` (or ``image_processor=``) yourself
+    to use one for all. So is a tokenizer with no vocabulary (no tokenizer files)."""
     from transformers import AutoImageProcessor, AutoTokenizer
 
     auto = AutoTokenizer if kind == "tokenizer" else AutoImageProcessor
-    pairs = [source if isinstance(source, tuple) else (source, None) for source in sources]
-    names = [source if revision is None else f"{source} at {revision}" for source, revision in pairs]
+    places = [(*source, None, None)[:3] if isinstance(source, tuple) else (source, None, None) for source in sources]
+    names = [source + (f"/{sub}" if sub else "") + (f" at {revision}" if revision else "")
+             for source, revision, sub in places]
     loaded, once = [], {}  # adapters that ship none all read their base's: loaded once
-    for i, ((source, revision), name) in enumerate(zip(pairs, names)):
+    for i, (place, name) in enumerate(zip(places, names)):
+        source, revision, sub = place
         try:
-            if (source, revision) not in once:
-                once[source, revision] = auto.from_pretrained(source, revision=revision, token=token)
-            loaded.append(once[source, revision])
+            if place not in once:
+                once[place] = auto.from_pretrained(source, revision=revision, token=token,
+                                                   **({"subfolder": sub} if sub else {}))
+            loaded.append(once[place])
         except (OSError, ValueError) as exc:
             raise ValueError(
                 f"Could not load {'an' if kind == 'image_processor' else 'a'} {kind} for member {i} ({name}): {exc}. "
