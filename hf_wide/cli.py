@@ -57,8 +57,10 @@ def _run(args: argparse.Namespace) -> int:
     try:
         inputs = _read_inputs(args.task, args.input)
         options = _call_options(args)
+        subfolder = args.subfolder[0] if args.subfolder and len(args.subfolder) == 1 else args.subfolder
         pipe = pipeline(args.task, model=args.model, revision=args.revision, combine=args.combine,
-                        weights=args.weights, batch_size=args.batch_size)
+                        weights=args.weights, batch_size=args.batch_size,
+                        model_kwargs={"subfolder": subfolder} if subfolder else None)
         start = time.perf_counter()
         results = pipe(inputs, **options)
         seconds = time.perf_counter() - start
@@ -247,6 +249,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="token-classification: none, simple, first, average or max (default simple)")
     run.add_argument("--max-new-tokens", type=int, default=20, help="text-generation: tokens to generate")
     run.add_argument("--revision", default=None)
+    run.add_argument("--subfolder", nargs="+", metavar="DIR", default=None,
+                     help="where in its repo each member is (a training run's checkpoint-N, say): one for all, or one "
+                          "per member")
     run.set_defaults(func=_run)
 
     from .benchmark import register_cli

@@ -1,6 +1,7 @@
 """``hf-wide run TASK --model ID ... --input FILE_OR_TEXT`` and ``hf-wide benchmark --pipeline``."""
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -43,6 +44,14 @@ def test_a_literal_text_gives_the_pipelines_answer_as_json(saved, capsys):
                      "--top-k", "2")
     expected = pipeline("text-classification", model=saved["text-classification"])(TEXTS[0], top_k=2)
     assert lines == [{"input": TEXTS[0], **json.loads(json.dumps(expected))}]
+
+
+def test_members_in_subfolders_of_one_folder(saved, capsys):
+    folders = saved["text-classification"]
+    root = str(Path(folders[0]).parent)
+    got = run_json(capsys, "text-classification", "--model", root, root, "--subfolder", "m0", "m1",
+                   "--input", TEXTS[0])
+    assert got == run_json(capsys, "text-classification", "--model", *folders, "--input", TEXTS[0])
 
 
 @pytest.mark.parametrize("task", ["token-classification", "feature-extraction", "text-generation"])
