@@ -88,7 +88,7 @@ def download_members(
     ``force_download``."""
     check_hub_kwargs(hub_kwargs)
     revisions = per_member(revision, len(model_ids))
-    subfolders = per_member(subfolder, len(model_ids), "subfolder")
+    subfolders = [s.strip("/") or None if s else None for s in per_member(subfolder, len(model_ids), "subfolder")]
     hub_kwargs.setdefault("tqdm_class", _QuietTqdm)
     patterns = META_PATTERNS + SAFETENSORS_PATTERNS + (PICKLE_PATTERNS if allow_pickle else [])
 
@@ -99,7 +99,7 @@ def download_members(
             return _inside(Path(model_id), sub, name)
         try:
             folder = Path(snapshot_download(model_id, revision=rev, allow_patterns=[
-                f"{sub.strip('/')}/{p}" for p in patterns] if sub else patterns, **hub_kwargs))
+                f"{sub}/{p}" for p in patterns] if sub else patterns, **hub_kwargs))
         except Exception as exc:  # the hub client's errors, offline misses, network failures
             hint = ""
             if isinstance(exc, HFValidationError) and _path_like(model_id):

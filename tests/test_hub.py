@@ -125,6 +125,26 @@ def test_one_revision_per_member(saved_members):
         WideModel.from_pretrained(paths, revision=["main", "main"])
 
 
+def test_subfolders_one_for_all_or_one_each_and_a_ranks_slice_of_them(saved_members):
+    from hf_wide.hub import _slice_loader
+
+    members, paths = saved_members
+    root = str(Path(paths[0]).parent)
+    with pytest.raises(ValueError, match="2 subfolders for 3 members"):
+        WideModel.from_pretrained([root] * 3, subfolder=["member-0", "member-1"])
+    both = WideModel.from_pretrained([root, root], subfolder="member-1")  # one for all
+    assert both.member_subfolders == ["member-1"] * 2
+    assert max_member_error(both, [members[1]] * 2, CASES["bert-seqcls"].inputs(2, padded=True)) <= TOLERANCE
+    # a member-parallel rank loads its slice of the members, each from its own subfolder
+    options = dict(dtype=None, device=None, device_map=None, attn_implementation=None, allow_pickle=False,
+                   trust_remote_code=False, allow_label_mismatch=False, share_identical=False, validate=False,
+                   verify=True, base_model=None, base_revision=None, merge=False)
+    n, load = _slice_loader(WideModel, [root] * 3, None, ["member-0", "member-1", "member-2"], options)
+    part = load(range(1, 3))
+    assert n == 3 and part.member_subfolders == ["member-1", "member-2"]
+    assert max_member_error(part, members[1:], CASES["bert-seqcls"].inputs(2, padded=True)) <= TOLERANCE
+
+
 def test_missing_tensor_in_one_checkpoint_names_the_member(saved_members, tmp_path):
     _, paths = saved_members
     broken = tmp_path / "broken"
