@@ -155,7 +155,7 @@ def load_adapter_base(ids, folders, configs, *, base_model=None, base_revision=N
                       model_kwargs=None) -> AdapterBase:
     """Check every adapter of the list (its weights, and what hf-wide cannot fuse unless merged), then download and
     load the base they name (or ``base_model`` at ``base_revision``), once."""
-    from .hub import MemberLoadError, download_members
+    from .download import MemberLoadError, download_members
     from .loading import load_member, weights_format
 
     require_peft()
@@ -201,7 +201,7 @@ def load_adapter_members(ids, folders, configs, *, base_model=None, base_revisio
     checkpoint is loaded and, like the base when it is in the list, given zero LoRA layers. ``base``: the base,
     loaded already (:func:`load_adapter_base`, which otherwise runs here); ``first``: the index of ``ids[0]`` in the
     whole list, for names (a group of it: :mod:`hf_wide.adapter_groups`), and ``desc`` its progress bar's."""
-    from .hub import commit_sha
+    from .download import commit_sha
     from .loading import load_member, weights_format
 
     peft = require_peft()

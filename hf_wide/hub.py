@@ -1,8 +1,6 @@
-"""From the Hub: resolve N member ids (Hub repos or local folders) and load them as one wide model.
-
-Downloads go through the real ``huggingface_hub`` client, in parallel across members under one progress bar;
-weights are safetensors unless pickle is explicitly allowed, and remote code never runs unless asked for.
-Uploads (``push_to_hub``, ``push_members``) are in :mod:`hf_wide.export`.
+"""From the Hub: N member ids (Hub repos or local folders), fetched (:mod:`hf_wide.download`), loaded as one wide
+model. Remote code never runs unless asked for. Uploads (``push_to_hub``, ``push_members``) are in
+:mod:`hf_wide.export`.
 
 :func:`load_wide` picks the way to load what was fetched: a fused repo (:mod:`hf_wide.saving`), PEFT adapters
 (:mod:`hf_wide.adapters`), or member checkpoints (:mod:`hf_wide.loading`, which keeps memory low).
@@ -11,160 +9,17 @@ Uploads (``push_to_hub``, ``push_members``) are in :mod:`hf_wide.export`.
 from __future__ import annotations
 
 import inspect
-import os
-import re
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import torch
-from huggingface_hub import list_repo_files, snapshot_download
-from huggingface_hub.errors import HFValidationError, RepositoryNotFoundError
-from huggingface_hub.utils import tqdm as hf_tqdm
 
 from .adapter_repos import adapter_folders
 from .adapters import adapter_config, load_adapter_members
+from .download import as_ids, check_hub_kwargs, commit_sha, download_members, member_name, per_member, subfolders_of
 from .fuse import needs_verifying
 from .loading import load_models, load_streaming, resolve_device, resolve_dtype, verified, weights_format
 from .saving import load_fused, read_section
 from .samples import sample_inputs
-
-
-class MemberLoadError(OSError):
-    """A member could not be fetched or read; the message names the member, and ``__cause__`` holds the
-    ``huggingface_hub`` error (``RepositoryNotFoundError``, ``RevisionNotFoundError``, ...)."""
-
-
-SAFETENSORS_PATTERNS = ["*.safetensors", "*.safetensors.index.json"]
-PICKLE_PATTERNS = ["*.bin", "*.bin.index.json"]
-# Config, tokenizer, processor and chat-template files: small, and what a pipeline needs besides the weights.
-META_PATTERNS = ["*.json", "*.txt", "*.model", "*.tiktoken", "*.jinja", "*.py"]
-
-class _QuietTqdm(hf_tqdm):
-    """snapshot_download's own bars (files, bytes), switched off: all members share one bar."""
-
-    def __init__(self, *args, **kwargs):
-        kwargs["disable"] = True
-        super().__init__(*args, **kwargs)
-
-
-def per_member(value: str | Sequence[str | None] | None, n: int, what: str = "revision") -> list[str | None]:
-    """One ``value`` (a revision, a subfolder) for every member, or one per member."""
-    if value is None or isinstance(value, str):
-        return [value] * n
-    values = list(value)
-    if len(values) != n:
-        raise ValueError(f"Got {len(values)} {what}s for {n} members: give one {what}, or one per member.")
-    return values
-
-
-# What download_members hands to huggingface_hub's snapshot_download, besides the revision and patterns.
-HUB_KWARGS = frozenset({"token", "cache_dir", "local_files_only", "force_download", "max_workers", "endpoint",
-                        "etag_timeout", "headers", "tqdm_class"})
-
-
-def check_hub_kwargs(hub_kwargs: dict, caller: str = "WideModel.from_pretrained") -> None:
-    """A ``TypeError`` naming any keyword argument that is not an option: with local folders nothing else would
-    read it, and a misspelt option would be silently ignored."""
-    unknown = sorted(set(hub_kwargs) - HUB_KWARGS)
-    if unknown:
-        raise TypeError(f"{caller}() got an unexpected keyword argument {unknown[0]!r}"
-                        + (f" (and {', '.join(map(repr, unknown[1:]))})" if len(unknown) > 1 else ""))
-
-
-def download_members(
-    model_ids: Sequence[str],
-    revision: str | Sequence[str | None] | None = None,
-    *,
-    subfolder: str | Sequence[str | None] | None = None,
-    allow_pickle: bool = False,
-    max_workers: int = 8,
-    **hub_kwargs,
-) -> list[Path]:
-    """Local folders for every member: existing directories as they are, Hub repos via ``snapshot_download``
-    (in parallel, one progress bar). ``subfolder``: where in the repo (or folder) the member is, as transformers'
-    ``from_pretrained(..., subfolder=)`` takes it (one for all, or one per member: a training run's
-    ``checkpoint-N`` folders, say). ``hub_kwargs``: ``token``, ``cache_dir``, ``local_files_only``,
-    ``force_download``."""
-    check_hub_kwargs(hub_kwargs)
-    revisions = per_member(revision, len(model_ids))
-    subfolders = [s.strip("/") or None if s else None for s in per_member(subfolder, len(model_ids), "subfolder")]
-    hub_kwargs.setdefault("tqdm_class", _QuietTqdm)
-    patterns = META_PATTERNS + SAFETENSORS_PATTERNS + (PICKLE_PATTERNS if allow_pickle else [])
-
-    def fetch(item: tuple[int, str, str | None, str | None]) -> Path:
-        i, model_id, rev, sub = item
-        name = member_name(i, model_id, sub) + (f" at revision {rev!r}" if rev else "")
-        if os.path.isdir(model_id):
-            return _inside(Path(model_id), sub, name)
-        try:
-            folder = Path(snapshot_download(model_id, revision=rev, allow_patterns=[
-                f"{sub}/{p}" for p in patterns] if sub else patterns, **hub_kwargs))
-        except Exception as exc:  # the hub client's errors, offline misses, network failures
-            hint = ""
-            if isinstance(exc, HFValidationError) and _path_like(model_id):
-                raise MemberLoadError(f"{name}: there is no folder {os.path.abspath(model_id)}, and "
-                                      f"{model_id!r} is not a Hub repo id ('org/name') either.") from exc
-            if isinstance(exc, RepositoryNotFoundError):
-                hint = "\nIf the repo is private or gated, pass token= (or log in with `hf auth login`)."
-            if "/" in model_id:  # 'models/seed-0' reads as a repo id, and may have been meant as a folder
-                hint += f"\nThere is no local folder {os.path.abspath(model_id)} either."
-            raise MemberLoadError(f"{name}: {type(exc).__name__}: {exc}{hint}") from exc
-        sha, folder = folder.name, _inside(folder, sub, name)
-        if not allow_pickle and not any(folder.glob("*.safetensors")):
-            _refuse_if_pickle_only(model_id, sha, name, hub_kwargs, sub)
-        return folder
-
-    items = list(zip(range(len(model_ids)), model_ids, revisions, subfolders))
-    with ThreadPoolExecutor(max_workers=max(1, min(max_workers, len(items)))) as pool:
-        bar = hf_tqdm(total=len(items), desc="Fetching members", unit="member", disable=len(items) < 2)
-        with bar:
-            paths = []
-            for path in pool.map(fetch, items):
-                paths.append(path)
-                bar.update(1)
-    return paths
-
-
-def _path_like(model_id: str) -> bool:
-    """Whether an id that is no folder was meant as one: a Hub repo id never starts with '/', '.' or '~', and has
-    one '/' at most."""
-    return model_id.startswith(("/", ".", "~")) or model_id.count("/") > 1 or (os.sep != "/" and os.sep in model_id)
-
-
-def member_name(i: int, model_id: str, subfolder: str | None = None) -> str:
-    """How errors name member ``i``."""
-    return f"member {i} ({model_id}" + (f", subfolder {subfolder!r})" if subfolder else ")")
-
-
-def _inside(folder: Path, subfolder: str | None, name: str) -> Path:
-    """``folder``'s ``subfolder`` (``folder`` itself without one), which must be there."""
-    if not subfolder:
-        return folder
-    inner = folder / subfolder
-    if not inner.is_dir():
-        raise MemberLoadError(f"{name}: there is no folder {subfolder!r} in it.")
-    return inner
-
-
-def _refuse_if_pickle_only(model_id: str, sha: str, name: str, hub_kwargs: dict, subfolder: str | None) -> None:
-    """The download skipped pickle files; ask the repo's file list whether that is all it has."""
-    if hub_kwargs.get("local_files_only"):
-        return
-    files = list_repo_files(model_id, revision=sha, token=hub_kwargs.get("token"))
-    prefix = f"{subfolder.strip('/')}/" if subfolder else ""
-    if any(f.endswith(".bin") and f.startswith(prefix) for f in files):
-        raise ValueError(
-            f"{name} has only pickle weights (*.bin), which can run arbitrary code when loaded. "
-            "Pass allow_pickle=True if you trust it."
-        )
-
-
-def commit_sha(folder: Path) -> str | None:
-    """The commit a snapshot folder of the Hub cache (or a folder in one: a subfolder) holds, or None for a plain
-    folder."""
-    return next((p.name for p in (folder, *folder.parents)
-                 if re.fullmatch(r"[0-9a-f]{40}", p.name) and p.parent.name == "snapshots"), None)
 
 
 # ---------------------------------------------------------------- loading a wide model
@@ -219,7 +74,7 @@ def load_wide(
     torch_dtype, device = resolve_dtype(dtype), resolve_device(device, device_map)
     model_kwargs = {} if attn_implementation is None else {"attn_implementation": attn_implementation}
     folders = download_members(ids, revision, subfolder=subfolder, allow_pickle=allow_pickle, **hub_kwargs)
-    subfolders = per_member(subfolder, len(ids), "subfolder")
+    subfolders = subfolders_of(subfolder, len(ids))
     names = [member_name(i, model_id, sub) for i, (model_id, sub) in enumerate(zip(ids, subfolders))]
     fused = [name for name, folder in zip(names, folders) if read_section(folder) is not None]
     adapters = [adapter_config(folder) for folder in folders]
@@ -295,14 +150,6 @@ def _fuse_checkpoints(cls, ids, folders, names, load: dict, fuse: dict):
         wide._source_dirs = folders
     wide.member_revisions = [commit_sha(folder) for folder in folders]
     return wide, validated
-
-
-def as_ids(model_ids) -> list[str]:
-    """One id (a repo id, or a folder as a string or a path, as transformers takes it) or several, as a list of
-    strings."""
-    if isinstance(model_ids, (str, os.PathLike)):
-        return [os.fspath(model_ids)]
-    return [os.fspath(i) if isinstance(i, os.PathLike) else i for i in model_ids]
 
 
 def _slice_loader(cls, model_ids, revision, subfolder, options: dict):

@@ -1,4 +1,4 @@
-"""Member checkpoints loaded into one wide model, once they are on disk (:mod:`hf_wide.hub` fetches them).
+"""Member checkpoints loaded into one wide model, once they are on disk (:mod:`hf_wide.download` fetches them).
 
 The low-memory path (:func:`load_streaming`, DESIGN.md "The Hub"): member 0 is loaded alone for the trace and
 dropped; the wide model is then built from meta-device skeletons and filled member by member from the safetensors

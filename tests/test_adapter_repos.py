@@ -12,7 +12,7 @@ from lora_members import LLAMA, alone, lora_keys, save_adapter, save_llama_adapt
 from oracle import TOLERANCE, max_member_error
 
 from hf_wide import IncompatibleMembersError, WideModel
-from hf_wide.hub import MemberLoadError
+from hf_wide.download import MemberLoadError
 
 
 @pytest.fixture(scope="module")

@@ -181,7 +181,7 @@ def test_a_folder_without_weights_is_refused(saved_members, tmp_path):
 
 from hub_server import TOKEN, hub  # noqa: E402, F401  (the fixture)
 
-from hf_wide.hub import MemberLoadError  # noqa: E402
+from hf_wide.download import MemberLoadError  # noqa: E402
 
 
 @pytest.fixture

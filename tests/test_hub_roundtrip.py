@@ -11,7 +11,7 @@ from oracle import TOLERANCE, main_output, max_member_error
 from safetensors.torch import load_file, save_file
 
 from hf_wide import IncompatibleMembersError, WideModel
-from hf_wide.hub import MemberLoadError
+from hf_wide.download import MemberLoadError
 
 CASE = CASES["bert-seqcls"]
 IDS = ["alice/seed-0", "alice/seed-1", "alice/seed-2"]

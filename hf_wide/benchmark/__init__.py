@@ -182,7 +182,7 @@ def _cli(args: argparse.Namespace) -> int:
         run_pipeline_benchmark(threads=args.threads, json_path=args.json)
         return 0
     from ..compat import IncompatibleMembersError
-    from ..hub import MemberLoadError
+    from ..download import MemberLoadError
 
     try:
         records = run_benchmark(args.preset, models=args.models, batch=args.batch, seq=args.seq,

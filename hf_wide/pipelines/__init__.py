@@ -56,7 +56,7 @@ def pipeline(
     """
     if task not in TASKS:
         raise ValueError(f"Unknown task {task!r}: hf-wide has {', '.join(sorted(TASKS))}.")
-    from ..hub import as_ids
+    from ..download import as_ids
 
     sources = None if isinstance(model, WideModel) else as_ids(model)  # ids: a folder may be a pathlib.Path
     wide = model if isinstance(model, WideModel) else WideModel.from_pretrained(

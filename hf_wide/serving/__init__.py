@@ -148,7 +148,7 @@ def serve(model_ids: Sequence[str] | str, task: str = "text-classification", *, 
     send), then shut Serve (and a local Ray) down. ``high_throughput``: Ray Serve's high-throughput mode for the
     local Ray (see :data:`HIGH_THROUGHPUT_ENV`; HAProxy's stats and metrics take free ports where Ray's defaults
     are taken: :func:`haproxy_ports`). Raises, for a local Ray before it starts, :class:`PortInUse`,
-    :class:`~hf_wide.hub.MemberLoadError` (:func:`fetch_members`) and ``ValueError`` (:func:`check_head`), and
+    :class:`~hf_wide.download.MemberLoadError` (:func:`fetch_members`) and ``ValueError`` (:func:`check_head`), and
     :class:`ServeStartError` with the replicas' own error where they could not load the model."""
     require_ray()
     import ray
@@ -201,8 +201,8 @@ class ServeStartError(RuntimeError):
 def fetch_members(model_ids: Sequence[str] | str, options: dict) -> list[Path]:
     """Fetch every member here, with ``options``' revision, token and download options: a local Ray's replicas then
     find them in the cache, and a typo, a private repo without a token or a revision that is not there is a
-    :class:`~hf_wide.hub.MemberLoadError` now, rather than each replica's failure in turn. Returns their folders."""
-    from ..hub import HUB_KWARGS, as_ids, download_members
+    :class:`~hf_wide.download.MemberLoadError` now, rather than each replica's failure in turn. Returns their folders."""
+    from ..download import HUB_KWARGS, as_ids, download_members
 
     hub_kwargs = {k: v for k, v in (options.get("model_kwargs") or {}).items() if k in HUB_KWARGS}
     if options.get("token") is not None:

@@ -39,7 +39,7 @@ def register_cli(sub) -> None:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from ..hub import MemberLoadError
+    from ..download import MemberLoadError
     from . import HIGH_THROUGHPUT_HINT, INSTALL, PortInUse, ServeStartError, serve
 
     try:
