@@ -62,8 +62,8 @@ def _fuse(args: argparse.Namespace) -> int:
     subfolder = args.subfolder[0] if args.subfolder and len(args.subfolder) == 1 else args.subfolder
     try:
         wide = WideModel.from_pretrained(
-            args.models, revision=revision, subfolder=subfolder, dtype=args.dtype, token=args.token, local_files_only=args.offline,
-            allow_pickle=args.allow_pickle, trust_remote_code=args.trust_remote_code,
+            args.models, revision=revision, subfolder=subfolder, dtype=args.dtype, token=args.token,
+            local_files_only=args.offline, allow_pickle=args.allow_pickle, trust_remote_code=args.trust_remote_code,
             allow_label_mismatch=args.allow_label_mismatch, base_model=args.base_model,
             base_revision=args.base_revision, merge=args.merge)
         print(wide.plan if args.plan else wide.plan.summary())
