@@ -73,8 +73,8 @@ def load_wide(
         raise ValueError("WideModel.from_pretrained needs at least one model id; got an empty list.")
     torch_dtype, device = resolve_dtype(dtype), resolve_device(device, device_map)
     model_kwargs = {} if attn_implementation is None else {"attn_implementation": attn_implementation}
-    folders = download_members(ids, revision, subfolder=subfolder, allow_pickle=allow_pickle, **hub_kwargs)
     subfolders = subfolders_of(subfolder, len(ids))
+    folders = download_members(ids, revision, subfolder=subfolders, allow_pickle=allow_pickle, **hub_kwargs)
     names = [member_name(i, model_id, sub) for i, (model_id, sub) in enumerate(zip(ids, subfolders))]
     fused = [name for name, folder in zip(names, folders) if read_section(folder) is not None]
     adapters = [adapter_config(folder) for folder in folders]

@@ -61,7 +61,8 @@ class WideModel(WideHubMixin, nn.Module):
     member_subfolders: list[str | None] | None = None  # where in its repo each member was, where one was given
     member_peft_configs: list[dict] | None = None  # each PeftModel member's own (the fused model holds member 0's)
     members_group = None  # a MemberGroup when the members are split over ranks (hf_wide.parallel)
-    # parameters some members train and others keep fixed: held stacked, each trained or not as member 0's is
+    # parameters some members train and others keep fixed: held stacked, so a training forward is refused
+    # (hf_wide.training)
     differently_trained: tuple[str, ...] = ()
 
     def __init__(
