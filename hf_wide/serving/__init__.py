@@ -199,9 +199,10 @@ class ServeStartError(RuntimeError):
 
 
 def fetch_members(model_ids: Sequence[str] | str, options: dict) -> list[Path]:
-    """Fetch every member here, with ``options``' revision, token and download options: a local Ray's replicas then
-    find them in the cache, and a typo, a private repo without a token or a revision that is not there is a
-    :class:`~hf_wide.download.MemberLoadError` now, rather than each replica's failure in turn. Returns their folders."""
+    """Fetch every member here, with ``options``' revision, subfolder, token and download options: a local Ray's
+    replicas then find them in the cache, and a typo, a private repo without a token or a revision or subfolder that
+    is not there is a :class:`~hf_wide.download.MemberLoadError` now, rather than each replica's failure in turn.
+    Returns their folders."""
     from ..download import HUB_KWARGS, as_ids, download_members
 
     hub_kwargs = {k: v for k, v in (options.get("model_kwargs") or {}).items() if k in HUB_KWARGS}
@@ -209,7 +210,9 @@ def fetch_members(model_ids: Sequence[str] | str, options: dict) -> list[Path]:
         hub_kwargs["token"] = options["token"]
     ids = as_ids(model_ids)
     allow_pickle = bool((options.get("model_kwargs") or {}).get("allow_pickle", False))
-    return download_members(ids, options.get("revision"), allow_pickle=allow_pickle, **hub_kwargs)
+    subfolder = options.get("subfolder") or (options.get("model_kwargs") or {}).get("subfolder")
+    return download_members(ids, options.get("revision"), subfolder=subfolder, allow_pickle=allow_pickle,
+                            **hub_kwargs)
 
 
 def check_head(folder: Path, task: str) -> None:

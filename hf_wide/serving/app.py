@@ -95,12 +95,14 @@ class WideServer:
 
 def build_app(model_ids: Sequence[str] | str, task: str = "text-classification", *, replicas: int = 1,
               max_batch_size: int = 32, batch_wait_ms: float = BATCH_WAIT_MS, num_cpus: float | None = None,
-              max_constructor_retry_count: int | None = None, **pipeline_options) -> serve.Application:
+              max_constructor_retry_count: int | None = None, subfolder: str | Sequence[str] | None = None,
+              **pipeline_options) -> serve.Application:
     """The Ray Serve application serving ``model_ids`` (members, a fused repo, adapters, local folders) for
     ``task``; ``num_cpus`` is what Ray reserves for each replica (Ray's default: 1; it also sets the replica's
     torch threads), ``max_constructor_retry_count`` how many times Ray Serve starts a replica whose constructor failed
-    (its default: three per replica, at most 20), and ``pipeline_options`` go to :func:`hf_wide.pipeline`
-    (``combine``, ``compile``, ``batch_size``, ``revision``, ``token``, ...)."""
+    (its default: three per replica, at most 20), ``subfolder`` where in its repo each member is (one for all, or
+    one per member, as :meth:`~hf_wide.WideModel.from_pretrained` takes it), and ``pipeline_options`` go to
+    :func:`hf_wide.pipeline` (``combine``, ``compile``, ``batch_size``, ``revision``, ``token``, ...)."""
     from ..pipelines import Combine
     from .tasks import check_task
 
@@ -113,6 +115,8 @@ def build_app(model_ids: Sequence[str] | str, task: str = "text-classification",
                          "combination rule (mean, vote, ...); every member's answer comes with it.")
     if (combine == Combine.WEIGHTED) != (pipeline_options.get("weights") is not None):
         raise ValueError("combine='weighted' takes weights, one per member (--weights), and the other rules none.")
+    if subfolder:
+        pipeline_options["model_kwargs"] = {**(pipeline_options.get("model_kwargs") or {}), "subfolder": subfolder}
     pipeline_options.setdefault("batch_size", max_batch_size)  # one Ray batch, one forward where it fits
     options = {"num_replicas": replicas, "ray_actor_options": {} if num_cpus is None else {"num_cpus": num_cpus}}
     if max_constructor_retry_count is not None:
@@ -132,6 +136,8 @@ def app_builder(args: dict) -> serve.Application:
             route_prefix: /
             import_path: hf_wide.serving.app:app_builder
             args: {models: [org/a, org/b], task: text-classification, max_batch_size: 32}
+
+    ``subfolder`` is one folder for every member, or one per member (comma-separated or a YAML list).
     """
     options = dict(args)
     if "models" not in options:
@@ -155,10 +161,16 @@ def _flag(value) -> bool:
     raise ValueError(f"Expected true or false, got {value!r}.")
 
 
+def _subfolders(value) -> str | list[str]:
+    """One subfolder for every member, or one per member (comma-separated or a YAML list)."""
+    folders = [v.strip() for v in value.split(",")] if isinstance(value, str) else [str(v) for v in value]
+    return folders[0] if len(folders) == 1 else folders
+
+
 def _numbers(value) -> list[float]:
     """Weights as a YAML list or comma-separated text."""
     return [float(v) for v in (value.split(",") if isinstance(value, str) else value)]
 
 
 _ARGS = {"task": str, "replicas": int, "max_batch_size": int, "batch_wait_ms": float, "num_cpus": float,
-         "combine": str, "weights": _numbers, "compile": _flag, "revision": str, "batch_size": int}
+         "combine": str, "weights": _numbers, "compile": _flag, "revision": str, "batch_size": int, "subfolder": _subfolders}

@@ -35,6 +35,9 @@ def register_cli(sub) -> None:
                        help="Ray Serve's high-throughput mode for the Ray this starts: HAProxy on the port, sending "
                             "each request straight to a replica")
     serve.add_argument("--revision", default=None)
+    serve.add_argument("--subfolder", nargs="+", metavar="DIR", default=None,
+                       help="where in its repo each member is (a training run's checkpoint-N, say): one for all, or "
+                            "one per member")
     serve.set_defaults(func=_serve)
 
 
@@ -52,6 +55,8 @@ def _serve(args: argparse.Namespace) -> int:
         options["weights"] = args.weights
     if args.revision is not None:
         options["revision"] = args.revision
+    if args.subfolder:
+        options["subfolder"] = args.subfolder[0] if len(args.subfolder) == 1 else args.subfolder
     if args.high_throughput and args.address is not None:
         print(f"hf-wide serve: error: --high-throughput applies to the Ray this command starts, not to one at "
               f"--address: {HIGH_THROUGHPUT_HINT}", file=sys.stderr)

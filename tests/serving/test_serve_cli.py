@@ -138,6 +138,26 @@ def test_what_would_fail_in_the_replicas_is_said_before_ray_starts(tmp_path, cap
     assert "hf-wide serve: error: " + says.format(missing=missing) in capsys.readouterr().err
 
 
+def test_members_in_subfolders_are_fetched_from_them_before_ray_starts(tmp_path, capsys, no_ray):
+    # The folder (or repo) and its members' subfolders, one for all or one each, fetched and checked here: their
+    # head is read from the subfolders (these are classifiers, which text generation refuses), and a subfolder that
+    # is not there is said before Ray starts. Serving from subfolders: test_server.py (feature extraction).
+    from hf_wide.cli import main
+    from hf_wide.download import MemberLoadError
+    from hf_wide.serving import serve
+
+    paths = save_members(tmp_path, build_members("bert-seqcls", 2), bert_tokenizer(tmp_path / "tok"))
+    root, port = str(tmp_path), str(free_port())
+    assert main(["serve", root, root, "--subfolder", *(Path(p).name for p in paths), "--task", "text-generation",
+                 "--port", port]) == 2
+    assert "these are BertForSequenceClassification models" in capsys.readouterr().err
+    assert main(["serve", root, "--subfolder", "m7", "--port", port]) == 2
+    assert (f"hf-wide serve: error: member 0 ({root}, subfolder 'm7'): there is no folder 'm7'"
+            in capsys.readouterr().err)
+    with pytest.raises(MemberLoadError, match="subfolder 'm7'"):  # the pipeline's own spelling of it
+        serve([root], "text-classification", port=int(port), model_kwargs={"subfolder": "m7"})
+
+
 def test_a_model_the_replicas_cannot_load_is_said_in_its_own_words(tmp_path):
     # Not only Ray's "Deploying application hf-wide failed: Failed to update the deployments ['WideServer']".
     tokenizer = bert_tokenizer(tmp_path / "tok")

@@ -104,9 +104,12 @@ def servers(tmp_path_factory):
             found = {"text-classification": (url, pipeline("text-classification", model=ids))}
             for task in ("token-classification", "feature-extraction", "image-classification", "text-generation"):
                 paths = members_of(root, task)
-                if task == "feature-extraction":  # as `serve run hf_wide.serving.app:app_builder models=...` builds it
-                    app = app_builder({"models": ",".join(paths), "task": task, "num_cpus": str(SMALL),
-                                       "batch_wait_ms": "20"})
+                if task == "feature-extraction":  # as `serve run hf_wide.serving.app:app_builder models=...` builds
+                    # it, the members named as subfolders of one folder (a training run's checkpoints, say)
+                    folder = str(Path(paths[0]).parent)
+                    app = app_builder({"models": ",".join([folder] * len(paths)), "task": task,
+                                       "subfolder": ",".join(Path(p).name for p in paths),
+                                       "num_cpus": str(SMALL), "batch_wait_ms": "20"})
                 else:
                     app = build_app(paths, task, num_cpus=SMALL, batch_wait_ms=20)
                 ray_serve.run(app, name=task, route_prefix=f"/{task}")
