@@ -18,7 +18,8 @@ from .adapters import adapter_config, load_adapter_members
 from .download import as_ids, check_hub_kwargs, commit_sha, download_members, member_name, per_member, subfolders_of
 from .fuse import needs_verifying
 from .loading import load_models, load_streaming, resolve_device, resolve_dtype, verified, weights_format
-from .saving import load_fused, read_section
+from .fused_load import load_fused
+from .saving import read_section
 from .samples import sample_inputs
 
 
