@@ -35,36 +35,17 @@ import warnings
 from collections import defaultdict
 from collections.abc import Sequence
 
-import torch
 from torch import nn
 
 from .fallback_roots import (common_ancestor, is_under, loop_reason, outermost_roots, rewriting_ancestor, rows_root,
                              unbatched_root)
 from .plan import OWN_CODE_LOOP, STACKED_LOOP, Demotions, Kind, ModulePlan, WidePlan
-from .primitives.base import same_value
-from .structure import (Opaque, block_structure_known, opaque_modules, partly_frozen, tied_to_differing,
-                        without_alike_parametrized)
-from .registry import (
-    declares_stacked_reads,
-    find_block,
-    find_rewrite,
-    find_wide,
-    stacked_read_consumers,
-)
+from .planner_rules import block_refusal, declared_reader, direct_tensors, fusable, outside_readers, same_tensors
+from .registry import declares_stacked_reads, find_block, find_rewrite, find_wide
+from .structure import Opaque, opaque_modules, tied_to_differing, without_alike_parametrized
 from .sample_trace import trace_members
 from .samples import sample_inputs
 from .tracer import Trace
-
-
-def direct_tensors(module: nn.Module) -> dict[str, torch.Tensor]:
-    """A module's own parameters and buffers (not its children's)."""
-    tensors = {k: v for k, v in module._parameters.items() if v is not None}
-    tensors.update({k: v for k, v in module._buffers.items() if v is not None})
-    return tensors
-
-
-def _same(tensors: Sequence[torch.Tensor]) -> bool:
-    return all(same_value(t, tensors[0]) for t in tensors[1:])
 
 
 def tensor_aliases(model: nn.Module) -> dict[str, list[str]]:
@@ -92,144 +73,13 @@ def make_plan(
     parts instead, a primitive or kept module runs per member, vectorised first, then in a loop. ``opaque``:
     :func:`~hf_wide.structure.opaque_modules` of the members, taken before the trace ran member 0 (a module that
     keeps state from its last forward, as Funnel's attention structure does, would differ after it)."""
-    template = members[0]
-    flops = flops or {}
-    demotions = demotions or Demotions()
-    demoted = {**demotions.unfused, **demotions.per_member}
-    member_modules = [dict(m.named_modules()) for m in members]
-    aliases = tensor_aliases(template)
-    modules = dict(template.named_modules())
-    entries: dict[str, ModulePlan] = {}
-    opaque = opaque_modules(members) if opaque is None else opaque
-    tied = set()
-    if share_identical:  # a parametrized module the members hold alike: shared (rule 1)
-        opaque = without_alike_parametrized(opaque, member_modules)
-        tied = tied_to_differing(member_modules, aliases, _same)  # ... unless tied to one that differs
-    fallback_roots: dict[str, str] = {**{p: o.reason for p, o in opaque.items() if not o.block_may_take},
-                                      **demotions.per_member}
-    stacked_reads = []  # (module, its declared reader, consumer classes, differs between members, plan fields)
-    notes = list(trace.warnings)
-
-    blocks: list[str] = []
-    for fqn, module in template.named_modules():
-        if any(is_under(fqn, root) for root in blocks):
-            continue
-        block_cls, refused = find_block(module), ""
-        if block_cls is not None and fqn in demoted:
-            notes.append(f"{fqn or '(model)'}: {block_cls.__name__} {demoted[fqn]}; planned by its parts")
-            block_cls = None
-        if block_cls is not None:
-            refusal = _block_refusal(fqn, block_cls, member_modules, fallback_roots)
-            if refusal is not None:
-                notes.append(f"{fqn or '(model)'}: not a {block_cls.__name__} block: {refusal}")
-                refused = f" (which a {block_cls.__name__} would take, but {refusal})"
-                block_cls = None
-        if block_cls is not None and not _fusable(fqn, block_cls, member_modules, aliases, trace, share_identical):
-            block_cls = None
-        if block_cls is None and fqn in opaque and opaque[fqn].block_may_take:  # its members differ: own code
-            fallback_roots.setdefault(fqn, opaque[fqn].reason + refused)
-        if block_cls is not None:
-            blocks.append(fqn)
-            entries[fqn] = ModulePlan(
-                fqn=fqn, module_class=type(module).__name__, kind=Kind.BLOCK, wide_class=block_cls.__name__,
-                params=sum(p.numel() for p in module.parameters()), flops=flops.get(fqn, 0),
-            )
-            continue
-        tensors = direct_tensors(module)
-        if not tensors:
-            continue
-        kind_args = dict(fqn=fqn, module_class=type(module).__name__, flops=flops.get(fqn, 0))
-        kind_args["params"] = sum(p.numel() for p in module.parameters(recurse=False))
-        differing = [
-            name for name in tensors
-            if not share_identical or (f"{fqn}.{name}" if fqn else name) in tied
-            or not _same([direct_tensors(mods[fqn])[name] for mods in member_modules])
-        ]
-        outside = _outside_readers(fqn, list(tensors), aliases, trace)
-        declared = _declared_reader(fqn, outside, modules) if outside else None
-        if declared is not None:  # planned below, once the blocks its reader feeds are known
-            stacked_reads.append((fqn, *declared, bool(differing), [r for _, r in outside], kind_args))
-            continue
-        if not differing:
-            entries[fqn] = ModulePlan(kind=Kind.SHARED, reason="identical in every member", **kind_args)
-            continue
-        outside = [(name, reader) for name, reader in outside if name in differing]
-        wide_cls = find_wide(type(module))
-        if fqn in demoted:
-            pass  # a fallback root already
-        elif outside:
-            name, reader = outside[0]
-            root = common_ancestor([fqn] + [r for _, r in outside])
-            fallback_roots.setdefault(root, f"{fqn}.{name} is read in {reader or '(model)'}")
-        elif wide_cls is None:
-            raw = ", ".join(differing)
-            root = rows_root(fqn, trace.escapes, trace.takes)
-            fallback_roots.setdefault(root, f"no wide builder for {type(module).__name__} (tensors: {raw})"
-                                      + ("" if root == fqn else f", and {root} gives it its rows"))
-        else:
-            entries[fqn] = ModulePlan(kind=Kind.PRIMITIVE, wide_class=wide_cls.__name__, **kind_args)
-
-    for fqn, reader, consumers, differs, direct, kind_args in stacked_reads:
-        fed = [p for p, m in modules.items() if is_under(p, reader) and type(m) in consumers]
-        unfused = [p for p in fed if p not in blocks]
-        wide_readers = [r for r in direct if r in entries and entries[r].kind != Kind.SHARED]
-        if not differs and len(unfused) == len(fed) and not wide_readers:
-            # one copy, read by the source's own modules, as they expect
-            entries[fqn] = ModulePlan(kind=Kind.SHARED, reason="identical in every member", **kind_args)
-            continue
-        wide_cls = find_wide(type(modules[fqn]))  # stacked, even where identical: the fused blocks read it so
-        if unfused or wide_cls is None:
-            why = f"but {unfused[0]} is not a fused block" if unfused else "but it has no wide builder"
-            fallback_roots.setdefault(reader, f"{fqn} is read stacked in {reader or '(model)'}, {why}")
-        else:
-            entries[fqn] = ModulePlan(kind=Kind.PRIMITIVE, wide_class=wide_cls.__name__, **kind_args)
-    rewrites: dict[str, str] = {}
-    for path, op in trace.mixing.items():
-        rewrite = find_rewrite(modules[path]) if path in modules else None
-        if rewrite and getattr(rewrite[0], "mixes_rows", False) and path not in fallback_roots and path not in demoted:
-            rewrites[path] = f"{op} mixes batch rows in its own code"  # (CLIP's texts by its images)
-        else:
-            fallback_roots.setdefault(path, f"{op} mixes batch rows")
-    for path, (op, uses) in trace.unbatched.items():
-        shared = path in entries and entries[path].kind == Kind.SHARED  # one copy: every member sees the same
-        handled = any(is_under(path, b) for b in blocks) or any(  # a block or a declared reader feeds it stacked
-            declares_stacked_reads(modules[p]) for p in modules if p and is_under(path, p)) or any(
-            all(is_under(p, root) for p in (path, *uses)) for root in opaque)  # all inside a module run per member
-        rewritten = rewriting_ancestor(path, modules, demoted)
-        if rewritten is not None:  # its method computes every member's result from the stacked tensors
-            rewrites.setdefault(rewritten, f"{op} runs {path} on an input without the batch dim")
-        elif not (shared or handled):
-            root = unbatched_root(path, uses, trace.escapes)
-            fallback_roots.setdefault(root, f"{op} runs {path or '(model)'} on an input without the batch dim")
-    for fqn, why in rewrites.items():
-        rewrite_cls, reads = find_rewrite(modules[fqn])
-        unstacked = [r for r in reads if f"{fqn}.{r}" not in entries
-                     or entries[f"{fqn}.{r}"].kind not in (Kind.PRIMITIVE, Kind.SHARED)
-                     or any(is_under(f"{fqn}.{r}", root) for root in fallback_roots)]
-        if unstacked:
-            fallback_roots.setdefault(fqn, f"{why}, and {rewrite_cls.__name__} needs {fqn}.{unstacked[0]} stacked")
-        else:
-            entries[fqn] = ModulePlan(fqn=fqn, module_class=type(modules[fqn]).__name__, kind=Kind.REWRITTEN,
-                                      wide_class=rewrite_cls.__name__, reason=f"{why}: computed for every member")
-    loops = outermost_roots(fallback_roots, modules, trace.callers, aliases,
-                            lambda root: loop_reason(root, modules, opaque, demotions, member_modules))
-    outermost = list(loops)
-    entries = {f: e for f, e in entries.items() if not any(is_under(f, root) for root in outermost)}
-    for root in outermost:
-        module = modules[root]
-        loop, own_code = loops[root]
-        entries[root] = ModulePlan(
-            fqn=root,
-            module_class=type(module).__name__,
-            kind=Kind.VECTORISED if loop is None else Kind.FALLBACK,
-            wide_class=OWN_CODE_LOOP if own_code else STACKED_LOOP,
-            params=sum(p.numel() for p in module.parameters()),
-            flops=flops.get(root, 0),
-            reason=fallback_roots[root] + ("" if loop is None else f"; in a loop: {loop}"),
-        )
-    order = {name: i for i, name in enumerate(modules)}
-    entries = dict(sorted(entries.items(), key=lambda item: order[item[0]]))
-
+    planner = _Planner(members, trace, flops or {}, share_identical, demotions or Demotions(), opaque)
+    for fqn, module in planner.modules.items():  # rules 0-4, module by module
+        planner.plan_module(fqn, module)
+    planner.plan_stacked_reads()
+    planner.plan_rewrites()
+    entries = planner.entries_with_fallbacks()
+    template, notes = members[0], planner.notes
     if trace.method == "module tree":
         notes.append("export failed: this plan comes from the module tree alone; check it with validate=True")
         warnings.warn(f"hf-wide could not export {type(template).__name__}; planning from the module tree.")
@@ -239,76 +89,179 @@ def make_plan(
         entries=entries,
         trace_method=trace.method,
         sample_shape=sample_shape,
-        total_flops=flops.get("", 0),
+        total_flops=planner.flops.get("", 0),
         warnings=notes,
         input_roles={fqn: trace.roles[fqn] for fqn, e in entries.items()
                      if e.kind in (Kind.VECTORISED, Kind.FALLBACK) and fqn in trace.roles},
     )
 
 
-def _block_refusal(fqn: str, block_cls: type, member_modules, fallback_roots: dict[str, str]) -> str | None:
-    """Why the block cannot take the members' modules at ``fqn``, or None: something inside must run per member,
-    holds a module the block does not know, or the block declines the instance."""
-    inside = next((path for path in fallback_roots if is_under(path, fqn)), None)
-    if inside is not None:
-        return f"{inside or '(model)'} {fallback_roots[inside]}"
-    for modules in member_modules:
-        reason = block_structure_known(modules[fqn], block_cls.inner_blocks, block_cls.own_modules)
-        if reason is not None:
-            return reason
-    frozen = partly_frozen([modules[fqn] for modules in member_modules])
-    if frozen is not None:
-        return frozen
-    return next((why for modules in member_modules if (why := block_cls.refusal(modules[fqn])) is not None), None)
+class _Planner:
+    """One plan in the making: the entries decided so far, and the roots of what must run per member
+    (``fallback_roots``: path -> why), of which the outermost become fallbacks at the end."""
 
+    def __init__(self, members: Sequence[nn.Module], trace: Trace, flops: dict[str, int], share_identical: bool,
+                 demotions: Demotions, opaque: dict[str, Opaque] | None):
+        template = members[0]
+        self.trace, self.flops, self.share_identical, self.demotions = trace, flops, share_identical, demotions
+        self.demoted = {**demotions.unfused, **demotions.per_member}
+        self.member_modules = [dict(m.named_modules()) for m in members]
+        self.aliases = tensor_aliases(template)
+        self.modules = dict(template.named_modules())
+        self.entries: dict[str, ModulePlan] = {}
+        opaque = opaque_modules(members) if opaque is None else opaque
+        self.tied = set()
+        if share_identical:  # a parametrized module the members hold alike: shared (rule 1)
+            opaque = without_alike_parametrized(opaque, self.member_modules)
+            # ... unless tied to one that differs
+            self.tied = tied_to_differing(self.member_modules, self.aliases, same_tensors)
+        self.opaque = opaque
+        self.fallback_roots: dict[str, str] = {**{p: o.reason for p, o in opaque.items() if not o.block_may_take},
+                                               **demotions.per_member}
+        self.stacked_reads = []  # (module, its declared reader, consumer classes, differs between members, plan fields)
+        self.blocks: list[str] = []
+        self.notes = list(trace.warnings)
 
-def _fusable(fqn: str, block_cls, member_modules, aliases, trace: Trace, share_identical: bool) -> bool:
-    """A block candidate fuses if its subtree differs between members (else it is shared), no module
-    outside it reads its tensors (but those every member holds equal, in a block that keeps them as they are:
-    ``keeps_shared_tensors``, a LoRA embedding's base table tied to the output layer), and none of its ops mixes
-    batch rows."""
-    subtrees = [dict(modules[fqn].named_modules(prefix=fqn)) for modules in member_modules]
-    differs = not share_identical
-    for path, module in subtrees[0].items():
-        names = list(direct_tensors(module))
+    def plan_module(self, fqn: str, module: nn.Module) -> None:
+        """Rules 0-4 for one module (rule 2's declared reads wait for :meth:`plan_stacked_reads`)."""
+        if any(is_under(fqn, root) for root in self.blocks):
+            return
+        if self._plan_block(fqn, module):
+            return
+        tensors = direct_tensors(module)
+        if not tensors:
+            return
+        kind_args = dict(fqn=fqn, module_class=type(module).__name__, flops=self.flops.get(fqn, 0))
+        kind_args["params"] = sum(p.numel() for p in module.parameters(recurse=False))
+        differing = [
+            name for name in tensors
+            if not self.share_identical or (f"{fqn}.{name}" if fqn else name) in self.tied
+            or not same_tensors([direct_tensors(mods[fqn])[name] for mods in self.member_modules])
+        ]
+        outside = outside_readers(fqn, list(tensors), self.aliases, self.trace)
+        declared = declared_reader(fqn, outside, self.modules) if outside else None
+        if declared is not None:  # planned once the blocks its reader feeds are known
+            self.stacked_reads.append((fqn, *declared, bool(differing), [r for _, r in outside], kind_args))
+            return
+        if not differing:
+            self.entries[fqn] = ModulePlan(kind=Kind.SHARED, reason="identical in every member", **kind_args)
+            return
+        outside = [(name, reader) for name, reader in outside if name in differing]
+        wide_cls = find_wide(type(module))
+        if fqn in self.demoted:
+            pass  # a fallback root already
+        elif outside:
+            name, reader = outside[0]
+            root = common_ancestor([fqn] + [r for _, r in outside])
+            self.fallback_roots.setdefault(root, f"{fqn}.{name} is read in {reader or '(model)'}")
+        elif wide_cls is None:
+            raw = ", ".join(differing)
+            root = rows_root(fqn, self.trace.escapes, self.trace.takes)
+            self.fallback_roots.setdefault(root, f"no wide builder for {type(module).__name__} (tensors: {raw})"
+                                           + ("" if root == fqn else f", and {root} gives it its rows"))
+        else:
+            self.entries[fqn] = ModulePlan(kind=Kind.PRIMITIVE, wide_class=wide_cls.__name__, **kind_args)
 
-        def same(name: str) -> bool:  # compared only where asked: a pass over every member's values
-            return _same([direct_tensors(subtree[path])[name] for subtree in subtrees])
-
-        outside = _outside_readers(path, names, aliases, trace, within=fqn)
-        if any(not (block_cls.keeps_shared_tensors and same(name)) for name, _ in outside):
+    def _plan_block(self, fqn: str, module: nn.Module) -> bool:
+        """Rule 0: whether ``module``'s subtree is fused as one block (planned here if so)."""
+        block_cls, refused = find_block(module), ""
+        if block_cls is not None and fqn in self.demoted:
+            self.notes.append(f"{fqn or '(model)'}: {block_cls.__name__} {self.demoted[fqn]}; planned by its parts")
+            block_cls = None
+        if block_cls is not None:
+            refusal = block_refusal(fqn, block_cls, self.member_modules, self.fallback_roots)
+            if refusal is not None:
+                self.notes.append(f"{fqn or '(model)'}: not a {block_cls.__name__} block: {refusal}")
+                refused = f" (which a {block_cls.__name__} would take, but {refusal})"
+                block_cls = None
+        if block_cls is not None and not fusable(fqn, block_cls, self.member_modules, self.aliases, self.trace,
+                                                 self.share_identical):
+            block_cls = None
+        if block_cls is None and fqn in self.opaque and self.opaque[fqn].block_may_take:  # members differ: own code
+            self.fallback_roots.setdefault(fqn, self.opaque[fqn].reason + refused)
+        if block_cls is None:
             return False
-        differs = differs or not all(map(same, names))
-    return differs and not any(is_under(path, fqn) for path in trace.mixing)
+        self.blocks.append(fqn)
+        self.entries[fqn] = ModulePlan(
+            fqn=fqn, module_class=type(module).__name__, kind=Kind.BLOCK, wide_class=block_cls.__name__,
+            params=sum(p.numel() for p in module.parameters()), flops=self.flops.get(fqn, 0),
+        )
+        return True
 
+    def plan_stacked_reads(self) -> None:
+        """Rule 2's declared reads: shared where no member differs and only the source's own modules read the
+        tensors; stacked where the fused blocks the reader feeds read them; else the reader falls back."""
+        for fqn, reader, consumers, differs, direct, kind_args in self.stacked_reads:
+            fed = [p for p, m in self.modules.items() if is_under(p, reader) and type(m) in consumers]
+            unfused = [p for p in fed if p not in self.blocks]
+            wide_readers = [r for r in direct if r in self.entries and self.entries[r].kind != Kind.SHARED]
+            if not differs and len(unfused) == len(fed) and not wide_readers:
+                # one copy, read by the source's own modules, as they expect
+                self.entries[fqn] = ModulePlan(kind=Kind.SHARED, reason="identical in every member", **kind_args)
+                continue
+            wide_cls = find_wide(type(self.modules[fqn]))  # stacked, even where identical: the fused blocks read it so
+            if unfused or wide_cls is None:
+                why = f"but {unfused[0]} is not a fused block" if unfused else "but it has no wide builder"
+                self.fallback_roots.setdefault(reader, f"{fqn} is read stacked in {reader or '(model)'}, {why}")
+            else:
+                self.entries[fqn] = ModulePlan(kind=Kind.PRIMITIVE, wide_class=wide_cls.__name__, **kind_args)
 
-def _declared_reader(fqn: str, outside: list[tuple[str, str]], modules: dict[str, nn.Module]):
-    """(reader, consumer classes) when an ancestor of ``fqn`` declares every outside read of its tensors
-    (:func:`~hf_wide.registry.register_stacked_read`) and all of them happen inside that ancestor; else None."""
-    parts = fqn.split(".")
-    for depth in range(len(parts) - 1, -1, -1):
-        reader, path = ".".join(parts[:depth]), ".".join(parts[depth:])
-        declared = {stacked_read_consumers(modules[reader], f"{path}.{name}") for name, _ in outside}
-        if len(declared) == 1 and None not in declared and all(is_under(r, reader) for _, r in outside):
-            return reader, declared.pop()
-    return None
+    def plan_rewrites(self) -> None:
+        """Ops that mix batch rows, or run a module's tensors on an input without the batch dim: a rewrite computes
+        them per member where a module has one and the tensors it reads are stacked or shared; else they fall back."""
+        modules, entries, roots, trace = self.modules, self.entries, self.fallback_roots, self.trace
+        rewrites: dict[str, str] = {}
+        for path, op in trace.mixing.items():
+            rewrite = find_rewrite(modules[path]) if path in modules else None
+            if rewrite and getattr(rewrite[0], "mixes_rows", False) and path not in roots and path not in self.demoted:
+                rewrites[path] = f"{op} mixes batch rows in its own code"  # (CLIP's texts by its images)
+            else:
+                roots.setdefault(path, f"{op} mixes batch rows")
+        for path, (op, uses) in trace.unbatched.items():
+            shared = path in entries and entries[path].kind == Kind.SHARED  # one copy: every member sees the same
+            handled = any(is_under(path, b) for b in self.blocks) or any(  # a block or a declared reader: stacked
+                declares_stacked_reads(modules[p]) for p in modules if p and is_under(path, p)) or any(
+                all(is_under(p, root) for p in (path, *uses)) for root in self.opaque)  # all inside one run per member
+            rewritten = rewriting_ancestor(path, modules, self.demoted)
+            if rewritten is not None:  # its method computes every member's result from the stacked tensors
+                rewrites.setdefault(rewritten, f"{op} runs {path} on an input without the batch dim")
+            elif not (shared or handled):
+                root = unbatched_root(path, uses, trace.escapes)
+                roots.setdefault(root, f"{op} runs {path or '(model)'} on an input without the batch dim")
+        for fqn, why in rewrites.items():
+            rewrite_cls, reads = find_rewrite(modules[fqn])
+            unstacked = [r for r in reads if f"{fqn}.{r}" not in entries
+                         or entries[f"{fqn}.{r}"].kind not in (Kind.PRIMITIVE, Kind.SHARED)
+                         or any(is_under(f"{fqn}.{r}", root) for root in roots)]
+            if unstacked:
+                roots.setdefault(fqn, f"{why}, and {rewrite_cls.__name__} needs {fqn}.{unstacked[0]} stacked")
+            else:
+                entries[fqn] = ModulePlan(fqn=fqn, module_class=type(modules[fqn]).__name__, kind=Kind.REWRITTEN,
+                                          wide_class=rewrite_cls.__name__, reason=f"{why}: computed for every member")
 
-
-def _outside_readers(
-    fqn: str, names: list[str], aliases: dict[str, list[str]], trace: Trace, within: str | None = None
-) -> list[tuple[str, str]]:
-    """(tensor name, reader path) for each read of the module's tensors by a module that does not own them
-    (or, with ``within``, by a module outside that subtree)."""
-    found = []
-    for name in names:
-        full = f"{fqn}.{name}" if fqn else name
-        names_of_tensor = aliases.get(full, [full])
-        owners = [within] if within is not None else [n.rsplit(".", 1)[0] if "." in n else "" for n in names_of_tensor]
-        readers = set().union(*(trace.users.get(n, set()) for n in names_of_tensor))
-        for reader in sorted(readers):
-            if not any(is_under(reader, owner) for owner in owners):
-                found.append((name, reader))
-    return found
+    def entries_with_fallbacks(self) -> dict[str, ModulePlan]:
+        """The entries, in the model's module order, with the outermost fallback roots as fallbacks in place of
+        everything under them (vectorised, or a loop where vmap cannot run them)."""
+        modules = self.modules
+        loops = outermost_roots(self.fallback_roots, modules, self.trace.callers, self.aliases,
+                                lambda root: loop_reason(root, modules, self.opaque, self.demotions,
+                                                         self.member_modules))
+        outermost = list(loops)
+        entries = {f: e for f, e in self.entries.items() if not any(is_under(f, root) for root in outermost)}
+        for root in outermost:
+            module = modules[root]
+            loop, own_code = loops[root]
+            entries[root] = ModulePlan(
+                fqn=root,
+                module_class=type(module).__name__,
+                kind=Kind.VECTORISED if loop is None else Kind.FALLBACK,
+                wide_class=OWN_CODE_LOOP if own_code else STACKED_LOOP,
+                params=sum(p.numel() for p in module.parameters()),
+                flops=self.flops.get(root, 0),
+                reason=self.fallback_roots[root] + ("" if loop is None else f"; in a loop: {loop}"),
+            )
+        order = {name: i for i, name in enumerate(modules)}
+        return dict(sorted(entries.items(), key=lambda item: order[item[0]]))
 
 
 def plan_members(
