@@ -11,9 +11,11 @@ from pathlib import Path
 
 from safetensors import SafetensorError
 
+from . import __version__
 from .cpu import tune_cpu_allocator
 from .pipelines import TASKS, pipeline
 
+SUBFOLDER_HELP = "where in its repo each member is (a training run's checkpoint-N, say): one for all, or one per member"
 # What a member's files can raise beyond ValueError and OSError: a checkpoint cut short (hf-wide's reader, or
 # safetensors' own on its header)
 BAD_FILES = (EOFError, SafetensorError)
@@ -25,13 +27,24 @@ def _trace(args: argparse.Namespace) -> int:
     from .planner import plan_members
 
     try:
-        models, ids, _ = load_members(args.models, revision=args.revision, local_files_only=args.offline)
+        subfolder = args.subfolder[0] if args.subfolder and len(args.subfolder) == 1 else args.subfolder
+        models, ids, _ = load_members(args.models, revision=args.revision, subfolder=subfolder,
+                                      local_files_only=args.offline)
         check_compatible(models, ids, allow_label_mismatch=True)  # the plan is one for all: labels aside
     except (ValueError, OSError, *BAD_FILES) as exc:  # a member not found or cut short, other architectures
         print(f"hf-wide trace: error: {exc}", file=sys.stderr)
         return 2
     plan = plan_members(models, share_identical=len(models) > 1)
     print(plan)
+    return 0
+
+
+def _env(args: argparse.Namespace) -> int:
+    from .versions import environment
+
+    print("\nCopy-and-paste the text below in your GitHub issue.\n")
+    for name, value in environment().items():
+        print(f"- {name}: {value}")
     return 0
 
 
@@ -209,6 +222,7 @@ def _print_table(headers: list[str], rows: list[list[str]]) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hf-wide", description="Run N fine-tuned checkpoints as one wide model.")
+    parser.add_argument("--version", action="version", version=f"hf-wide {__version__}")
     parser.add_argument("--default-allocator", action="store_true",
                         help="keep the C library's malloc settings (by default glibc keeps freed memory for reuse: "
                              "large CPU batches run faster, the process stays at its peak memory; see hf_wide.cpu)")
@@ -218,6 +232,7 @@ def build_parser() -> argparse.ArgumentParser:
     trace.add_argument("models", nargs="+", help="Hub repo ids or local folders (one shows the architecture's plan)")
     trace.add_argument("--revision", default=None)
     trace.add_argument("--offline", action="store_true", help="use the local cache only")
+    trace.add_argument("--subfolder", nargs="+", metavar="DIR", default=None, help=SUBFOLDER_HELP)
     trace.set_defaults(func=_trace)
 
     demo = sub.add_parser("demo", help="fuse the embedded default ensemble and show what it does")
@@ -249,10 +264,13 @@ def build_parser() -> argparse.ArgumentParser:
                      help="token-classification: none, simple, first, average or max (default simple)")
     run.add_argument("--max-new-tokens", type=int, default=20, help="text-generation: tokens to generate")
     run.add_argument("--revision", default=None)
-    run.add_argument("--subfolder", nargs="+", metavar="DIR", default=None,
-                     help="where in its repo each member is (a training run's checkpoint-N, say): one for all, or one "
-                          "per member")
+    run.add_argument("--subfolder", nargs="+", metavar="DIR", default=None, help=SUBFOLDER_HELP)
     run.set_defaults(func=_run)
+
+    env = sub.add_parser("env", help="print the versions and settings a bug report needs",
+                         description="Prints hf-wide's, Python's and the libraries' versions, the accelerator and the "
+                                     "Hub settings, to paste into a bug report.")
+    env.set_defaults(func=_env)
 
     from .benchmark import register_cli
     from .cli_fuse import register_cli as register_fuse

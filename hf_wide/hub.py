@@ -181,6 +181,7 @@ def load_members(
     model_ids: Sequence[str],
     revision: str | Sequence[str | None] | None = None,
     *,
+    subfolder: str | Sequence[str | None] | None = None,
     dtype: str | torch.dtype | None = None,
     device: str | torch.device | None = None,
     allow_pickle: bool = False,
@@ -193,7 +194,7 @@ def load_members(
     model_ids = list(model_ids)
     if not model_ids:
         raise ValueError("WideModel.from_pretrained needs at least one model id; got an empty list.")
-    folders = download_members(model_ids, revision, allow_pickle=allow_pickle, **hub_kwargs)
+    folders = download_members(model_ids, revision, subfolder=subfolder, allow_pickle=allow_pickle, **hub_kwargs)
     adapters = [adapter_config(folder) for folder in folders]
     if any(adapters):
         models = load_adapter_members(model_ids, folders, adapters, allow_pickle=allow_pickle, device=device,

@@ -37,3 +37,37 @@ def pop_cache(kwargs: dict[str, Any]) -> Any:
     if len(given) > 1:
         raise TypeError(f"a cache was given under two names ({', '.join(CACHE_NAMES)}): pass it as one")
     return given[0] if given else None
+
+
+# The libraries a wide model's numbers depend on, or that hf-wide's extras bring, in the order `hf-wide env` lists them
+LIBRARIES = ("torch", "transformers", "huggingface_hub", "safetensors", "accelerate", "peft", "gradio", "ray")
+
+
+def environment() -> dict[str, str]:
+    """What a bug report needs (``hf-wide env``, as ``transformers env``): hf-wide's, Python's and the libraries'
+    versions, the accelerator, and the Hub settings (the endpoint, the cache, offline mode; never the token)."""
+    import importlib.metadata
+    import platform
+
+    import huggingface_hub.constants as hub
+    import torch
+
+    from . import __version__
+
+    found = {"hf-wide": __version__, "Python": platform.python_version(), "Platform": platform.platform()}
+    for name in LIBRARIES:
+        try:
+            found[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            found[name] = "not installed"
+    found["transformers supported"] = f">=5,<{'.'.join(map(str, TRANSFORMERS_BELOW))}"
+    if torch.cuda.is_available():
+        found["Accelerator"] = f"CUDA {torch.version.cuda}: {torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}"
+    elif torch.backends.mps.is_available():
+        found["Accelerator"] = "MPS"
+    else:
+        found["Accelerator"] = f"none (CPU, {torch.get_num_threads()} torch threads)"
+    found["Hub endpoint"] = hub.ENDPOINT
+    found["Hub cache"] = hub.HF_HUB_CACHE
+    found["Hub offline"] = str(hub.HF_HUB_OFFLINE)
+    return found

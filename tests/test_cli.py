@@ -1,8 +1,12 @@
 """The hf-wide command line."""
 
+import importlib.metadata
 import subprocess
 import sys
 
+import pytest
+import torch
+import transformers
 from conftest import CASES
 
 from hf_wide.cli import main
@@ -80,3 +84,24 @@ def test_console_script_help():
     result = subprocess.run([sys.executable, "-m", "hf_wide.cli", "--help"], capture_output=True, text=True)
     assert result.returncode == 0
     assert "trace" in result.stdout and "demo" in result.stdout
+
+
+def test_trace_of_members_in_subfolders_of_one_folder(tmp_path, capsys):
+    for seed in range(2):
+        CASES["bert-seqcls"].build(seed).save_pretrained(tmp_path / f"checkpoint-{seed}")
+    assert main(["trace", str(tmp_path), str(tmp_path), "--subfolder", "checkpoint-0", "checkpoint-1"]) == 0
+    assert "BertForSequenceClassification x 2 members" in capsys.readouterr().out
+    assert main(["trace", str(tmp_path), "--subfolder", "checkpoint-7"]) == 2
+    assert "subfolder 'checkpoint-7'): there is no folder" in capsys.readouterr().err
+
+
+def test_version_and_env_for_a_bug_report(capsys):
+    with pytest.raises(SystemExit) as done:
+        main(["--version"])
+    assert done.value.code == 0
+    assert capsys.readouterr().out.strip() == f"hf-wide {importlib.metadata.version('hf-wide')}"
+    assert main(["env"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert f"- torch: {torch.__version__}" in lines and f"- transformers: {transformers.__version__}" in lines
+    assert any(line.startswith("- Accelerator: ") for line in lines)
+    assert not any("token" in line.lower() for line in lines)
