@@ -191,7 +191,7 @@ def save_wide(wide, save_directory: str | Path, *, max_shard_size: int | str = D
 
             on_every_rank(group, lambda: save_file(tensors, str(directory / filename), metadata={"format": "pt"})
                               if writes else None, f"Writing {filename}")
-        del tensors
+        tensors.clear()  # this shard's stacked tensors freed before the next is stacked
     if not writes:
         return directory
     if split.is_sharded:
