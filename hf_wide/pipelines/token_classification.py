@@ -205,7 +205,8 @@ def _entities(units: list[dict], labels: list[str], strategy: AggregationStrateg
 
 
 def _tag(label: str) -> tuple[str, str]:
-    """("B" or "I", the tag): labels without a B-/I- prefix continue the previous entity."""
+    """("B" or "I", the tag) as transformers groups by it: labels without a B-/I- prefix (O, PER, and BIOES' E-PER
+    and S-LOC, whole) continue the previous entity where they are the same label."""
     if label.startswith(("B-", "I-")):
         return label[0], label[2:]
     return "I", label
@@ -224,7 +225,7 @@ def _adjacent_groups(entities: list[dict]) -> list[list[dict]]:
 
 def _group(entities: list[dict], tokenizer, with_uncertainty: bool) -> dict:
     group = {
-        "entity_group": _tag(entities[0]["entity"])[1],
+        "entity_group": entities[0]["entity"].split("-", 1)[-1],  # as transformers names it: E-PER, S-LOC too
         "score": float(np.mean([e["score"] for e in entities])),
         "word": tokenizer.convert_tokens_to_string([e["word"] for e in entities]),
         "start": entities[0]["start"],

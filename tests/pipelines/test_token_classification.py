@@ -128,6 +128,28 @@ def test_a_word_takes_its_first_tokens_label_and_uncertainty(setup):
             assert value == pytest.approx(np.mean([u[key] for u in inside]), abs=1e-6)
 
 
+@pytest.mark.parametrize("strategy", ["simple", "max"])
+def test_bioes_labels_are_grouped_and_named_as_transformers_does(setup, strategy):
+    # transformers names a group by its first label after the first "-", whatever the prefix (E-PER: PER), and groups
+    # only B-/I- labels across tags: hf-wide named E-PER and S-LOC groups whole, and so kept them past
+    # ignore_labels=["LOC"].
+    tokenizer = setup[0]
+    bioes = {0: "O", 1: "B-PER", 2: "E-PER", 3: "S-LOC", 4: "I-LOC"}
+    members = build_members("bert-tokcls", 2, bioes)
+    wide = WideModel.from_models(members)
+    for ignore in (None, ["O", "LOC"]):
+        options = {} if ignore is None else {"ignore_labels": ignore}
+        results = pipeline("token-classification", model=wide, tokenizer=tokenizer, aggregation_strategy=strategy,
+                           **options)(TEXTS)
+        named = {e["entity_group"] for result in results for e in result["entities"]}
+        assert named and not named & {"E-PER", "S-LOC"}
+        for i, member in enumerate(members):
+            reference = transformers.pipeline("token-classification", model=member, tokenizer=tokenizer,
+                                              aggregation_strategy=strategy, **options)
+            for text, result in zip(TEXTS, results):
+                assert_same_entities(result["members"][i], reference(text))
+
+
 def test_members_with_reordered_labels_are_realigned_by_name(setup, tmp_path):
     tokenizer, members, wide = setup
     swapped = build_members("bert-tokcls", 3, LABELS)
