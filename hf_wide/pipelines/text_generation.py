@@ -81,6 +81,9 @@ class TextGenerationPipeline(WidePipeline):
             raise ValueError("Got an empty prompt: give the members some text to continue.")
         encoded = self.tokenizer(prompt, return_tensors="pt")
         ids, mask = encoded["input_ids"], encoded["attention_mask"]
+        if ids.shape[-1] == 0:  # a text that is no token (one the tokenizer drops whole): from BOS, as transformers
+            ids = torch.tensor([[self._bos_id(prompt)]])  # generates without input_ids (a row of padding alone was
+            mask = torch.ones_like(ids)  # continued, beside other prompts)
         max_new_tokens = max_new_tokens or self._default_new_tokens()
         budget = _max_length(self.tokenizer, self.model) - max_new_tokens  # positions left for the prompt
         if budget < 1:
@@ -240,6 +243,15 @@ class TextGenerationPipeline(WidePipeline):
             if eos is not None:
                 return [eos] if isinstance(eos, int) else list(eos)
         return []
+
+    def _bos_id(self, prompt: str) -> int:
+        """The token transformers' ``generate`` starts from without a prompt: the generation config's BOS."""
+        for source in (getattr(self.model.model, "generation_config", None), self.model.config, self.tokenizer):
+            bos = getattr(source, "bos_token_id", None)
+            if bos is not None:
+                return bos
+        raise ValueError(f"The prompt {prompt!r} is no token to the tokenizer, and the members have no bos_token_id "
+                         "to start from: give them some text they can read.")
 
     def _pad_id(self) -> int:
         for source in (getattr(self.model.model, "generation_config", None), self.tokenizer):

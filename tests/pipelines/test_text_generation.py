@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 import torch
 import transformers
+from tokenizers import normalizers
 from families import VOCAB, randomise_
 from lora_members import adapted
 from text_members import build_members, decoder_tokenizer, sentences
@@ -198,6 +199,24 @@ def test_long_prompts_keep_their_last_tokens_or_are_refused(setup):
     assert result["generated_text"] == tokenizer.decode(rows[0], skip_special_tokens=True)
     with pytest.raises(ValueError, match="room for 60"):
         pipe(words, max_new_tokens=4, truncation=False)
+
+
+def test_a_prompt_that_is_no_token_starts_from_bos_as_transformers_does(setup, tmp_path):
+    # A tokenizer that drops control characters reads "\x07" as no token: transformers' pipeline then generates from
+    # BOS; hf-wide raised an IndexError alone, and beside another prompt continued a row of padding.
+    _, members, wide = setup
+    tokenizer = decoder_tokenizer(tmp_path)
+    tokenizer.backend_tokenizer.normalizer = normalizers.BertNormalizer(
+        clean_text=True, handle_chinese_chars=False, strip_accents=False, lowercase=False)
+    assert tokenizer("\x07")["input_ids"] == []
+    pipe = pipeline("text-generation", model=wide, tokenizer=tokenizer, combine="none")
+    alone = pipe("\x07", max_new_tokens=NEW)
+    beside = pipe([PROMPTS[0], "\x07"], max_new_tokens=NEW, batch_size=2)[1]
+    assert beside == alone
+    for i, member in enumerate(members):
+        reference = transformers.pipeline("text-generation", model=member, tokenizer=tokenizer)
+        expected = reference("\x07", max_new_tokens=NEW, do_sample=False)[0]["generated_text"]
+        assert alone["members"][i]["generated_text"] == expected
 
 
 @pytest.mark.parametrize("options, call, error, match", [
