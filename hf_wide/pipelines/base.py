@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -255,11 +256,30 @@ def _length(features: dict[str, torch.Tensor]) -> int:
 
 
 def _max_length(tokenizer, model: WideModel) -> int:
+    """The most tokens an input may have: the tokenizer's ``model_max_length``, and the members' positions."""
     limit = getattr(tokenizer, "model_max_length", None)
+    if model not in _POSITIONS:
+        _POSITIONS[model] = _positions(model)
+    candidates = [v for v in (limit, _POSITIONS[model]) if isinstance(v, int) and 0 < v < 1_000_000]
+    return min(candidates) if candidates else 1_000_000
+
+
+_POSITIONS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # WideModel -> _positions(model)
+
+
+def _positions(model: WideModel) -> int | None:
+    """How many positions the members take: ``max_position_embeddings``, or fewer where a position table counts from
+    past its padding row (RoBERTa's and MPNet's positions start at ``padding_idx + 1``: a table of 514 rows takes 512
+    tokens, and a longer input indexed past it)."""
     config = model.config
     positions = getattr(config, "max_position_embeddings", None) if config is not None else None
-    candidates = [v for v in (limit, positions) if isinstance(v, int) and 0 < v < 1_000_000]
-    return min(candidates) if candidates else 1_000_000
+    for module in model.model.modules():
+        table = getattr(module, "position_embeddings", None)
+        pad, rows = getattr(table, "padding_idx", None), getattr(table, "num_embeddings", None)
+        if isinstance(pad, int) and isinstance(rows, int) and 0 <= pad < rows:
+            offset_limit = rows - pad - 1
+            return offset_limit if not isinstance(positions, int) else min(positions, offset_limit)
+    return positions
 
 
 def _item(outputs: dict[str, torch.Tensor], j: int, features: dict[str, torch.Tensor]) -> dict[str, Any]:

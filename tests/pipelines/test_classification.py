@@ -180,6 +180,23 @@ def test_over_long_text_is_truncated_unless_refused(pipe):
         pipe(long_text, truncation=False)
 
 
+def test_positions_counted_past_the_padding_row_bound_the_input(tmp_path):
+    # RoBERTa's positions start at padding_idx + 1 (here 2), so a table of 64 rows takes 62 tokens. With a tokenizer
+    # that sets no model_max_length, a longer text was cut at 64 and indexed past the table (an IndexError).
+    tokenizer = bert_tokenizer(tmp_path / "tok")
+    models = [CASES["roberta-seqcls"].build(seed) for seed in range(2)]
+    pipe = pipeline("text-classification", model=WideModel.from_models(models), tokenizer=tokenizer)
+    assert tokenizer.model_max_length > 10**6
+    long_text = " ".join(["cat"] * 80)
+    result = pipe(long_text)
+    encoded = tokenizer(long_text, truncation=True, max_length=62, return_tensors="pt")
+    with torch.no_grad():
+        alone = [m(**encoded).logits[0].softmax(-1) for m in models]
+    assert result["score"] == pytest.approx(float(torch.stack(alone).mean(0).max()), abs=1e-5)
+    with pytest.raises(ValueError, match="over the model's maximum of 62"):
+        pipe(long_text, truncation=False)
+
+
 # ---------------------------------------------------------------- images
 
 @pytest.fixture(scope="module")
