@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 from collections.abc import Callable, Sequence
 from itertools import chain
 from pathlib import Path
@@ -162,7 +163,31 @@ def empty_model(model_class: type, config, dtype: torch.dtype | None, **model_kw
     with init_empty_weights(include_buffers=False):
         model = model_class._from_config(copy.deepcopy(config), dtype=dtype, **model_kwargs)
     model.tie_weights()  # accelerate's meta parameters break the ties made inside its context
+    if dtype is not None:
+        keep_in_float32_(model, dtype)
     return model.eval()
+
+
+def keep_in_float32_(model: nn.Module, dtype: torch.dtype) -> None:
+    """The tensors that transformers' ``from_pretrained`` keeps in float32 when it loads ``model`` in ``dtype``
+    (``_keep_in_fp32_modules`` in float16, ``_keep_in_fp32_modules_strict`` in bfloat16 too: T5's ``wo``) made float32
+    here as well, as its ``_from_config`` does not: a fused repo of half-precision T5s computed ``wo`` in half
+    precision, 3e-3 off each member. Ties are kept."""
+    plan = model._get_dtype_plan(dtype) if hasattr(model, "_get_dtype_plan") else {}
+    if not plan:
+        return
+    kept = re.compile("|".join(f"(?:{pattern.replace('*', '.*')})" for pattern in plan))  # searched, as transformers
+    done: dict[int, torch.Tensor] = {}
+    for name, tensor in [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]:
+        if not (kept.search(name) and tensor.is_floating_point() and tensor.dtype != torch.float32):
+            continue
+        if id(tensor) not in done:
+            wider = tensor.detach().to(torch.float32)
+            done[id(tensor)] = nn.Parameter(wider, tensor.requires_grad) if isinstance(tensor, nn.Parameter) else wider
+        owner, _, leaf = name.rpartition(".")
+        module = model.get_submodule(owner)
+        table = module._parameters if leaf in module._parameters else module._buffers
+        table[leaf] = done[id(tensor)]
 
 
 def skeleton_like(template: nn.Module, config=None, generation_config=None) -> nn.Module:

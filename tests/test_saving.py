@@ -219,6 +219,31 @@ def test_labels_per_member_and_dtype(tmp_path):
     assert {p.dtype for p in half.parameters()} == {torch.bfloat16}
 
 
+def test_a_fused_repo_keeps_in_float32_what_transformers_keeps(tmp_path):
+    # T5 keeps its feed-forward output `wo` in float32 when transformers loads it in float16 (_keep_in_fp32_modules).
+    # A fused repo loaded back built every tensor in float16: each member's output moved 3e-3 off its own, and
+    # save_members wrote `wo` rounded.
+    case = CASES["t5-encoder"]
+    members = [case.build(seed) for seed in range(2)]
+    for i, member in enumerate(members):
+        member.save_pretrained(tmp_path / f"m{i}")
+        member.to(torch.float16).save_pretrained(tmp_path / f"half{i}")
+    WideModel.from_pretrained([str(tmp_path / f"half{i}") for i in range(2)]).save_pretrained(tmp_path / "half")
+    WideModel.from_pretrained([str(tmp_path / f"m{i}") for i in range(2)]).save_pretrained(tmp_path / "full")
+    inputs = case.inputs(2, padded=True)
+    for repo, sources in (("half", "half"), ("full", "m")):
+        wide = WideModel.from_pretrained(str(tmp_path / repo), dtype=torch.float16)
+        alone = [transformers.T5EncoderModel.from_pretrained(tmp_path / f"{sources}{i}", dtype=torch.float16).eval()
+                 for i in range(2)]
+        kept = {n: p.dtype for n, p in alone[0].named_parameters() if p.dtype == torch.float32}
+        assert kept and all(n.endswith("wo.weight") for n in kept)  # what transformers keeps
+        assert {n: p.dtype for n, p in wide.member(0).named_parameters() if p.dtype == torch.float32} == kept
+        with torch.no_grad():
+            got = wide(**inputs).last_hidden_state
+            for i, member in enumerate(alone):
+                torch.testing.assert_close(got[i], member(**inputs).last_hidden_state, rtol=0, atol=1e-5)
+
+
 def test_save_members_gives_ordinary_checkpoints(fused, tmp_path, capfd):
     members, wide = fused("bert-seqcls")
     capfd.readouterr()
