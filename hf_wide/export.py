@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import json
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
@@ -17,7 +18,7 @@ from huggingface_hub.utils import tqdm as hf_tqdm
 
 from .checkpoints import WEIGHTS_INDEX_NAME
 from .loading import quiet_transformers_bars
-from .saving import copy_tokenizer_files, refuse_peft_without_sources, save_wide
+from .saving import CONFIG_KEY, TOKENIZER_PATTERNS, copy_tokenizer_files, refuse_peft_without_sources, save_wide
 
 
 # ---------------------------------------------------------------- members as ordinary repos
@@ -60,7 +61,8 @@ def push_wide(wide, repo_id: str, *, private: bool | None = None, token: str | N
               **save_kwargs):
     """Save ``wide`` as a fused repo in a temporary folder and upload it to ``repo_id`` in one commit (the repo is
     created if needed). A README.md already in the repo is kept unless ``overwrite_readme``; weight files of an
-    earlier upload that this one does not replace are deleted in the same commit. Returns the CommitInfo."""
+    earlier upload that this one does not replace are deleted in the same commit, and so are the tokenizer and
+    processor files of an earlier fused repo there (as ``save_pretrained`` over one). Returns the CommitInfo."""
     api = HfApi(token=token)
     group = wide.members_group  # member-parallel: every rank saves (rank 0 writes), rank 0 talks to the Hub
 
@@ -78,15 +80,25 @@ def push_wide(wide, repo_id: str, *, private: bool | None = None, token: str | N
         def upload():
             if not overwrite_readme and api.file_exists(repo_id, "README.md"):
                 (Path(tmp) / "README.md").unlink()
+            stale = ["model*.safetensors", WEIGHTS_INDEX_NAME]
+            if _holds_fused_repo(api, repo_id):  # its tokenizer is the earlier members' (as save_pretrained does)
+                stale += TOKENIZER_PATTERNS
             return api.upload_folder(
                 repo_id=repo_id,
                 folder_path=tmp,
                 commit_message=commit_message or f"Upload a wide model of {wide.num_members} members with hf-wide",
                 create_pr=create_pr,
-                delete_patterns=["model*.safetensors", WEIGHTS_INDEX_NAME],
+                delete_patterns=stale,
             )
 
         return on_hub(upload, f"Uploading to {repo_id}")
+
+
+def _holds_fused_repo(api: HfApi, repo_id: str) -> bool:
+    """Whether the repo's main branch holds a fused repo (a config.json with an ``hf_wide`` section)."""
+    if not api.file_exists(repo_id, "config.json"):
+        return False
+    return CONFIG_KEY in json.loads(Path(api.hf_hub_download(repo_id, "config.json")).read_text())
 
 
 def push_members(wide, repo_ids: Sequence[str], *, private: bool | None = None, token: str | None = None,

@@ -150,16 +150,14 @@ def save_wide(wide, save_directory: str | Path, *, max_shard_size: int | str = D
                                   "themselves (each rank's PeftModel members), or load them in one process.")
     directory = Path(save_directory)
     directory.mkdir(parents=True, exist_ok=True)
+    earlier = read_section(directory) is not None  # a fused repo saved here before: this one replaces it
     if getattr(wide, "adapter_sources", None) is not None:  # adapters of one base: the base referenced
         from .adapter_repos import save_adapter_ensemble
 
         section = {k: v for k, v in wide_config_section(wide, []).items() if k in (
             "format_version", "num_members", "member_ids", "member_revisions", "member_subfolders")}
         save_adapter_ensemble(wide, directory, section, repo_id, overwrite_readme)
-        copy_tokenizer_files(getattr(wide, "_source_dirs", None) or [], directory)
-        for preprocessor in (tokenizer, processor):
-            if preprocessor is not None:
-                preprocessor.save_pretrained(directory)
+        _save_preprocessors(wide, directory, tokenizer, processor, earlier)
         return directory
     group = wide.members_group  # member-parallel: every rank stacks its members, rank 0 writes (hf_wide.parallel)
     local = range(wide.num_members) if group is None else group.local
@@ -202,10 +200,7 @@ def save_wide(wide, save_directory: str | Path, *, max_shard_size: int | str = D
     generation_config = (wide.member_generation_configs or [None])[0]
     if generation_config is not None:
         generation_config.save_pretrained(directory)
-    copy_tokenizer_files(getattr(wide, "_source_dirs", None) or [], directory)
-    for preprocessor in (tokenizer, processor):
-        if preprocessor is not None:
-            preprocessor.save_pretrained(directory)
+    _save_preprocessors(wide, directory, tokenizer, processor, earlier)
     readme = directory / "README.md"
     if overwrite_readme or not readme.exists():
         readme.write_text(model_card(wide, repo_id))
@@ -240,19 +235,43 @@ def _save_config(wide, directory: Path, shared: Sequence[str]) -> None:
     path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
 
 
+def _save_preprocessors(wide, directory: Path, tokenizer, processor, earlier: bool) -> None:
+    """The members' tokenizer and processor files (where they all hold the same), then ``tokenizer`` and ``processor``
+    where given. Over an ``earlier`` fused repo, its own such files go first: left, they were the new repo's
+    tokenizer where the members' differ and none is saved."""
+    sources = getattr(wide, "_source_dirs", None) or []
+    if earlier and not any(_same_folder(source, directory) for source in sources):
+        for path in _preprocessor_files(directory):
+            path.unlink()
+    copy_tokenizer_files(sources, directory)
+    for preprocessor in (tokenizer, processor):
+        if preprocessor is not None:
+            preprocessor.save_pretrained(directory)
+
+
+def _preprocessor_files(folder: Path) -> list[Path]:
+    return sorted({p for pattern in TOKENIZER_PATTERNS for p in folder.glob(pattern) if p.is_file()})
+
+
+def _same_folder(a: str | Path, b: str | Path) -> bool:
+    return Path(a).exists() and Path(b).exists() and Path(a).samefile(b)
+
+
 def copy_tokenizer_files(source_dirs: Sequence[str | Path], directory: Path) -> list[str]:
     """Copy the tokenizer and processor files of ``source_dirs[0]`` into ``directory`` if every folder holds the
     same ones (byte for byte); warn and copy nothing if they differ. Returns the names copied."""
     if not source_dirs:
         return []
     first = Path(source_dirs[0])
-    names = sorted({p.name for pattern in TOKENIZER_PATTERNS for p in first.glob(pattern) if p.is_file()})
+    names = [p.name for p in _preprocessor_files(first)]
     for other in map(Path, source_dirs[1:]):
-        other_names = sorted({p.name for pattern in TOKENIZER_PATTERNS for p in other.glob(pattern) if p.is_file()})
+        other_names = [p.name for p in _preprocessor_files(other)]
         if other_names != names or any((first / n).read_bytes() != (other / n).read_bytes() for n in names):
             warnings.warn(f"The members' tokenizer or processor files differ ({first} and {other}): none were "
                           "saved. Pass tokenizer= (or processor=) to save the one to use.")
             return []
+    if _same_folder(first, directory):  # saved where it was loaded from: the files are there
+        return names
     for name in names:
         shutil.copyfile(first / name, directory / name)
     return names

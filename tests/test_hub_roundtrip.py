@@ -97,6 +97,19 @@ def test_push_keeps_a_readme_and_replaces_stale_shards(hub, published):
     assert sorted(f for f in files if f.startswith("model")) == ["model.safetensors"]
 
 
+def test_a_push_over_a_fused_repo_takes_its_tokenizer_away(hub, published, member_folders):
+    # The earlier members' tokenizer stayed beside members that have none (or whose tokenizers differ), and was the
+    # repo's. Another model's repo keeps what it holds.
+    fuse().push_to_hub("alice/wide-tok", token=TOKEN)
+    hub.publish("alice/theirs", {"tokenizer.json": "{}", "config.json": "{}"})
+    plain = WideModel.from_pretrained([str(p) for p in member_folders[1]])
+    for repo, kept in (("alice/wide-tok", set()), ("alice/theirs", {"tokenizer.json"})):
+        plain.push_to_hub(repo, token=TOKEN)
+        files = hub.repos[repo].commits[hub.repos[repo].branches["main"]].files
+        assert {f for f in files if f.startswith(("tokenizer", "vocab", "special"))} == kept
+        assert "model.safetensors" in files
+
+
 def test_private_fused_repo_needs_a_token(hub, published):
     fuse().push_to_hub("alice/private-wide", private=True, token=TOKEN)
     message = r"(?s)member 0 \(alice/private-wide\): RepositoryNotFoundError.*pass token="

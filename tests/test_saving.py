@@ -244,6 +244,49 @@ def test_a_fused_repo_keeps_in_float32_what_transformers_keeps(tmp_path):
                 torch.testing.assert_close(got[i], member(**inputs).last_hidden_state, rtol=0, atol=1e-5)
 
 
+def _members_with_tokenizers(folder, words_per_member):
+    """Saved bert-seqcls members, each with a BERT tokenizer over its own words; returns their folders."""
+    folders = []
+    folder.mkdir(parents=True, exist_ok=True)
+    for i, words in enumerate(words_per_member):
+        (folder / f"vocab{i}.txt").write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *words]) + "\n")
+        CASES["bert-seqcls"].build(i).save_pretrained(folder / f"m{i}")
+        transformers.BertTokenizer(str(folder / f"vocab{i}.txt")).save_pretrained(folder / f"m{i}")
+        folders.append(str(folder / f"m{i}"))
+    return folders
+
+
+def test_a_repo_saved_over_another_does_not_keep_its_tokenizer(tmp_path):
+    # Members whose tokenizers differ save none (warned); saved over a fused repo whose members shared one, that
+    # one's files stayed, and the new repo, and save_members' every member, carried another tokenizer.
+    alike = _members_with_tokenizers(tmp_path / "alike", [["good", "bad"]] * 2)
+    differ = _members_with_tokenizers(tmp_path / "differ", [["good", "bad"], ["good", "bad", "movie"]])
+    WideModel.from_pretrained(alike).save_pretrained(tmp_path / "repo")
+    assert (tmp_path / "repo" / "tokenizer_config.json").is_file()
+    with pytest.warns(UserWarning, match="tokenizer or processor files differ"):
+        WideModel.from_pretrained(differ).save_pretrained(tmp_path / "repo")
+    assert not [p.name for p in (tmp_path / "repo").iterdir() if p.name.startswith(("tokenizer", "vocab"))]
+    # A folder that is no fused repo keeps what it holds
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("mine")
+    WideModel.from_pretrained(alike).save_pretrained(tmp_path / "mine")
+    assert (tmp_path / "mine" / "notes.txt").read_text() == "mine"
+
+
+def test_a_fused_repo_saves_again_where_it_was_loaded_from(tmp_path):
+    # Its tokenizer files were copied onto themselves: shutil.SameFileError, after the weights were written.
+    folders = _members_with_tokenizers(tmp_path, [["good", "bad"]] * 2)
+    WideModel.from_pretrained(folders).save_pretrained(tmp_path / "repo")
+    tokenizer = (tmp_path / "repo" / "tokenizer.json").read_bytes()
+    back = WideModel.from_pretrained(str(tmp_path / "repo"))
+    back.save_pretrained(tmp_path / "repo", max_shard_size="100KB")
+    assert (tmp_path / "repo" / "tokenizer.json").read_bytes() == tokenizer
+    again = WideModel.from_pretrained(str(tmp_path / "repo"))
+    for i in range(2):
+        for key, value in again.member(i).state_dict().items():
+            assert torch.equal(value, back.member(i).state_dict()[key]), key
+
+
 def test_save_members_gives_ordinary_checkpoints(fused, tmp_path, capfd):
     members, wide = fused("bert-seqcls")
     capfd.readouterr()
