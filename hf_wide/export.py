@@ -98,7 +98,11 @@ def _holds_fused_repo(api: HfApi, repo_id: str) -> bool:
     """Whether the repo's main branch holds a fused repo (a config.json with an ``hf_wide`` section)."""
     if not api.file_exists(repo_id, "config.json"):
         return False
-    return CONFIG_KEY in json.loads(Path(api.hf_hub_download(repo_id, "config.json")).read_text())
+    try:
+        config = json.loads(Path(api.hf_hub_download(repo_id, "config.json")).read_text())
+    except ValueError:  # not JSON: no fused repo's
+        return False
+    return isinstance(config, dict) and CONFIG_KEY in config
 
 
 def push_members(wide, repo_ids: Sequence[str], *, private: bool | None = None, token: str | None = None,

@@ -81,9 +81,9 @@ class TextGenerationPipeline(WidePipeline):
             raise ValueError("Got an empty prompt: give the members some text to continue.")
         encoded = self.tokenizer(prompt, return_tensors="pt")
         ids, mask = encoded["input_ids"], encoded["attention_mask"]
-        if ids.shape[-1] == 0:  # a text that is no token (one the tokenizer drops whole): from BOS, as transformers
-            ids = torch.tensor([[self._bos_id(prompt)]])  # generates without input_ids (a row of padding alone was
-            mask = torch.ones_like(ids)  # continued, beside other prompts)
+        if ids.shape[-1] == 0:  # a text the tokenizer drops whole: BOS, where transformers' generate starts without
+            ids = torch.tensor([[self._bos_id(prompt)]])  # input_ids (beside other prompts, a row of padding was
+            mask = torch.ones_like(ids)  # continued)
         max_new_tokens = max_new_tokens or self._default_new_tokens()
         budget = _max_length(self.tokenizer, self.model) - max_new_tokens  # positions left for the prompt
         if budget < 1:
