@@ -21,6 +21,7 @@ from .adapters import PEFT_FORWARD_ARGS, runs_inner_model, without_peft_args
 from .capture import asks_for_capture, install_capture_hooks, require_recorded, reset_capture_hooks
 from .choices import install_choice_rows
 from .compat import member_names
+from .concurrency import GATE
 from .fold import Fold, fold_inputs, other_batches
 from .generation import generate_wide
 from .hub_mixin import WideHubMixin
@@ -28,6 +29,7 @@ from .losses import LABEL_ARGUMENTS, install_member_losses, member_loss_outputs,
 from .parallel import gather_members, gather_outputs, local_inputs
 from .plan import WidePlan
 from .primitives import PerMemberFallback, VectorisedFallback
+from .primitives.vectorised import copy_code_for_thread
 from .primitives.member_cache import contiguous_keys
 from .routers import asks_for_router_logits, member_router_logits, replace_router_logits
 from .swap import member_model
@@ -87,6 +89,7 @@ class WideModel(WideHubMixin, nn.Module):
         self._capture_hooks = False  # installed on the first forward that asks for attentions or hidden states
         self._unrecorded: dict[str, tuple[str, str]] = {}  # what they cannot record (hf_wide.capture): refused
         self._capture_lock = threading.Lock()
+        self._thread = threading.local()  # what this thread has made: its copies of the vectorised modules' code
         if isinstance(model, (VectorisedFallback, PerMemberFallback)):  # the whole model runs per member: its
             model.expands_broadcasts = False  # outputs are the caller's (CLIP's one image beside texts: (N, 1, ...))
         self._inner = runs_inner_model(model)  # a LoRA PeftModel: its transformers model is called directly
@@ -168,6 +171,15 @@ class WideModel(WideHubMixin, nn.Module):
         experts' load-balancing losses (:mod:`hf_wide.routers`)."""
         return self._run(None, args, kwargs)
 
+    def __call__(self, *args, **kwargs):
+        # Past the process's gate (hf_wide.concurrency): compiled, a call shares transformers' output collector
+        compiled = self._compiled_call_impl is not None
+        if compiled and not getattr(self._thread, "code", False):
+            copy_code_for_thread(self.model)
+            self._thread.code = True
+        with GATE.call(compiled, asks_for_capture(kwargs, self.config)):
+            return super().__call__(*args, **kwargs)
+
     def __getattr__(self, name: str):
         """The members' :data:`FEATURE_METHODS` (CLIP's ``get_text_features``, say), run as the forward runs: every
         member on the rows, each output ``(N, B, ...)``."""
@@ -178,7 +190,8 @@ class WideModel(WideHubMixin, nn.Module):
                 raise
 
         def method(*args, **kwargs):
-            return self._run(name, args, kwargs)
+            with GATE.call(False, asks_for_capture(kwargs, self.config)):
+                return self._run(name, args, kwargs)
 
         method.__name__ = method.__qualname__ = name
         return method
@@ -242,11 +255,13 @@ class WideModel(WideHubMixin, nn.Module):
         ``compile()`` made, as torch's modules drop it (a copy of a compiled model ran the original's code)."""
         state = super().__getstate__()
         state.pop("_capture_lock", None)
+        state.pop("_thread", None)
         return state
 
     def __setstate__(self, state: dict) -> None:
         super().__setstate__(state)
         self._capture_lock = threading.Lock()
+        self._thread = threading.local()
         if self._capture_hooks:
             reset_capture_hooks(self.model)
             self._capture_hooks, self._unrecorded = False, {}
@@ -268,7 +283,9 @@ class WideModel(WideHubMixin, nn.Module):
         transformers' output with every member's: ``sequences`` ``(N, B, T')``, and each step's ``scores``,
         ``logits``, attentions and hidden states ``(N, B, ...)`` (B times the beams or returned sequences, where
         there are some, as for each member alone)."""
-        return generate_wide(self, args, kwargs)
+        records = asks_for_capture(kwargs, self.config) or asks_for_capture(kwargs, self.generation_config)
+        with GATE.call(True, records):  # as compiled: transformers may compile its steps (hf_wide.concurrency)
+            return generate_wide(self, args, kwargs)
 
     def train(self, mode: bool = True) -> "WideModel":
         """As ``nn.Module.train``; warns once of trainable modules the members share (:mod:`hf_wide.training`)."""

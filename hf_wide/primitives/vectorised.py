@@ -74,6 +74,15 @@ def refused_by_vmap(exc: RuntimeError) -> bool:
     (JetMoe's router counts its experts' tokens so) finds no storage."""
     return "vmap" in str(exc) or "doesn't have storage" in str(exc)
 
+def copy_code_for_thread(model: nn.Module) -> None:
+    """This thread's copy of the code of every vectorised module in ``model`` (and of the submodules they were asked
+    for), made now: a compiled forward that made one broke its graph there, in every new thread."""
+    for module in model.modules():
+        if isinstance(module, VectorisedFallback):
+            for fallback in (module, *module.__dict__.get("_submodule_views", {}).values()):
+                fallback._code()
+
+
 class VectorisedFallback(nn.Module):
     """N members of one module, run as one ``vmap`` of its own forward over their stacked tensors.
 
