@@ -17,24 +17,21 @@ from typing import Any
 import torch
 from torch import nn
 
-from .adapters import PEFT_FORWARD_ARGS, runs_inner_model, without_peft_args
-from .capture import asks_for_capture, install_capture_hooks, require_recorded, reset_capture_hooks
+from .adapters import runs_inner_model
+from .capture import asks_for_capture, install_capture_hooks, reset_capture_hooks
 from .choices import install_choice_rows
 from .compat import member_names
 from .concurrency import GATE
-from .fold import Fold, fold_inputs, other_batches
+from .fold import Fold
+from .forward import first_tensor, run_members
 from .generation import generate_wide
 from .hub_mixin import WideHubMixin
-from .losses import LABEL_ARGUMENTS, install_member_losses, member_loss_outputs, member_losses, replace_loss
-from .parallel import gather_members, gather_outputs, local_inputs
+from .losses import install_member_losses
 from .plan import WidePlan
 from .primitives import PerMemberFallback, VectorisedFallback
 from .primitives.vectorised import copy_code_for_thread
-from .primitives.member_cache import contiguous_keys
-from .routers import asks_for_router_logits, member_router_logits, replace_router_logits
 from .swap import member_model
-from .training import check_training, needs_check, trained_shared
-from .unfold import unfold_outputs
+from .training import trained_shared
 
 
 # Methods of the members' class that compute each row's features outside their forward, from the modules it runs
@@ -209,45 +206,7 @@ class WideModel(WideHubMixin, nn.Module):
 
     def _run(self, method: str | None, args: tuple, kwargs: dict):
         """The members' ``forward`` (``method`` None) or their ``method``, every member on the folded rows."""
-        if needs_check(self):  # members that would not each train as alone: refused (hf_wide.training)
-            check_training(self)
-        if (not self._capture_hooks or self._unrecorded) and asks_for_capture(kwargs, self.config):
-            self._install_capture_hooks()
-            require_recorded(self._unrecorded, kwargs, self.config)
-        if self._inner and not PEFT_FORWARD_ARGS.isdisjoint(kwargs):
-            kwargs = without_peft_args(kwargs)
-        group = self.members_group
-        given = (args, kwargs)  # (what every rank must agree on: before PerMember inputs are cut to the rank's)
-        n = self.fold.num_members
-        args, kwargs, batch = fold_inputs(n, *(given if group is None else local_inputs(group, args, kwargs)),
-                                          own_batches=self.own_batches,
-                                          whole=isinstance(self.model, (VectorisedFallback, PerMemberFallback)))
-        self.fold.anchor = first_tensor((*args, *kwargs.values())).new_empty(n * batch, 0)
-        labelled = not LABEL_ARGUMENTS.isdisjoint(kwargs)  # each member's loss, on its own rows
-        routed = asks_for_router_logits(kwargs, self.config)  # each member's router logits and balancing loss
-        model = self._called
-        call = model if method is None else getattr(model, method)
-        try:
-            if method is None and ((labelled and n > 1) or routed):
-                outputs = _split_by_member(model, self.fold, n * batch, labelled and n > 1, routed, args, kwargs)
-            else:
-                outputs = call(*args, **kwargs)
-        finally:
-            self.fold.reset()
-        if torch.compiler.is_compiling():  # the cache's strides as every later step leaves them: one decoding graph
-            contiguous_keys(outputs)
-        losses, routers = (), ()
-        if labelled or isinstance(outputs, dict):  # a ModelOutput's losses are checked, labels or not
-            outputs, losses = member_loss_outputs(outputs, n, labelled)  # each (N,)
-        if routed:
-            routers = member_router_logits(outputs, n)  # each (N, B*T, E)
-        outputs = unfold_outputs(outputs, n, batch, (*losses, *routers), other_batches(given[1], batch))
-        if group is None:
-            return outputs
-        outputs = gather_outputs(group, outputs, batch, given)
-        for loss in losses:
-            outputs = replace_loss(outputs, loss, gather_members(group, loss))
-        return replace_router_logits(outputs, lambda t: gather_members(group, t)) if routed else outputs
+        return run_members(self, method, args, kwargs)
 
     def __getstate__(self) -> dict:
         """For ``copy.deepcopy`` and pickling: a lock cannot be copied (the copy makes its own, and installs
@@ -338,25 +297,3 @@ class WideModel(WideHubMixin, nn.Module):
 
     def extra_repr(self) -> str:
         return f"num_members={self.num_members}, plan: {self.plan.summary()}"
-
-
-def first_tensor(output) -> torch.Tensor:
-    """The first tensor of a model's output (a tensor, a ``ModelOutput`` or another dict, a tuple)."""
-    if isinstance(output, torch.Tensor):
-        return output
-    if isinstance(output, dict):  # ModelOutput is a dict
-        return next(v for v in output.values() if isinstance(v, torch.Tensor))
-    return next(v for v in output if isinstance(v, torch.Tensor))
-
-
-@torch.compiler.disable
-def _split_by_member(model: nn.Module, fold: Fold, rows: int, labelled: bool, routed: bool, args: tuple,
-                     kwargs: dict):
-    """``model(*args, **kwargs)`` over ``rows`` folded rows, with each member's losses split by member
-    (:func:`~hf_wide.losses.member_losses`), run eagerly under ``torch.compile``: the split is a
-    ``TorchFunctionMode``, which compiled code entered inside does not apply (the loss came out reduced over every
-    member's rows, and was refused). The fold's rows are set here again: set in compiled code, this thread's
-    state did not hold them when the eager call ran."""
-    fold.anchor = first_tensor((*args, *kwargs.values())).new_empty(rows, 0)
-    with member_losses(model, fold, labelled, routed):
-        return model(*args, **kwargs)
