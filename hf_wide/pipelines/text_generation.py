@@ -39,7 +39,9 @@ class TextGenerationPipeline(WidePipeline):
     Options: ``max_new_tokens`` (the members' own, else 20), ``do_sample``, ``temperature``, ``top_k``,
     ``top_p``, ``seed`` / ``generator`` (sampling), ``return_full_text`` (True: prompt + continuation, as
     transformers), ``return_members`` (also each member's own continuation), ``truncation`` (True: prompts too
-    long for the model's positions keep their last tokens; False: refuse them). Prompts are left-padded."""
+    long for the model's positions keep their last tokens; False: refuse them), ``eos_token_id`` (the tokens
+    that end every member's continuation, as ``generate(eos_token_id=)``; needed where the members' generation
+    configs end at different ones). Prompts are left-padded."""
 
     task = "text-generation"
     heads = ("MODEL_FOR_CAUSAL_LM_MAPPING_NAMES", "a language-modeling head (...ForCausalLM)")
@@ -48,7 +50,7 @@ class TextGenerationPipeline(WidePipeline):
                              temperature: float | None = None, top_k: int | None = None, top_p: float | None = None,
                              seed: int | None = None, generator: torch.Generator | None = None,
                              return_full_text: bool | None = None, return_members: bool | None = None,
-                             truncation: bool | None = None, **kwargs):
+                             truncation: bool | None = None, eos_token_id: int | list[int] | None = None, **kwargs):
         pre, fwd, post = super()._sanitize_parameters(**kwargs)
         if self.combine == Combine.VOTE and do_sample:
             raise ValueError("combine='vote' has no distribution to sample from; use do_sample=False or another rule.")
@@ -63,7 +65,7 @@ class TextGenerationPipeline(WidePipeline):
         if top_p is not None and not 0 < top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {top_p}.")
         options = dict(do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
-                       generator=generator, return_members=return_members)
+                       generator=generator, return_members=return_members, eos_token_id=eos_token_id)
         fwd.update({k: v for k, v in options.items() if v is not None})
         if truncation is not None:
             pre["truncation"] = truncation
@@ -108,8 +110,10 @@ class TextGenerationPipeline(WidePipeline):
 
     def _forward(self, batch, max_new_tokens: int | None = None, do_sample: bool = False,
                  temperature: float | None = None, top_k: int | None = None, top_p: float | None = None,
-                 seed: int | None = None, generator: torch.Generator | None = None, return_members: bool = False):
-        sampling = dict(do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p)
+                 seed: int | None = None, generator: torch.Generator | None = None, return_members: bool = False,
+                 eos_token_id: int | list[int] | None = None):
+        sampling = dict(do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p,
+                        eos_token_id=eos_token_id)
         max_new_tokens = max_new_tokens or self._default_new_tokens()
         out = {}
         if self.combine == Combine.NONE or return_members:
@@ -150,7 +154,8 @@ class TextGenerationPipeline(WidePipeline):
 
     # ---------------------------------------------------------------- decoding
     def _ensemble_decode(self, batch, max_new_tokens: int, do_sample: bool, temperature: float | None,
-                         top_k: int | None, top_p: float | None, generator: torch.Generator | None):
+                         top_k: int | None, top_p: float | None, eos_token_id: int | list[int] | None,
+                         generator: torch.Generator | None):
         """One shared continuation per row; each step is one wide forward of N*B rows, one new token each."""
         ids, mask = batch["input_ids"], batch["attention_mask"]  # (B, T), left-padded
         # A sampling temperature tempers each member's distribution before they are combined; greedy decoding takes
@@ -158,11 +163,11 @@ class TextGenerationPipeline(WidePipeline):
         temperature = (temperature if do_sample else None) or self.temperature
         # Positions as transformers' generate makes them: padding does not count.
         positions = (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 0)  # (B, T)
-        eos = torch.tensor(self._eos_ids(), device=ids.device, dtype=ids.dtype)
+        eos = torch.tensor(self._eos_ids(eos_token_id), device=ids.device, dtype=ids.dtype)
         done = torch.zeros(ids.shape[0], dtype=torch.bool, device=ids.device)
         keep = {"logits_to_keep": 1} if self._keeps_logits() else {}
         cache_name = cache_name_of(self.model.model) or "past_key_values"  # Mamba: cache_params
-        processors = self._member_processors(ids, mask, max_new_tokens)
+        processors = self._member_processors(ids, mask, max_new_tokens, eos_token_id)
         cache, step_ids, steps, generated = None, ids, [], ids  # generated: (B, T + s), what the processors read
         for _ in range(max_new_tokens):
             out = self.model(input_ids=step_ids, attention_mask=mask, position_ids=positions,
@@ -188,9 +193,11 @@ class TextGenerationPipeline(WidePipeline):
         return {key: torch.stack([s[key] for s in steps], -1) for key in steps[0]}  # each (B, S)
 
     def _member_continuations(self, batch, max_new_tokens: int, seed: int | None, do_sample: bool,
-                              temperature: float | None, top_k: int | None, top_p: float | None) -> torch.Tensor:
+                              temperature: float | None, top_k: int | None, top_p: float | None,
+                              eos_token_id: int | list[int] | None) -> torch.Tensor:
         """Each member's own continuation, ``(N, B, S)`` new tokens, from transformers' generate."""
-        options = {"do_sample": do_sample}
+        options = {"do_sample": do_sample} if eos_token_id is None else {"do_sample": do_sample,
+                                                                          "eos_token_id": eos_token_id}
         if do_sample:
             options.update({k: v for k, v in dict(temperature=temperature, top_k=top_k, top_p=top_p).items()
                             if v is not None})
@@ -200,7 +207,8 @@ class TextGenerationPipeline(WidePipeline):
                                         **options)
         return sequences[:, :, batch["input_ids"].shape[-1]:]
 
-    def _member_processors(self, ids: torch.Tensor, mask: torch.Tensor, max_new_tokens: int) -> list | None:
+    def _member_processors(self, ids: torch.Tensor, mask: torch.Tensor, max_new_tokens: int,
+                           eos_token_id: int | list[int] | None) -> list | None:
         """Each member's logits processors, as transformers' generate builds them from its generation config
         (repetition penalty, n-grams not to repeat, bad words, a minimum length, suppressed and forced tokens):
         applied to each member's logits before they are combined. Sampling's warpers (temperature, top-k, top-p)
@@ -218,6 +226,8 @@ class TextGenerationPipeline(WidePipeline):
                 raise ValueError(f"Member {i}'s generation config asks for classifier-free guidance (guidance_scale="
                                  f"{config.guidance_scale}), which ensemble decoding does not run.")
             config.update(do_sample=False, max_new_tokens=max_new_tokens)  # (no warpers)
+            if eos_token_id is not None:  # given to the call: every member's, as generate(eos_token_id=) makes it
+                config.eos_token_id = eos_token_id
             config.max_length = ids.shape[-1] + max_new_tokens
             if config.pad_token_id is None:
                 config.pad_token_id = self._pad_id()
@@ -237,7 +247,23 @@ class TextGenerationPipeline(WidePipeline):
         return values.pop() if len(values) == 1 and None not in values else DEFAULT_NEW_TOKENS
 
     # ---------------------------------------------------------------- special tokens
-    def _eos_ids(self) -> list[int]:
+    def _eos_ids(self, given: int | list[int] | None = None) -> list[int]:
+        """The tokens that end the ensemble's continuation: ``given`` to the call, else the members' (refused where
+        their generation configs differ: one continuation cannot stop where each member would, and member 0's
+        stopped a member with another eos past its own end)."""
+        if given is not None:
+            return [given] if isinstance(given, int) else list(given)
+        configs = self.model.member_generation_configs or []
+        ends = [_as_list(getattr(c, "eos_token_id", None)) for c in configs if c is not None]
+        differ = next((i for i, end in enumerate(ends) if end != ends[0]), None)
+        if differ is not None:
+            raise ValueError(f"The members' generation configs end at different tokens (eos_token_id: member 0 "
+                             f"{ends[0]}, member {differ} {ends[differ]}), and ensemble decoding makes one "
+                             "continuation for all of them. Pass eos_token_id= to the pipeline to end it at the "
+                             "same tokens for every member.")
+        return self._configured_eos()
+
+    def _configured_eos(self) -> list[int]:
         for source in (getattr(self.model.model, "generation_config", None), self.model.config, self.tokenizer):
             eos = getattr(source, "eos_token_id", None)
             if eos is not None:
@@ -258,11 +284,15 @@ class TextGenerationPipeline(WidePipeline):
             pad = getattr(source, "pad_token_id", None)
             if pad is not None:
                 return pad
-        return (self._eos_ids() or [0])[0]
+        return (self._configured_eos() or [0])[0]
 
     def _keeps_logits(self) -> bool:
         """Whether the model can compute logits for the last position only (most causal LMs can)."""
         return "logits_to_keep" in inspect.signature(self.model.model.forward).parameters
+
+
+def _as_list(value) -> list | None:
+    return [value] if isinstance(value, int) else None if value is None else list(value)
 
 
 def _measures(member_probs: torch.Tensor, token: torch.Tensor) -> dict[str, torch.Tensor]:

@@ -271,3 +271,26 @@ def test_each_members_generation_config_shapes_its_distribution(tmp_path):
         expected = transformers.pipeline("text-generation", model=member, tokenizer=tokenizer)(
             PROMPTS[0], do_sample=False)[0]["generated_text"]
         assert result["members"][i]["generated_text"] == expected
+
+
+def test_members_that_end_at_different_tokens_are_refused_unless_the_call_gives_one_eos(tmp_path):
+    # Ensemble decoding stopped at member 0's eos: one-hot weights on a member whose own eos is another token ran past
+    # its end ('hated' alone; 'hated hated hated ...' wide)
+    tokenizer = decoder_tokenizer(tmp_path)
+    members = build_members("llama-causallm", 2)
+    encoded = tokenizer(PROMPTS[0], return_tensors="pt")
+    start = encoded["input_ids"].shape[-1]
+    greedy = members[1].generate(**encoded, max_new_tokens=NEW, do_sample=False, pad_token_id=0, eos_token_id=None)
+    new = greedy[0, start:].tolist()
+    eos = new[1]  # member 1 ends at its second token (or its first, the same)
+    members[1].generation_config.eos_token_id = eos
+    wide = WideModel.from_models(members)
+    expected = transformers.pipeline("text-generation", model=members[1], tokenizer=tokenizer)(
+        PROMPTS[0], max_new_tokens=NEW, do_sample=False, return_full_text=False)[0]["generated_text"]
+    assert expected == tokenizer.decode(new[:new.index(eos) + 1], skip_special_tokens=True)
+    one_hot = pipeline("text-generation", model=wide, tokenizer=tokenizer, combine="weighted", weights=[0, 1])
+    with pytest.raises(ValueError, match=rf"end at different tokens \(eos_token_id: member 0 \[1\], member 1 \[{eos}\]"):
+        one_hot(PROMPTS[0], max_new_tokens=NEW)
+    given = one_hot(PROMPTS[0], max_new_tokens=NEW, eos_token_id=eos, return_full_text=False, return_members=True)
+    assert given["generated_text"] == expected
+    assert given["members"][1]["generated_text"] == expected  # transformers' generate, given the eos
