@@ -252,6 +252,7 @@ def pad_saved_modules(model: nn.Module, paths: set[str]) -> list[str]:
         parent_path, _, child = path.rpartition(".")
         parent = model.get_submodule(parent_path)
         wrapper = ModulesToSaveWrapper(getattr(parent, child), "default")
+        wrapper.set_adapter("default", inference_mode=True)  # as PEFT sets it: left ["default"], unload() failed
         wrapper.requires_grad_(False)
         setattr(parent, child, wrapper.eval())
         wrapped.append(path)

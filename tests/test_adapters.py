@@ -75,6 +75,26 @@ def test_the_base_in_the_list_is_a_member(llama_adapters):
     assert bare.state_dict().keys() == want.keys() and all(torch.equal(bare.state_dict()[k], want[k]) for k in want)
 
 
+
+def test_the_base_comes_back_beside_an_adapter_that_saves_a_module_the_first_does_not(llama_adapters, tmp_path):
+    # The base is wrapped as the first adapter is (no modules_to_save), then given lm_head to save as a later adapter
+    # does: that wrapper was left with PEFT's active adapter ["default"], and member(i) and save_members of the base
+    # raised "unhashable type: 'list'" in PEFT's unload()
+    base, adapters = llama_adapters
+    saving = save_adapter(LLAMA, base, tmp_path / "saving", 3, r=4, target_modules=["q_proj"],
+                          modules_to_save=["lm_head"], task_type="CAUSAL_LM")
+    wide = WideModel.from_pretrained([adapters[1], str(base), saving])
+    references = [alone(LLAMA, base, adapters[1]), LLAMA.model_class.from_pretrained(base).eval(),
+                  alone(LLAMA, base, saving)]
+    inputs = LLAMA.inputs(2, padded=True)
+    assert max_member_error(wide, references, inputs) <= TOLERANCE
+    with torch.no_grad():
+        assert torch.equal(wide.member(1)(**inputs).logits, references[1](**inputs).logits)
+    wide.save_members(tmp_path / "saved")
+    with torch.no_grad():
+        assert torch.equal(LLAMA.model_class.from_pretrained(tmp_path / "saved" / "member-1").eval()(**inputs).logits,
+                           references[1](**inputs).logits)
+
 def test_loading_adapters_shows_no_warning_of_peft_reading_a_deprecated_attribute(llama_adapters):
     """PEFT reads ``is_gradient_checkpointing``, deprecated by transformers 5: nothing a user can act on. The base in
     the list makes the loader wrap a full member too (``get_peft_model``)."""
