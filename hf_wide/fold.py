@@ -194,6 +194,22 @@ def _batch_of(value: Any, n: int) -> int | None:
     return None
 
 
+def _check_caches(kwargs: dict, n: int, batch: int) -> None:
+    """Refuse a cache of other rows than the wide model's (a member's own, of B rows): torch.cat failed on it deep in
+    the attention with a message of sizes."""
+    from transformers.cache_utils import Cache
+
+    from .primitives.member_cache import held_rows
+
+    for key, value in kwargs.items():
+        rows = held_rows(value) if isinstance(value, Cache) else None
+        if rows is not None and rows % (n * batch):
+            raise ValueError(
+                f"{key} holds a cache of {rows} rows, and the wide model's {n} members read {n * batch} beside a "
+                f"batch of {batch} (N*B, member-major): pass the cache a wide forward or generate returned, or a "
+                "member's own cache to that member alone (wide.member(i)).")
+
+
 def fold_inputs(n: int, args: tuple, kwargs: dict, own_batches: bool = False,
                 whole: bool = False) -> tuple[tuple, dict, int]:
     """Fold the user's inputs into ``(N*B, ...)`` rows. Returns ``(args, kwargs, B)``.
@@ -243,6 +259,9 @@ def fold_inputs(n: int, args: tuple, kwargs: dict, own_batches: bool = False,
                     f"{n * batch} folded rows, which the wide model's modules would split among the members (member i "
                     f"would see its {batch} of them only). Give another number of rows, as many as the batch, or run "
                     "the members alone (wide.member(i)).")
+
+    if n > 1:
+        _check_caches(kwargs, n, batch)
 
     def fold(value, own_batch: bool = False):
         if isinstance(value, PerMember):

@@ -128,3 +128,21 @@ def test_a_per_member_input_of_another_batch_is_named_with_the_batch_it_misses()
         fold_inputs(3, (), {"input_ids": ids, "pixel_values": images})
     with pytest.raises(ValueError, match="argument 1 gives each member 4 rows, but the batch of argument 0 has 2"):
         fold_inputs(3, (ids, images), {})
+
+
+def test_a_cache_of_other_rows_than_the_members_is_refused_and_a_wide_ones_continues(fused):
+    # A member's own cache (B rows) failed deep in the attention: "Sizes of tensors must match except in dimension 2"
+    members, wide = fused("llama-causallm")
+    inputs = CASES["llama-causallm"].inputs(2, padded=False)
+    ids = inputs["input_ids"]
+    with torch.no_grad():
+        own = members[0](input_ids=ids[:, :-1], use_cache=True).past_key_values
+        with pytest.raises(ValueError, match=r"past_key_values holds a cache of 2 rows, and the wide model's 3 members"):
+            wide(input_ids=ids[:, -1:], past_key_values=own)
+        with pytest.raises(ValueError, match="a cache of 2 rows"):
+            wide.generate(input_ids=ids, past_key_values=own, max_new_tokens=2, do_sample=False, pad_token_id=0)
+        cache = wide(input_ids=ids[:, :-1], use_cache=True).past_key_values  # the wide model's: N*B rows
+        got = wide(input_ids=ids[:, -1:], past_key_values=cache).logits
+        for i, member in enumerate(members):
+            want = member(input_ids=ids).logits[:, -1:]
+            assert (got[i] - want).abs().max() <= TOLERANCE

@@ -83,6 +83,18 @@ def gather(caches: list[Cache]) -> Cache:
     return cache
 
 
+def held_rows(cache: Cache) -> int | None:
+    """The rows ``cache`` holds (its first filled layer's), or None while it holds none."""
+    own = cache.self_attention_cache if type(cache) is EncoderDecoderCache else cache
+    for layer in getattr(own, "layers", ()):
+        states = [getattr(layer, name, None) for name in ROW_TENSORS]
+        states += [v for name in ROW_STATES for v in (getattr(layer, name, None) or {}).values()]
+        filled = next((t for t in states if _has_rows(t)), None)
+        if filled is not None:
+            return filled.shape[0]
+    return None
+
+
 def row_tensors(cache: Cache) -> list[torch.Tensor]:
     """The tensors of ``cache`` that hold rows, in a fixed order (the order :func:`set_row_tensors` takes)."""
     found = []
