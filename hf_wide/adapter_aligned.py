@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from torch import nn
 
 from .adapter_checks import check_layer_replication
+from .compat import IncompatibleMembersError
 from .adapter_layers import (adapter_structure, dora_paths, lora_paths, pad_saved_modules, pad_targets, saved_paths,
                              zero_update)
 from .adapter_views import shared_view
@@ -43,6 +44,12 @@ def aligned_adapters(models: Sequence[nn.Module]) -> tuple[list[nn.Module], list
     as they are, with None and no plain members."""
     peft = sys.modules.get("peft")  # not imported: no member is a PeftModel
     adapters = [m for m in models if peft is not None and isinstance(m, peft.PeftModel)]
+    for i, m in enumerate(models):
+        if peft is not None and isinstance(m, peft.PeftModel) and m.active_peft_config.is_prompt_learning:  # (refused by verification, unnamed)
+            raise IncompatibleMembersError(
+                f"member {i} is a {m.active_peft_config.peft_type.value} PeftModel: prompt learning puts virtual "
+                "tokens before the inputs in PeftModel's own forward, which hf-wide does not fuse (it fuses LoRA "
+                "adapters). Run each such member alone.")
     full = frozenset(i for i, m in enumerate(models) if adapters and not isinstance(m, peft.PeftModel))
     lora = bool(adapters) and all(list(m.peft_config) == ["default"] and m.peft_config["default"].peft_type
                                   == peft.PeftType.LORA for m in adapters)

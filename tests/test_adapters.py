@@ -618,3 +618,16 @@ def test_the_base_named_by_another_path_is_the_base(llama_adapters, tmp_path, mo
         wide = WideModel.from_pretrained([name, adapters[1]])
         assert wide.adapter_sources is not None  # (None where a full checkpoint other than the base is a member)
         wide.save_pretrained(tmp_path / "ensemble")
+
+
+def test_prompt_learning_members_given_as_models_are_refused_by_name():
+    # from_pretrained names the PEFT type; from_models let verification refuse them ("a layout that matches no
+    # member's"), without saying why
+    base = LLAMA.build(0)
+    members = [peft.get_peft_model(LLAMA.build(0), peft.PrefixTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=4))
+               for _ in range(2)]
+    with pytest.raises(IncompatibleMembersError, match="member 0 is a PREFIX_TUNING PeftModel: prompt learning"):
+        WideModel.from_models(members)
+    with pytest.raises(IncompatibleMembersError, match="member 1 is a PROMPT_TUNING PeftModel"):
+        WideModel.from_models([base, peft.get_peft_model(LLAMA.build(0), peft.PromptTuningConfig(
+            task_type="CAUSAL_LM", num_virtual_tokens=4))])
