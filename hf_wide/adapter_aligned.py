@@ -55,6 +55,14 @@ def aligned_adapters(models: Sequence[nn.Module]) -> tuple[list[nn.Module], list
                                   == peft.PeftType.LORA for m in adapters)
     if not lora or any(type(models[i]) is not type(adapters[0].get_base_model()) for i in full):
         return list(models), None, frozenset()  # (members of other classes are refused as such)
+    biases = {i: m.peft_config["default"].lora_bias for i, m in enumerate(models) if i not in full}
+    first = min(biases)
+    other = next((i for i in biases if biases[i] != biases[first]), None)
+    if other is not None:  # (else refused by a tensor one member lacks, which did not say why)
+        raise IncompatibleMembersError(
+            f"member {first} uses lora_bias={biases[first]} and member {other} lora_bias={biases[other]}: an "
+            "adapter's own bias on its update is fused only where every adapter has one. Fuse the adapters that "
+            "agree apart.")
     replications = [None if i in full else m.peft_config["default"].layer_replication for i, m in enumerate(models)]
     if any(replications):
         check_layer_replication([r and [list(p) for p in r] for r in replications],

@@ -12,7 +12,7 @@ import peft
 import pytest
 import torch
 from conftest import CASES
-from lora_members import EVERY_LINEAR, LLAMA, alone, lora_keys, save_adapter, save_llama_adapters
+from lora_members import EVERY_LINEAR, LLAMA, adapted, alone, lora_keys, save_adapter, save_llama_adapters
 from oracle import TOLERANCE, max_member_error
 
 from hf_wide import IncompatibleMembersError, Kind, WideModel
@@ -631,3 +631,10 @@ def test_prompt_learning_members_given_as_models_are_refused_by_name():
     with pytest.raises(IncompatibleMembersError, match="member 1 is a PROMPT_TUNING PeftModel"):
         WideModel.from_models([base, peft.get_peft_model(LLAMA.build(0), peft.PromptTuningConfig(
             task_type="CAUSAL_LM", num_virtual_tokens=4))])
+
+
+def test_adapters_of_which_one_has_a_bias_of_its_own_are_refused_by_name():
+    members = [adapted(LLAMA.build(0), seed, r=4, target_modules=["q_proj"], lora_bias=bias)
+               for seed, bias in enumerate((False, True))]
+    with pytest.raises(IncompatibleMembersError, match="member 0 uses lora_bias=False and member 1 lora_bias=True"):
+        WideModel.from_models(members)
