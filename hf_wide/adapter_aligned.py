@@ -51,6 +51,13 @@ def aligned_adapters(models: Sequence[nn.Module]) -> tuple[list[nn.Module], list
                 "tokens before the inputs in PeftModel's own forward, which hf-wide does not fuse (it fuses LoRA "
                 "adapters). Run each such member alone.")
     full = frozenset(i for i, m in enumerate(models) if adapters and not isinstance(m, peft.PeftModel))
+    names = {i: list(m.peft_config) for i, m in enumerate(models) if adapters and i not in full}
+    differ = next((i for i in names if names[i] != names[min(names)]), None) if names else None
+    if differ is not None:  # (else refused by a tensor one member lacks, which did not say why)
+        raise IncompatibleMembersError(
+            f"member {min(names)} holds the adapters {names[min(names)]} and member {differ} {names[differ]}: the "
+            "members' tensors are matched by name. Give each member the same adapters by name (one each: "
+            "PeftModel.from_pretrained(base, folder) names it 'default').")
     lora = bool(adapters) and all(list(m.peft_config) == ["default"] and m.peft_config["default"].peft_type
                                   == peft.PeftType.LORA for m in adapters)
     if not lora or any(type(models[i]) is not type(adapters[0].get_base_model()) for i in full):

@@ -638,3 +638,10 @@ def test_adapters_of_which_one_has_a_bias_of_its_own_are_refused_by_name():
                for seed, bias in enumerate((False, True))]
     with pytest.raises(IncompatibleMembersError, match="member 0 uses lora_bias=False and member 1 lora_bias=True"):
         WideModel.from_models(members)
+
+
+def test_adapters_of_other_names_are_refused_by_name():
+    base = LLAMA.build(0)
+    named = peft.get_peft_model(LLAMA.build(0), peft.LoraConfig(r=4, target_modules=["q_proj"]), adapter_name="a")
+    with pytest.raises(IncompatibleMembersError, match=r"member 0 holds the adapters \['default'\] and member 1 \['a'\]"):
+        WideModel.from_models([adapted(base, 0, r=4, target_modules=["q_proj"]), named])
