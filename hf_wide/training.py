@@ -39,7 +39,9 @@ def training_refusal(wide) -> str | None:
                 "some members and kept fixed by others")
     modules = dict(wide.model.named_modules())
     for i, paths in enumerate(wide.padded_targets or []):
-        trained = [p for p in paths if p not in modules or any(t.requires_grad for t in modules[p].parameters())]
+        trained = [p for p in paths if p not in modules or any(  # (a base bias PEFT's bias="all" trains is each
+            t.requires_grad for name, t in modules[p].named_parameters()  # member's own: WideLoraLinear.base_bias)
+            if not name.startswith(("base_layer.", "base_bias")))]
         if trained:
             return (f"member {i} holds no-ops where other members have adapters or saved modules ({trained[:2]}"
                     f"{'...' if len(trained) > 2 else ''}: their target_modules or modules_to_save differ), and they "

@@ -102,9 +102,13 @@ class WideLoraLinear(WideBlock):
         if any(b.weight.shape != bases[0].weight.shape for b in bases):
             raise ValueError("WideLoraLinear: the members' base layers differ in shape.")
         self.register_parameter("base_bias", None)
-        if all(equal_tensors(b, bases[0]) for b in bases[1:]):
+        # Held once where it is the same in every member and nothing of it trains: a bias PEFT's bias="all" trains,
+        # held once, took every member's gradient
+        trains = [t.requires_grad for t in (bases[0].weight, bases[0].bias) if t is not None]
+        if not any(trains) and all(equal_tensors(b, bases[0]) for b in bases[1:]):
             self.base_layer = kept(bases[0])
-        elif bases[0].bias is not None and all(same_value(b.weight, bases[0].weight) for b in bases[1:]):
+        elif (bases[0].bias is not None and not trains[0]
+              and all(same_value(b.weight, bases[0].weight) for b in bases[1:])):
             # the base's one weight and each member's own bias (PEFT's bias="all" or "lora_only" trains them)
             self.base_layer = _without_bias(bases[0])
             self.base_bias = nn.Parameter(torch.stack([b.bias.detach() for b in bases]),
