@@ -90,6 +90,18 @@ def weights_format(folder: Path, name: str, allow_pickle: bool) -> bool:
     raise FileNotFoundError(f"{name} has no model weights (*.safetensors) in {folder}.")
 
 
+def _auto_dtypes(configs: list, stored: list[dict]) -> list[torch.dtype]:
+    """The dtype transformers loads each member in without a dtype ("auto"): its config's ``dtype`` where it names
+    one (a config saying bfloat16 over float32 tensors: bfloat16), else that of its floating-point tensors."""
+    found = []
+    for config, tensors in zip(configs, stored):
+        named = getattr(config, "dtype", None)
+        named = resolve_dtype(named.removeprefix("torch.")) if isinstance(named, str) and named != "auto" else named
+        floating = next((d for d in tensors.values() if d.is_floating_point), None)
+        found.append(named if isinstance(named, torch.dtype) else floating)
+    return found
+
+
 def load_streaming(cls, ids, folders, names, dtype, device, trust_remote_code, allow_label_mismatch,
                     share_identical, model_kwargs: dict | None = None):
     """The low-memory path: member 0 alone for the trace, then the wide model filled from the files.
@@ -110,9 +122,11 @@ def load_streaming(cls, ids, folders, names, dtype, device, trust_remote_code, a
         keys = _checkpoint_keys(template, checkpoints, names)
         if keys is None:
             return None
-        if dtype is None:  # (given one, every member is loaded in it, as transformers would load each)
-            require_one_dtype([{k: c.dtype(v) for k, v in ks.items()} for c, ks in zip(checkpoints, keys)], names,
-                              "Pass dtype= to load every member in one")
+        if dtype is None or dtype == "auto":  # each alone in its own (given one, every member is loaded in it, as
+            stored = [{k: c.dtype(v) for k, v in ks.items()} for c, ks in zip(checkpoints, keys)]  # transformers would)
+            require_one_dtype(stored, names, "Pass dtype= to load every member in one")
+            require_one_dtype([{"the dtype it loads in (its config's, else its tensors')": d}
+                               for d in _auto_dtypes(raw, stored)], names, "Pass dtype= to load every member in one")
         configs = [member_config(template.config, _differing(config, raw[0])) for config in raw]
         generation_configs = [_generation_config(template, folder) for folder in folders]
         skeletons = [skeleton_like(template, c, g) for c, g in zip(configs, generation_configs)]

@@ -104,6 +104,25 @@ def test_members_of_different_dtypes_are_refused_unless_one_is_given(tmp_path):
         member.save_pretrained(folder)
     with pytest.raises(IncompatibleMembersError, match=r"in torch\.float32, but .* in torch\.bfloat16.*ass dtype="):
         WideModel.from_pretrained(folders)
+    # dtype="auto" (transformers' default: each in its own) as None; it ran member 1 in member 0's, 0.016 off
+    with pytest.raises(IncompatibleMembersError, match=r"in torch\.float32, but .* in torch\.bfloat16.*ass dtype="):
+        WideModel.from_pretrained(folders, dtype="auto")
     wide = WideModel.from_pretrained(folders, dtype=torch.float32)  # every member in one, as transformers loads it
     alone = [case.model_class.from_pretrained(f, dtype=torch.float32).eval() for f in folders]
     assert max_member_error(wide, alone, case.inputs(2, padded=True)) <= TOLERANCE
+
+
+def test_members_whose_configs_name_other_dtypes_than_their_tensors_are_refused(tmp_path):
+    # Without a dtype, transformers loads a member in its config's dtype before its tensors': a config saying bfloat16
+    # over float32 tensors is a bfloat16 model alone, and the wide model ran it in float32 (0.019 off)
+    case = CASES["llama-causallm"]
+    folders = [str(tmp_path / f"m{i}") for i in range(2)]
+    for seed, folder in enumerate(folders):
+        case.build(seed).save_pretrained(folder)
+    config = tf.AutoConfig.from_pretrained(folders[1])
+    config.dtype = torch.bfloat16
+    config.save_pretrained(folders[1])  # its tensors stay float32
+    assert case.model_class.from_pretrained(folders[1]).dtype == torch.bfloat16
+    with pytest.raises(IncompatibleMembersError, match=r"member 1 .*the dtype it loads in .* torch\.bfloat16, but "
+                                                       r"member 0 .* torch\.float32.*Pass dtype="):
+        WideModel.from_pretrained(folders)
