@@ -49,12 +49,14 @@ REDUCING_LOSSES = frozenset(getattr(F, name) for name in (
 LOSS_METHODS = {"ProphetNetForConditionalGeneration": "_compute_loss", "ProphetNetForCausalLM": "_compute_loss"}
 
 
-def _split_calls(function, n: int, args: tuple, kwargs: dict, leading: int) -> torch.Tensor:
-    """``function`` once per member, on its block of every tensor with ``leading`` rows; the N results stacked."""
+def _split_calls(function, n: int, args: tuple, kwargs: dict, leading: int, rows=None) -> torch.Tensor:
+    """``function`` once per member, on its block of every tensor with ``leading`` rows (that ``rows(tensor)``, where
+    given, says carries them); the N results stacked."""
     block = leading // n
 
     def part(value, m):
-        if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape[0] == leading:
+        if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape[0] == leading and (
+                rows is None or rows(value)):
             return value[m * block : (m + 1) * block]
         return value
 
@@ -106,7 +108,11 @@ class SplitLosses(TorchFunctionMode):
             x, target = args[0], args[1]
             if isinstance(x, torch.Tensor) and isinstance(target, torch.Tensor) and x.dim() and target.dim() and \
                     x.shape[0] == target.shape[0] and _member_major(x.shape[0], self.fold):
-                return _split_calls(func, self.fold.num_members, args, kwargs, x.shape[0])
+                # input and target carry the rows, and a weight broadcast to the input's shape (each element's);
+                # one of other dims (cross_entropy's weight and BCE's pos_weight, a class's) is every member's whole,
+                # as many as the rows or not (3 classes of 3 members' 1 row each were split among the members)
+                return _split_calls(func, self.fold.num_members, args, kwargs, x.shape[0],
+                                    rows=lambda t: t is x or t is target or t.dim() == x.dim())
         return func(*args, **kwargs)
 
 

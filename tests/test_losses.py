@@ -7,6 +7,7 @@ import torch
 import transformers
 from conftest import CASES
 from families import VOCAB
+import torch.nn.functional as F
 from torch import nn
 
 from hf_wide import WideModel
@@ -181,3 +182,38 @@ def test_a_heads_own_loss_method_that_reorders_the_rows_runs_per_member(head, ep
         want = torch.stack([m(**inputs).loss for m in members])
         assert torch.allclose(wide(**inputs).loss, want, atol=1e-6, rtol=0)
         assert torch.allclose(wide.member(1)(**inputs).loss, want[1], atol=1e-6, rtol=0)
+
+
+class WeightedHead(nn.Module):
+    """A head whose loss weighs its 3 classes (cross_entropy's weight, BCE's pos_weight), or each row (BCE's weight)."""
+
+    CLASSES = torch.tensor([1.0, 2.0, 3.0])
+
+    def __init__(self, seed: int):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.lin = nn.Linear(8, 3)
+
+    def forward(self, x, labels=None, rows=None):
+        logits = self.lin(x)  # (B, 3)
+        if labels is None:
+            return {"logits": logits}
+        if not labels.is_floating_point():
+            return {"logits": logits, "loss": F.cross_entropy(logits, labels, weight=self.CLASSES)}
+        return {"logits": logits, "loss": F.binary_cross_entropy_with_logits(
+            logits, labels, weight=rows, pos_weight=self.CLASSES)}
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+def test_a_class_weight_as_long_as_the_rows_is_every_members_whole(batch):
+    # 3 classes, 3 members of 1 row: the weight read as the rows and was split among the members (cross_entropy
+    # raised; BCE's pos_weight gave a loss 0.07 off each member's)
+    members = [WeightedHead(seed) for seed in range(3)]
+    wide = WideModel.from_models(members, {"x": torch.randn(2, 8)})
+    x = torch.randn(batch, 8)
+    rows = torch.rand(batch, 1)  # BCE's weight of each row: each member's block of them
+    for labels, extra in ((torch.tensor([2, 0])[:batch], {}), (torch.rand(batch, 3).round(), {"rows": rows})):
+        with torch.no_grad():
+            got = wide(x=x, labels=labels, **extra)["loss"]
+            want = torch.stack([m(x=x, labels=labels, **extra)["loss"] for m in members])
+        assert (got - want).abs().max() <= 1e-6
