@@ -81,6 +81,10 @@ class MemberLosses:
         n = self.fold.num_members
         if self.fold.rows is None or in_member_code():
             return self.loss_function(*args, **kwargs)
+        count = kwargs.get("num_items_in_batch")
+        if isinstance(count, torch.Tensor) and count.numel() > 1:  # (each member's loss came back (N,): (N, N))
+            raise ValueError(f"num_items_in_batch holds {count.numel()} numbers: it is one count, which every member's "
+                             "loss is divided by. Give an int or a 0-dim tensor.")
         tensors = [t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor) and t.dim() > 0]
         leading = tensors[0].shape[0]  # N*B rows, or N*B*T flattened tokens: member-major either way
         if not _member_major(leading, self.fold):

@@ -217,3 +217,12 @@ def test_a_class_weight_as_long_as_the_rows_is_every_members_whole(batch):
             got = wide(x=x, labels=labels, **extra)["loss"]
             want = torch.stack([m(x=x, labels=labels, **extra)["loss"] for m in members])
         assert (got - want).abs().max() <= 1e-6
+
+
+def test_num_items_in_batch_of_several_numbers_is_refused(fused):
+    # Each member's loss was divided by all of them: a loss of (N, N), silently
+    _, wide = fused("llama-causallm")
+    inputs = CASES["llama-causallm"].inputs(2, padded=True)
+    with pytest.raises(ValueError, match="num_items_in_batch holds 3 numbers: it is one count"):
+        wide(**inputs, labels=inputs["input_ids"], num_items_in_batch=torch.tensor([10, 20, 30]))
+    assert wide(**inputs, labels=inputs["input_ids"], num_items_in_batch=torch.tensor(12)).loss.shape == (3,)
