@@ -41,6 +41,16 @@ def member_names(models: Sequence[nn.Module], ids: Sequence[str] | None = None) 
     return names
 
 
+def refuse_unfused_attention(implementation) -> None:
+    """Refuse an attention implementation hf-wide cannot run: flex attention's higher-order op takes no
+    ``TorchFunctionMode``, under which the trace and a module run member by member call the members' code (transformers
+    runs it alone; the wide model failed in the trace, with advice that did not help)."""
+    named = implementation.values() if isinstance(implementation, dict) else [implementation]
+    if any(isinstance(n, str) and "flex_attention" in n for n in named):
+        raise ValueError(f"attn_implementation={implementation!r}: hf-wide does not run flex attention (its op takes "
+                         "no TorchFunctionMode, which hf-wide runs the members' code under). Use 'sdpa' or 'eager'.")
+
+
 def check_compatible(
     models: Sequence[nn.Module], ids: Sequence[str] | None = None, allow_label_mismatch: bool = False
 ) -> None:
@@ -48,6 +58,8 @@ def check_compatible(
     fields that shape the graph, labels (unless allowed to differ) and state-dict names and shapes."""
     if not models:
         raise ValueError("WideModel needs at least one member; got an empty list.")
+    for model in models:
+        refuse_unfused_attention(getattr(getattr(model, "config", None), "_attn_implementation", None))
     names = member_names(models, ids)
     first = models[0]
     for name, model in zip(names[1:], models[1:]):

@@ -15,6 +15,7 @@ import torch
 
 from .adapter_repos import adapter_folders
 from .adapters import adapter_config, load_adapter_members
+from .compat import refuse_unfused_attention
 from .download import as_ids, check_hub_kwargs, commit_sha, download_members, member_name, per_member, subfolders_of
 from .fuse import needs_verifying
 from .loading import load_models, load_streaming, resolve_device, resolve_dtype, verified, weights_format
@@ -72,6 +73,7 @@ def load_wide(
     ids = as_ids(model_ids)
     if not ids:
         raise ValueError("WideModel.from_pretrained needs at least one model id; got an empty list.")
+    refuse_unfused_attention(attn_implementation)  # before anything downloads
     torch_dtype, device = resolve_dtype(dtype), resolve_device(device, device_map)
     model_kwargs = {} if attn_implementation is None else {"attn_implementation": attn_implementation}
     subfolders = subfolders_of(subfolder, len(ids))

@@ -126,3 +126,17 @@ def test_members_whose_configs_name_other_dtypes_than_their_tensors_are_refused(
     with pytest.raises(IncompatibleMembersError, match=r"member 1 .*the dtype it loads in .* torch\.bfloat16, but "
                                                        r"member 0 .* torch\.float32.*Pass dtype="):
         WideModel.from_pretrained(folders)
+
+
+def test_flex_attention_is_refused_clearly(tmp_path):
+    # transformers runs it alone on the CPU; the wide model failed in its trace ("no implementation found for
+    # 'torch.ops.higher_order.flex_attention' on types that implement __torch_function__"), advising what failed too
+    case = CASES["llama-causallm"]
+    folders = [str(tmp_path / f"m{i}") for i in range(2)]
+    for seed, folder in enumerate(folders):
+        case.build(seed).save_pretrained(folder)
+    with pytest.raises(ValueError, match="hf-wide does not run flex attention.*'sdpa' or 'eager'"):
+        WideModel.from_pretrained(folders, attn_implementation="flex_attention")
+    members = [case.model_class.from_pretrained(f, attn_implementation="flex_attention") for f in folders]
+    with pytest.raises(ValueError, match="hf-wide does not run flex attention"):
+        WideModel.from_models(members)
