@@ -66,6 +66,10 @@ def resolve_device(device=None, device_map=None) -> torch.device | None:
     if device_map == "auto":
         accelerator = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
         return torch.device(accelerator.type, 0) if accelerator is not None else torch.device("cpu")
+    if device_map in ("balanced", "balanced_low_0", "sequential"):  # (torch read them as device types)
+        raise NotImplementedError(
+            f"device_map={device_map!r} spreads the model over devices; hf-wide keeps the wide model on one device "
+            "(every layer holds all members). Use device_map='auto' or {'': device}, or member_parallel=True.")
     if isinstance(device_map, dict):
         if set(device_map) != {""}:
             raise NotImplementedError(

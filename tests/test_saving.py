@@ -350,5 +350,8 @@ def test_device_and_device_map():
     assert resolve_device(device_map="auto").type == expected
     with pytest.raises(NotImplementedError, match="one device"):
         resolve_device(device_map={"bert": "cpu", "classifier": "cpu"})
+    for spread in ("balanced", "balanced_low_0", "sequential"):  # (read as device types: torch's error)
+        with pytest.raises(NotImplementedError, match=f"device_map='{spread}' spreads the model over devices"):
+            resolve_device(device_map=spread)
     with pytest.raises(ValueError, match="not both"):
         resolve_device("cpu", "auto")
