@@ -80,10 +80,11 @@ def check_configs(a, b, name_a: str, name_b: str, allow_label_mismatch: bool) ->
         if key in METADATA_FIELDS:
             continue
         if da.get(key) != db.get(key):
+            path, va, vb = _difference(key, da.get(key), db.get(key))  # (in a sub-config: its field, not the whole)
             raise IncompatibleMembersError(
-                f"{name_b} has config.{key} = {db.get(key)!r}, but {name_a} has {da.get(key)!r}: members must share "
+                f"{name_b} has config.{path} = {vb!r}, but {name_a} has {va!r}: members must share "
                 "their configs, labels and provenance aside (the wide model runs one config, and any field may change "
-                f"what the code computes). If config.{key} does not, set it alike on every member before fusing."
+                f"what the code computes). If config.{path} does not, set it alike on every member before fusing."
             )
     labels_a, labels_b = getattr(a, "id2label", None), getattr(b, "id2label", None)
     if labels_a != labels_b and not allow_label_mismatch:
@@ -91,6 +92,14 @@ def check_configs(a, b, name_a: str, name_b: str, allow_label_mismatch: bool) ->
             f"{name_b} has id2label = {labels_b!r}, but {name_a} has {labels_a!r}. Pass "
             "allow_label_mismatch=True to fuse members whose labels differ."
         )
+
+
+def _difference(path: str, a, b) -> tuple[str, object, object]:
+    """The first field where ``a`` and ``b`` (config values, sub-configs as dicts) differ: its dotted path, both values."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        key = next(k for k in sorted(set(a) | set(b), key=str) if a.get(k) != b.get(k))
+        return _difference(f"{path}.{key}", a.get(key), b.get(key))
+    return path, a, b
 
 
 # The tensors of a PEFT LoRA layer whose shapes hold the adapter's rank, which adapters may differ in.

@@ -32,6 +32,17 @@ def test_different_hidden_sizes_name_the_field_and_both_values():
         WideModel.from_models([a, b])
 
 
+
+def test_a_sub_config_field_that_differs_is_named_not_the_whole_sub_config():
+    from test_architectures import MIXED
+
+    factory = MIXED["clip"][0]
+    a, b = factory(), factory()
+    b.config.text_config.layer_norm_eps = 1e-3
+    with pytest.raises(IncompatibleMembersError, match=r"member 1 has config\.text_config\.layer_norm_eps = 0\.001, "
+                                                       r"but member 0 has 1e-05"):
+        WideModel.from_models([a, b])
+
 def test_labels_may_differ_only_when_allowed():
     a, b = CASES["bert-seqcls"].build(0), CASES["bert-seqcls"].build(1)
     b.config.id2label = {0: "neg", 1: "neu", 2: "pos"}
