@@ -194,6 +194,10 @@ def _batch_of(value: Any, n: int) -> int | None:
     return None
 
 
+class CacheRowsError(ValueError):
+    """A cache given to a wide model holds other rows than its members' N*B."""
+
+
 def _check_caches(kwargs: dict, n: int, batch: int) -> None:
     """Refuse a cache of other rows than the wide model's (a member's own, of B rows): torch.cat failed on it deep in
     the attention with a message of sizes."""
@@ -204,7 +208,7 @@ def _check_caches(kwargs: dict, n: int, batch: int) -> None:
     for key, value in kwargs.items():
         rows = held_rows(value) if isinstance(value, Cache) else None
         if rows is not None and rows % (n * batch):
-            raise ValueError(
+            raise CacheRowsError(
                 f"{key} holds a cache of {rows} rows, and the wide model's {n} members read {n * batch} beside a "
                 f"batch of {batch} (N*B, member-major): pass the cache a wide forward or generate returned, or a "
                 "member's own cache to that member alone (wide.member(i)).")

@@ -18,6 +18,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
+from .fold import CacheRowsError
 from .model import WideValidationError, first_tensor
 from .compare import tf32_possible, tolerance
 from .versions import CACHE_NAMES
@@ -45,6 +46,8 @@ def check_cache(wide, models: Sequence[nn.Module], names: Sequence[str], kwargs:
     with torch.no_grad():
         try:
             got = _two_steps(wide, name, ids, kwargs)
+        except CacheRowsError as exc:  # its own cache, from the prefill: made wrong (a state the members shared)
+            return f"{names[0]}: with a cache ({name}), the fused model's own cache differs from its members' ({exc})"
         except Exception:  # the wide model refuses a cache (a static one, a layer it cannot split): loud when used
             return None
         if got is None:
