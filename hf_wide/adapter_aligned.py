@@ -52,10 +52,10 @@ def aligned_adapters(models: Sequence[nn.Module]) -> tuple[list[nn.Module], list
                 "adapters). Run each such member alone.")
     full = frozenset(i for i, m in enumerate(models) if adapters and not isinstance(m, peft.PeftModel))
     names = {i: list(m.peft_config) for i, m in enumerate(models) if adapters and i not in full}
-    differ = next((i for i in names if names[i] != names[min(names)]), None) if names else None
+    first, differ = _first_other(names)
     if differ is not None:  # (else refused by a tensor one member lacks, which did not say why)
         raise IncompatibleMembersError(
-            f"member {min(names)} holds the adapters {names[min(names)]} and member {differ} {names[differ]}: the "
+            f"member {first} holds the adapters {names[first]} and member {differ} {names[differ]}: the "
             "members' tensors are matched by name. Give each member the same adapters by name (one each: "
             "PeftModel.from_pretrained(base, folder) names it 'default').")
     lora = bool(adapters) and all(list(m.peft_config) == ["default"] and m.peft_config["default"].peft_type
@@ -63,8 +63,7 @@ def aligned_adapters(models: Sequence[nn.Module]) -> tuple[list[nn.Module], list
     if not lora or any(type(models[i]) is not type(adapters[0].get_base_model()) for i in full):
         return list(models), None, frozenset()  # (members of other classes are refused as such)
     biases = {i: m.peft_config["default"].lora_bias for i, m in enumerate(models) if i not in full}
-    first = min(biases)
-    other = next((i for i in biases if biases[i] != biases[first]), None)
+    first, other = _first_other(biases)
     if other is not None:  # (else refused by a tensor one member lacks, which did not say why)
         raise IncompatibleMembersError(
             f"member {first} uses lora_bias={biases[first]} and member {other} lora_bias={biases[other]}: an "
@@ -85,3 +84,9 @@ def aligned_adapters(models: Sequence[nn.Module]) -> tuple[list[nn.Module], list
     for p, flag in trainable:  # the wrappers froze the tensors they wrap, which are the models' own
         p.requires_grad_(flag)
     return views, padded, full
+
+
+def _first_other(values: dict[int, object]) -> tuple[int | None, int | None]:
+    """The first member of ``values`` (member -> its value), and the first whose value differs from it (or None)."""
+    first = min(values, default=None)
+    return first, next((i for i in values if values[i] != values[first]), None)

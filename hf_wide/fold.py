@@ -22,6 +22,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
+from transformers.cache_utils import Cache
 
 
 class _CallState:
@@ -201,12 +202,12 @@ class CacheRowsError(ValueError):
 def _check_caches(kwargs: dict, n: int, batch: int) -> None:
     """Refuse a cache of other rows than the wide model's (a member's own, of B rows): torch.cat failed on it deep in
     the attention with a message of sizes."""
-    from transformers.cache_utils import Cache
-
-    from .primitives.member_cache import held_rows
-
     for key, value in kwargs.items():
-        rows = held_rows(value) if isinstance(value, Cache) else None
+        if not isinstance(value, Cache):
+            continue
+        from .primitives.member_cache import held_rows  # (here: the primitives import this module)
+
+        rows = held_rows(value)
         if rows is not None and rows % (n * batch):
             raise CacheRowsError(
                 f"{key} holds a cache of {rows} rows, and the wide model's {n} members read {n * batch} beside a "

@@ -100,7 +100,7 @@ def _auto_dtypes(configs: list, stored: list[dict]) -> list[torch.dtype]:
     found = []
     for config, tensors in zip(configs, stored):
         named = getattr(config, "dtype", None)
-        named = resolve_dtype(named.removeprefix("torch.")) if isinstance(named, str) and named != "auto" else named
+        named = getattr(torch, named.removeprefix("torch."), None) if isinstance(named, str) else named
         floating = next((d for d in tensors.values() if d.is_floating_point), None)
         found.append(named if isinstance(named, torch.dtype) else floating)
     return found
