@@ -44,31 +44,26 @@ def aligned_adapters(models: Sequence[nn.Module]) -> tuple[list[nn.Module], list
     as they are, with None and no plain members."""
     peft = sys.modules.get("peft")  # not imported: no member is a PeftModel
     adapters = [m for m in models if peft is not None and isinstance(m, peft.PeftModel)]
-    for i, m in enumerate(models):
-        if peft is not None and isinstance(m, peft.PeftModel) and m.active_peft_config.is_prompt_learning:  # (refused by verification, unnamed)
+    for i, m in enumerate(models):  # (refused by verification, without saying why)
+        if peft is not None and isinstance(m, peft.PeftModel) and m.active_peft_config.is_prompt_learning:
             raise IncompatibleMembersError(
                 f"member {i} is a {m.active_peft_config.peft_type.value} PeftModel: prompt learning puts virtual "
                 "tokens before the inputs in PeftModel's own forward, which hf-wide does not fuse (it fuses LoRA "
                 "adapters). Run each such member alone.")
     full = frozenset(i for i, m in enumerate(models) if adapters and not isinstance(m, peft.PeftModel))
     names = {i: list(m.peft_config) for i, m in enumerate(models) if adapters and i not in full}
-    first, differ = _first_other(names)
-    if differ is not None:  # (else refused by a tensor one member lacks, which did not say why)
-        raise IncompatibleMembersError(
-            f"member {first} holds the adapters {names[first]} and member {differ} {names[differ]}: the "
-            "members' tensors are matched by name. Give each member the same adapters by name (one each: "
-            "PeftModel.from_pretrained(base, folder) names it 'default').")
+    _require_alike(names, lambda a, b: (
+        f"member {a} holds the adapters {names[a]} and member {b} {names[b]}: the members' tensors are matched by "
+        "name. Give each member the same adapters by name (one each: PeftModel.from_pretrained(base, folder) names "
+        "it 'default')."))
     lora = bool(adapters) and all(list(m.peft_config) == ["default"] and m.peft_config["default"].peft_type
                                   == peft.PeftType.LORA for m in adapters)
     if not lora or any(type(models[i]) is not type(adapters[0].get_base_model()) for i in full):
         return list(models), None, frozenset()  # (members of other classes are refused as such)
     biases = {i: m.peft_config["default"].lora_bias for i, m in enumerate(models) if i not in full}
-    first, other = _first_other(biases)
-    if other is not None:  # (else refused by a tensor one member lacks, which did not say why)
-        raise IncompatibleMembersError(
-            f"member {first} uses lora_bias={biases[first]} and member {other} lora_bias={biases[other]}: an "
-            "adapter's own bias on its update is fused only where every adapter has one. Fuse the adapters that "
-            "agree apart.")
+    _require_alike(biases, lambda a, b: (
+        f"member {a} uses lora_bias={biases[a]} and member {b} lora_bias={biases[b]}: an adapter's own bias on its "
+        "update is fused only where every adapter has one. Fuse the adapters that agree apart."))
     replications = [None if i in full else m.peft_config["default"].layer_replication for i, m in enumerate(models)]
     if any(replications):
         check_layer_replication([r and [list(p) for p in r] for r in replications],
@@ -86,7 +81,10 @@ def aligned_adapters(models: Sequence[nn.Module]) -> tuple[list[nn.Module], list
     return views, padded, full
 
 
-def _first_other(values: dict[int, object]) -> tuple[int | None, int | None]:
-    """The first member of ``values`` (member -> its value), and the first whose value differs from it (or None)."""
+def _require_alike(values: dict[int, object], refusal) -> None:
+    """Refuse members (``values``: member -> its value) whose values differ, with ``refusal(first, other)``: else a
+    tensor one of them lacks refused them, without saying why."""
     first = min(values, default=None)
-    return first, next((i for i in values if values[i] != values[first]), None)
+    other = next((i for i in values if values[i] != values[first]), None)
+    if other is not None:
+        raise IncompatibleMembersError(refusal(first, other))
