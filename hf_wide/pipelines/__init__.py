@@ -52,10 +52,17 @@ def pipeline(
     ``{"mode": "max-autotune"}``), ``buckets`` (what batches are padded to: "auto" is each batch's longest
     input, as the compiled wide model has dynamic shapes, and powers of two for static-shape compiles;
     "pow2"; a list of lengths; None), and the task's own (``top_k``, ...). ``model_kwargs`` go to
-    :meth:`WideModel.from_pretrained` (``attn_implementation``, ``trust_remote_code``, ...), as in transformers.
+    :meth:`WideModel.from_pretrained` (``attn_implementation``, ``trust_remote_code``, ...), as in transformers;
+    so does ``allow_label_mismatch`` (members whose ``id2label`` differ: the pipeline's answers realign their
+    classes by name).
     """
     if task not in TASKS:
         raise ValueError(f"Unknown task {task!r}: hf-wide has {', '.join(sorted(TASKS))}.")
+    if "allow_label_mismatch" in kwargs:
+        if isinstance(model, WideModel):
+            raise ValueError("allow_label_mismatch applies to members the pipeline loads; this WideModel is fused "
+                             "already (pass it to WideModel.from_pretrained instead).")
+        model_kwargs = {**(model_kwargs or {}), "allow_label_mismatch": kwargs.pop("allow_label_mismatch")}
     from ..download import as_ids
 
     sources = None if isinstance(model, WideModel) else as_ids(model)  # ids: a folder may be a pathlib.Path

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import operator
 import weakref
 from collections.abc import Sequence
 from typing import Any
@@ -53,14 +54,13 @@ class WidePipeline:
     ):
         if not isinstance(model, WideModel):
             raise TypeError(f"A wide pipeline runs a WideModel, got {type(model).__name__}.")
-        if batch_size < 1:
-            raise ValueError(f"batch_size must be at least 1, got {batch_size}.")
+        whole_number("batch_size", batch_size)
         refusal = head_refusal(model, self.task, self.heads)
         if refusal is not None:
             raise ValueError(refusal)
         self.model = model.eval()
-        if device is not None:
-            self.model.to(torch.device(f"cuda:{device}" if isinstance(device, int) else device))
+        if device is not None and device != -1:  # -1: where the model is, as transformers' pipelines read it
+            self.model.to(_device(device))
         self.device = next(model.parameters()).device
         self.tokenizer = tokenizer
         self.image_processor = image_processor
@@ -69,6 +69,9 @@ class WidePipeline:
         self.weights = check_weights(weights, model.num_members)
         if self.combine == Combine.WEIGHTED and self.weights is None:
             raise ValueError("combine='weighted' needs weights=[one per member].")
+        if self.weights is not None and self.combine != Combine.WEIGHTED:
+            raise ValueError(f"weights= are read by combine='weighted' only, and combine is {self.combine.value!r}: "
+                             "pass combine='weighted' to weigh the members.")
         if temperature <= 0:
             raise ValueError(f"temperature must be positive, got {temperature}.")
         self.temperature = temperature
@@ -119,7 +122,7 @@ class WidePipeline:
         pre, fwd, post = self.call_options(kwargs)
         features = self.preprocess_many(items, **pre)
         results: list[Any] = [None] * len(items)
-        size = batch_size or self.batch_size
+        size = self.batch_size if batch_size is None else whole_number("batch_size", batch_size)
         # Similar lengths together: less padding, and few distinct shapes for a compiled model.
         order = sorted(range(len(items)), key=lambda i: -_length(features[i]))
         chunks = [order[i : i + size] for i in range(0, len(order), size)]
@@ -220,6 +223,28 @@ class WidePipeline:
     def __repr__(self) -> str:
         return (f"{type(self).__name__}(task={self.task!r}, members={self.model.num_members}, "
                 f"combine={self.combine.value!r}, device={self.device})")
+
+
+def whole_number(name: str, value, least: int = 1) -> int:
+    """``value`` of the option ``name``, refused unless it is a whole number of at least ``least``."""
+    try:
+        number = None if isinstance(value, bool) else operator.index(value)  # an int, or numpy's
+    except TypeError:
+        number = None
+    if number is None or number < least:
+        raise ValueError(f"{name} must be a whole number of at least {least}, got {value!r}.")
+    return number
+
+
+def _device(device: str | int | torch.device) -> torch.device:
+    """``device=`` as transformers' pipelines read it: a negative number is the CPU, another number that index of the
+    accelerator (CUDA's, if torch knows none)."""
+    if isinstance(device, bool) or not isinstance(device, int):
+        return torch.device(device)
+    if device < 0:
+        return torch.device("cpu")
+    accelerator = torch.accelerator.current_accelerator()
+    return torch.device(accelerator.type if accelerator is not None else "cuda", device)
 
 
 def head_refusal(model: WideModel, task: str, heads: tuple[str, str] | None) -> str | None:

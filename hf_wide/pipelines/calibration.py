@@ -17,6 +17,7 @@ from collections.abc import Sequence
 import torch
 
 from .. import metrics
+from .base import whole_number
 from .classification import ClassificationPipeline
 from .combine import Combine, combine, realign
 
@@ -33,6 +34,9 @@ def calibrate(pipe: ClassificationPipeline, inputs: Sequence, labels: Sequence[i
         raise TypeError(f"calibrate fits classification pipelines, got {type(pipe).__name__}.")
     if pipe.combine in (Combine.VOTE, Combine.NONE):
         raise ValueError(f"combine={pipe.combine.value!r} has no probabilities a temperature could scale.")
+    if pipe._regressors():
+        raise ValueError("calibrate fits a temperature to classifiers' probabilities; these members are regressors "
+                         "(problem_type='regression').")
     if pipe._multi_label(None):
         raise ValueError("calibrate fits single-label classifiers; this pipeline is multi-label.")
     inputs, labels = list(inputs), list(labels)
@@ -40,7 +44,8 @@ def calibrate(pipe: ClassificationPipeline, inputs: Sequence, labels: Sequence[i
         raise ValueError(f"calibrate needs one label per input and at least one input: got {len(inputs)} inputs "
                          f"and {len(labels)} labels.")
     targets = _label_indices(pipe, labels)
-    logits = _member_logits(pipe, inputs, batch_size or pipe.batch_size)  # (N, B, C)
+    size = pipe.batch_size if batch_size is None else whole_number("batch_size", batch_size)
+    logits = _member_logits(pipe, inputs, size)  # (N, B, C)
 
     def loss(log_t: float) -> float:
         probs = combine(logits, pipe.combine, pipe.weights, False, math.exp(log_t))

@@ -7,7 +7,7 @@ from typing import Any
 import torch
 
 from .. import metrics
-from .base import WidePipeline
+from .base import WidePipeline, whole_number
 from .combine import Combine, combine, combine_values, member_probabilities, ranking, realign
 from .inputs import load_image, text_and_pair, tokenize_many
 
@@ -30,9 +30,7 @@ class ClassificationPipeline(WidePipeline):
         if multi_label is not None:
             fwd["multi_label"] = post["multi_label"] = multi_label
         if top_k != "":  # None, as in transformers: every label, ranked
-            if top_k is not None and top_k < 1:
-                raise ValueError(f"top_k must be at least 1, got {top_k}.")
-            post["top_k"] = top_k
+            post["top_k"] = None if top_k is None else whole_number("top_k", top_k)
         return pre, fwd, post
 
     def _sanitize_inputs(self, **kwargs) -> tuple[dict, dict, dict]:
@@ -58,6 +56,9 @@ class ClassificationPipeline(WidePipeline):
         _, permutations = self.label_order()
         logits = realign(self.model(**batch).logits, permutations)  # (N, B, C)
         if multi_label is None:  # regressors: their values
+            if self.temperature != 1.0:
+                raise ValueError(f"temperature={self.temperature} scales probabilities, and these members are "
+                                 "regressors (problem_type='regression'), whose values have none.")
             return _values(logits.float(), combine_values(logits, self.combine, self.weights))
         member_probs = member_probabilities(logits, multi_label, self.temperature)  # (N, B, C)
         scores = combine(logits, self.combine, self.weights, multi_label, self.temperature)  # (B, C)

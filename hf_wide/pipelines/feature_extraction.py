@@ -44,6 +44,8 @@ class FeatureExtractionPipeline(WidePipeline):
         if self.combine not in RULES:
             raise ValueError(f"combine={self.combine.value!r} does not apply to embeddings: use one of "
                              f"{', '.join(r.value for r in RULES)}.")
+        if self.temperature != 1.0:  # set by the constructor (or calibrate, which refuses this task)
+            raise ValueError(f"temperature={self.temperature} scales probabilities, and embeddings have none.")
         if truncation is not None:
             pre["truncation"] = truncation
         if pooling is not None:

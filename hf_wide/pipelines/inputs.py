@@ -57,8 +57,9 @@ def text_and_pair(item) -> tuple[str, str | None]:
 
 
 def load_image(image, channels: int):
-    """A PIL image in the mode the model expects: ``L`` for 1 channel, ``RGB`` for 3."""
-    from PIL import Image
+    """A PIL image in the mode the model expects: ``L`` for 1 channel, ``RGB`` for 3, turned upright by its EXIF
+    orientation tag (a phone's photo), as transformers' ``load_image`` turns it."""
+    from PIL import Image, ImageOps
 
     if isinstance(image, (str, os.PathLike)):
         if not os.path.exists(image):
@@ -70,6 +71,7 @@ def load_image(image, channels: int):
         image = Image.fromarray(image.astype(np.uint8) if image.dtype != np.uint8 else image)
     elif not isinstance(image, Image.Image):
         raise TypeError(f"Expected a PIL image, an array or a path, got {type(image).__name__}.")
+    image = ImageOps.exif_transpose(image)
     mode = {1: "L", 3: "RGB"}.get(channels)
     if mode is None:
         raise ValueError(f"The model expects {channels} channels; only 1 (L) and 3 (RGB) are supported.")

@@ -25,7 +25,7 @@ import torch
 
 from .. import metrics
 from ..verify_cache import cache_name as cache_name_of
-from .base import WidePipeline, _max_length
+from .base import WidePipeline, _max_length, whole_number
 from .combine import Combine, combine, member_probabilities, ranking
 
 MEASURES = ("predictive_entropy", "expected_entropy", "mutual_information", "member_std", "agreement")
@@ -36,7 +36,8 @@ class TextGenerationPipeline(WidePipeline):
     """``pipe(prompt)`` -> ``{"generated_text", "uncertainty"}`` (the ensemble's continuation, with each
     measure averaged over the generated tokens), or ``{"members": [...]}`` with ``combine="none"``.
 
-    Options: ``max_new_tokens`` (the members' own, else 20), ``do_sample``, ``temperature``, ``top_k``,
+    Options: ``max_new_tokens`` (the members' own, or what their ``max_length`` leaves after each prompt, else 20),
+    ``do_sample``, ``temperature``, ``top_k``,
     ``top_p``, ``seed`` / ``generator`` (sampling), ``return_full_text`` (True: prompt + continuation, as
     transformers), ``return_members`` (also each member's own continuation), ``truncation`` (True: prompts too
     long for the model's positions keep their last tokens; False: refuse them), ``eos_token_id`` (the tokens
@@ -55,13 +56,11 @@ class TextGenerationPipeline(WidePipeline):
         if self.combine == Combine.VOTE and do_sample:
             raise ValueError("combine='vote' has no distribution to sample from; use do_sample=False or another rule.")
         if max_new_tokens is not None:
-            if max_new_tokens < 1:
-                raise ValueError(f"max_new_tokens must be at least 1, got {max_new_tokens}.")
-            pre["max_new_tokens"] = fwd["max_new_tokens"] = max_new_tokens
+            max_new_tokens = whole_number("max_new_tokens", max_new_tokens)
+            pre["max_new_tokens"] = max_new_tokens  # each prompt's budget, in its features
         if temperature is not None and temperature <= 0:
             raise ValueError(f"temperature must be positive, got {temperature}.")
-        if top_k is not None and top_k < 1:
-            raise ValueError(f"top_k must be at least 1, got {top_k}.")
+        top_k = None if top_k is None else whole_number("top_k", top_k)
         if top_p is not None and not 0 < top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {top_p}.")
         options = dict(do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
@@ -86,7 +85,7 @@ class TextGenerationPipeline(WidePipeline):
         if ids.shape[-1] == 0:  # a text the tokenizer drops whole: BOS, where transformers' generate starts without
             ids = torch.tensor([[self._bos_id(prompt)]])  # input_ids (beside other prompts, a row of padding was
             mask = torch.ones_like(ids)  # continued)
-        max_new_tokens = max_new_tokens or self._default_new_tokens()
+        max_new_tokens = max_new_tokens or self._default_new_tokens(ids.shape[-1])
         budget = _max_length(self.tokenizer, self.model) - max_new_tokens  # positions left for the prompt
         if budget < 1:
             raise ValueError(f"max_new_tokens={max_new_tokens} leaves no room for a prompt within the model's "
@@ -96,7 +95,7 @@ class TextGenerationPipeline(WidePipeline):
                 raise ValueError(f"The prompt is {ids.shape[-1]} tokens long; with max_new_tokens={max_new_tokens} "
                                  f"the model has room for {budget}. Pass truncation=True to keep its last tokens.")
             ids, mask = ids[:, -budget:], mask[:, -budget:]  # the end of a prompt is what it continues
-        return {"input_ids": ids, "attention_mask": mask, "text": prompt}
+        return {"input_ids": ids, "attention_mask": mask, "text": prompt, "new_tokens": torch.tensor([max_new_tokens])}
 
     def collate(self, features):
         """Left padding to the longest prompt: the last column is every row's newest token."""
@@ -106,18 +105,23 @@ class TextGenerationPipeline(WidePipeline):
                for f in features]
         mask = [torch.nn.functional.pad(f["attention_mask"], (length - f["attention_mask"].shape[-1], 0))
                 for f in features]
-        return {"input_ids": torch.cat(ids), "attention_mask": torch.cat(mask)}
+        return {"input_ids": torch.cat(ids), "attention_mask": torch.cat(mask),
+                "new_tokens": torch.cat([f["new_tokens"] for f in features])}  # (B,): each prompt's own
 
-    def _forward(self, batch, max_new_tokens: int | None = None, do_sample: bool = False,
+    def _forward(self, batch, do_sample: bool = False,
                  temperature: float | None = None, top_k: int | None = None, top_p: float | None = None,
                  seed: int | None = None, generator: torch.Generator | None = None, return_members: bool = False,
                  eos_token_id: int | list[int] | None = None):
         sampling = dict(do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p,
                         eos_token_id=eos_token_id)
-        max_new_tokens = max_new_tokens or self._default_new_tokens()
+        batch = dict(batch)
+        budgets = batch.pop("new_tokens")  # (B,) each prompt's new tokens (the call's max_new_tokens, else its own)
+        max_new_tokens = int(budgets.max())
         out = {}
         if self.combine == Combine.NONE or return_members:
-            out["per_member_tokens"] = self._member_continuations(batch, max_new_tokens, seed, **sampling)
+            tokens = self._member_continuations(batch, max_new_tokens, seed, **sampling)  # (N, B, S)
+            past = torch.arange(tokens.shape[-1], device=tokens.device) >= budgets[:, None].to(tokens.device)  # (B, S)
+            out["per_member_tokens"] = tokens.masked_fill(past, self._pad_id())  # each row ends at its own budget
         if self.combine != Combine.NONE:
             if do_sample and generator is None:
                 generator = torch.Generator(self.device)
@@ -129,7 +133,7 @@ class TextGenerationPipeline(WidePipeline):
                     generator.manual_seed(seed)
                 else:
                     generator.seed()
-            out.update(self._ensemble_decode(batch, max_new_tokens, generator=generator, **sampling))
+            out.update(self._ensemble_decode(batch, budgets, generator=generator, **sampling))
         return out
 
     def postprocess(self, outputs: dict[str, Any], return_full_text: bool = True):
@@ -153,11 +157,13 @@ class TextGenerationPipeline(WidePipeline):
         return not fwd.get("do_sample", False)
 
     # ---------------------------------------------------------------- decoding
-    def _ensemble_decode(self, batch, max_new_tokens: int, do_sample: bool, temperature: float | None,
+    def _ensemble_decode(self, batch, budgets: torch.Tensor, do_sample: bool, temperature: float | None,
                          top_k: int | None, top_p: float | None, eos_token_id: int | list[int] | None,
                          generator: torch.Generator | None):
-        """One shared continuation per row; each step is one wide forward of N*B rows, one new token each."""
+        """One shared continuation per row, of at most ``budgets[b]`` tokens; each step is one wide forward of N*B
+        rows, one new token each."""
         ids, mask = batch["input_ids"], batch["attention_mask"]  # (B, T), left-padded
+        max_new_tokens, budgets = int(budgets.max()), budgets.to(ids.device)
         # A sampling temperature tempers each member's distribution before they are combined; greedy decoding takes
         # none, as transformers' generate ignores one without do_sample (the calibrated temperature applies to both)
         temperature = (temperature if do_sample else None) or self.temperature
@@ -169,7 +175,7 @@ class TextGenerationPipeline(WidePipeline):
         cache_name = cache_name_of(self.model.model) or "past_key_values"  # Mamba: cache_params
         processors = self._member_processors(ids, mask, max_new_tokens, eos_token_id)
         cache, step_ids, steps, generated = None, ids, [], ids  # generated: (B, T + s), what the processors read
-        for _ in range(max_new_tokens):
+        for step in range(max_new_tokens):
             out = self.model(input_ids=step_ids, attention_mask=mask, position_ids=positions,
                              use_cache=True, **{cache_name: cache}, **keep)
             cache, logits = getattr(out, cache_name), out.logits[:, :, -1]  # (N, B, V)
@@ -183,7 +189,7 @@ class TextGenerationPipeline(WidePipeline):
                 token = ranking(probs, member_probs).argmax(-1)  # (B,)
             token = token.masked_fill(done, self._pad_id())
             steps.append({"tokens": token, "valid": ~done, **_measures(member_probs, token)})
-            done = done | torch.isin(token, eos)
+            done = done | torch.isin(token, eos) | (budgets <= step + 1)
             if done.all():
                 break
             step_ids = token[:, None]  # (B, 1)
@@ -225,6 +231,10 @@ class TextGenerationPipeline(WidePipeline):
             if config.guidance_scale not in (None, 1):
                 raise ValueError(f"Member {i}'s generation config asks for classifier-free guidance (guidance_scale="
                                  f"{config.guidance_scale}), which ensemble decoding does not run.")
+            if (config.num_beams or 1) > 1:
+                raise ValueError(f"Member {i}'s generation config asks for beam search (num_beams={config.num_beams}), "
+                                 "which ensemble decoding does not run (it chooses one token a step for all members): "
+                                 "pass combine='none' for each member's own beam search.")
             config.update(do_sample=False, max_new_tokens=max_new_tokens)  # (no warpers)
             if eos_token_id is not None:  # given to the call: every member's, as generate(eos_token_id=) makes it
                 config.eos_token_id = eos_token_id
@@ -239,12 +249,20 @@ class TextGenerationPipeline(WidePipeline):
             return None
         return built if len(built) == self.model.num_members else built * self.model.num_members
 
-    def _default_new_tokens(self) -> int:
-        """The members' ``max_new_tokens`` where their generation configs agree on one, as transformers' pipeline
-        reads it; else :data:`DEFAULT_NEW_TOKENS`."""
+    def _default_new_tokens(self, prompt_length: int) -> int:
+        """New tokens for a prompt of ``prompt_length`` tokens, as transformers' generate counts them from the members'
+        generation configs where they agree: their ``max_new_tokens``, else what their ``max_length`` leaves (a
+        prompt of that length or more refused, as generate refuses it); else :data:`DEFAULT_NEW_TOKENS`."""
         configs = self.model.member_generation_configs or [getattr(self.model.model, "generation_config", None)]
-        values = {getattr(c, "max_new_tokens", None) for c in configs}
-        return values.pop() if len(values) == 1 and None not in values else DEFAULT_NEW_TOKENS
+        for name in ("max_new_tokens", "max_length"):
+            values = {getattr(c, name, None) for c in configs}
+            if len(values) == 1 and None not in values:
+                value = values.pop()
+                if name == "max_length" and value <= prompt_length:
+                    raise ValueError(f"The prompt is {prompt_length} tokens long, and the members' generation configs "
+                                     f"end every sequence at max_length={value} tokens: pass max_new_tokens=.")
+                return value if name == "max_new_tokens" else value - prompt_length
+        return DEFAULT_NEW_TOKENS
 
     # ---------------------------------------------------------------- special tokens
     def _eos_ids(self, given: int | list[int] | None = None) -> list[int]:

@@ -65,7 +65,7 @@ class TokenClassificationPipeline(WidePipeline):
         if aggregation_strategy is not None:
             post["aggregation_strategy"] = AggregationStrategy.parse(aggregation_strategy)
         if ignore_labels is not None:
-            post["ignore_labels"] = list(ignore_labels)
+            post["ignore_labels"] = [ignore_labels] if isinstance(ignore_labels, str) else list(ignore_labels)
         return pre, fwd, post
 
     def preprocess(self, text, truncation: bool = True):

@@ -73,6 +73,20 @@ def test_bad_calls_are_refused_clearly(setup, options, labels, error, match):
         calibrate(pipe, TEXTS, default if labels is None else labels)
 
 
+def test_regressors_are_not_calibrated(setup):
+    # a regressor's values have no probabilities: a temperature was fitted (the grid's edge) and never used
+    import transformers
+
+    config = transformers.BertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                     intermediate_size=64, max_position_embeddings=64, num_labels=1,
+                                     problem_type="regression")
+    members = [transformers.BertForSequenceClassification(config).eval() for _ in range(2)]
+    pipe = pipeline("text-classification", model=WideModel.from_models(members), tokenizer=setup[0])
+    with pytest.raises(ValueError, match="these members are regressors"):
+        calibrate(pipe, TEXTS[:3], [0, 0, 0])
+    assert pipe.temperature == 1.0
+
+
 def test_only_classification_pipelines_are_calibrated(setup):
     tokenizer, _, _, labels = setup
     pipe = pipeline("feature-extraction", model=WideModel.from_models(build_members("bert-base", 2)),

@@ -1,6 +1,7 @@
 """Text and image classification pipelines: the ensemble equals the combination of the members run
 alone, each member's result equals its own transformers pipeline, and bad input gets clear errors."""
 
+import numpy as np
 import pytest
 import torch
 import transformers
@@ -125,7 +126,7 @@ def test_top_k(pipe):
     assert result["top_k"][0]["score"] >= result["top_k"][1]["score"]
 
 
-def test_members_with_permuted_labels_are_realigned(text_members):
+def test_members_with_permuted_labels_are_realigned(text_members, tmp_path):
     models, tokenizer, _ = text_members
     permuted = CASES["bert-seqcls"].build(N - 1)
     order = [2, 0, 1]
@@ -140,6 +141,15 @@ def test_members_with_permuted_labels_are_realigned(text_members):
                                                                           allow_label_mismatch=True), tokenizer=tokenizer)
     for a, b in zip(straight(TEXTS), mixed(TEXTS)):
         assert a["label"] == b["label"] and a["score"] == pytest.approx(b["score"], abs=1e-6)
+    # members the pipeline loads: the option the refusal names, given to the pipeline as it says (it was refused
+    # again, taken only in model_kwargs)
+    paths = save_members(tmp_path, models[:-1] + [permuted], tokenizer)
+    with pytest.raises(ValueError, match="allow_label_mismatch=True"):
+        pipeline("text-classification", model=paths)
+    loaded = pipeline("text-classification", model=paths, allow_label_mismatch=True)
+    assert loaded(TEXTS) == mixed(TEXTS)
+    with pytest.raises(ValueError, match="applies to members the pipeline loads"):
+        pipeline("text-classification", model=mixed.model, tokenizer=tokenizer, allow_label_mismatch=True)
 
 
 def test_multi_label(text_members):
@@ -171,6 +181,23 @@ def test_bad_input(pipe):
         pipe(TEXTS[0], colour="red")
     with pytest.raises(ValueError, match="Unknown task 'translation'"):
         pipeline("translation", model=pipe.model)
+    # options that were dropped or failed deep inside: weights without the rule that reads them, a batch size or
+    # top_k that is no whole number (a negative batch size answered None for every input)
+    with pytest.raises(ValueError, match="weights= are read by combine='weighted' only, and combine is 'mean'"):
+        pipeline("text-classification", model=pipe.model, tokenizer=pipe.tokenizer, weights=[1, 0, 0])
+    for bad in (-1, 0, 1.5, True):
+        with pytest.raises(ValueError, match=f"batch_size must be a whole number of at least 1, got {bad!r}"):
+            pipe(TEXTS, batch_size=bad)
+    for bad in ("2", 2.5, 0):
+        with pytest.raises(ValueError, match=f"top_k must be a whole number of at least 1, got {bad!r}"):
+            pipe(TEXTS[0], top_k=bad)
+    assert pipe(TEXTS[0], top_k=np.int64(2)) == pipe(TEXTS[0], top_k=2)
+
+
+def test_device_minus_one_is_where_the_model_is_as_in_transformers(pipe):
+    same = pipeline("text-classification", model=pipe.model, tokenizer=pipe.tokenizer, device=-1)
+    assert same.device == torch.device("cpu") and same(TEXTS) == pipe(TEXTS)
+    assert pipeline("text-classification", model=pipe.model, tokenizer=pipe.tokenizer, device=-2).device.type == "cpu"
 
 
 def test_over_long_text_is_truncated_unless_refused(pipe):
@@ -217,6 +244,23 @@ def test_image_classification_equals_members_alone(image_pipe):
         probs = torch.stack([m(pixel_values=pixels).logits.softmax(-1) for m in models]).mean(0)
     for b, result in enumerate(results):
         assert result["score"] == pytest.approx(float(probs[b].max()), abs=1e-5)
+
+
+def test_a_photo_is_read_upright_as_transformers_reads_it(image_pipe, tmp_path):
+    # A JPEG whose EXIF orientation tag says "rotate 90": transformers' pipeline turns it upright before scoring it.
+    models, processor, pipe = image_pipe
+    image = Image.fromarray((torch.rand(16, 30, 3, generator=torch.Generator().manual_seed(0)) * 255).byte().numpy())
+    exif = image.getexif()
+    exif[0x0112] = 6
+    path = tmp_path / "photo.jpg"
+    image.save(path, exif=exif.tobytes())
+    for given in (str(path), Image.open(path)):
+        theirs = [transformers.pipeline("image-classification", model=m, image_processor=processor)(
+            given if isinstance(given, str) else Image.open(path), top_k=None) for m in models]
+        scores = pipe(given, top_k=None)["top_k"]
+        for entry in scores:
+            mean = sum(next(t["score"] for t in member if t["label"] == entry["label"]) for member in theirs) / len(models)
+            assert entry["score"] == pytest.approx(mean, abs=1e-5)
 
 
 def test_images_of_other_modes_are_converted(image_pipe):
@@ -296,6 +340,11 @@ def test_regressors_values_are_combined_as_they_are(text_members):
     assert 0 < pipe(TEXTS[0], function_to_apply="sigmoid")["score"] < 1  # asked for: probabilities
     with pytest.raises(ValueError, match="regressors' values have none"):
         pipeline("text-classification", model=wide, tokenizer=tokenizer, combine="vote")(TEXTS[0])
+    tempered = pipeline("text-classification", model=wide, tokenizer=tokenizer, temperature=2.0)
+    with pytest.raises(ValueError, match="temperature=2.0 scales probabilities, and these members are regressors"):
+        tempered(TEXTS[0])  # a temperature was silently dropped
+    sigmoids = tempered(TEXTS[0], function_to_apply="sigmoid")["members"][0]["score"]
+    assert sigmoids == pytest.approx(float(torch.tensor(pipe(TEXTS[0])["members"][0]["score"] / 2).sigmoid()), abs=1e-6)
 
 
 @pytest.mark.parametrize("tokenizer_pad", [None, 0], ids=["tokenizer-without-pad", "tokenizer-pad-differs"])

@@ -48,7 +48,8 @@ def test_mean_pooled_embeddings_ignore_padding_and_average_the_members(setup):
 def test_other_rules_combine_the_members_embeddings(setup, rule):
     tokenizer, members, wide = setup
     weights = [0.6, 0.3, 0.1]
-    result = pipeline("feature-extraction", model=wide, tokenizer=tokenizer, combine=rule, weights=weights)(TEXTS[1])
+    result = pipeline("feature-extraction", model=wide, tokenizer=tokenizer, combine=rule,
+                      weights=weights if rule == "weighted" else None)(TEXTS[1])
     pooled = torch.stack([states(m, tokenizer, TEXTS[1]).mean(0) for m in members])  # (N, D)
     if rule == "median":
         expected = pooled.median(0).values
@@ -105,6 +106,8 @@ def test_long_texts_are_truncated_or_refused(setup):
     ({"combine": "vote"}, None, ValueError, "does not apply to embeddings"),
     ({"combine": "nope"}, None, ValueError, "Unknown combine rule"),
     ({"combine": "weighted", "weights": [1, 1]}, None, ValueError, "one number per member"),
+    ({"temperature": 5.0}, None, ValueError, "embeddings have none"),  # (was silently dropped)
+    ({"weights": [1, 0, 0]}, None, ValueError, "read by combine='weighted' only"),
 ])
 def test_bad_input_is_refused_clearly(setup, options, call, error, match):
     tokenizer, _, wide = setup

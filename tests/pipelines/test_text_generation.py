@@ -223,7 +223,9 @@ def test_a_prompt_that_is_no_token_starts_from_bos_as_transformers_does(setup, t
     ({}, {"inputs": ""}, ValueError, "empty prompt"),
     ({}, {"inputs": []}, ValueError, "empty list"),
     ({}, {"inputs": 3}, TypeError, "Expected a prompt"),
-    ({}, {"inputs": "a cat", "max_new_tokens": 0}, ValueError, "max_new_tokens must be at least 1"),
+    ({}, {"inputs": "a cat", "max_new_tokens": 0}, ValueError, "max_new_tokens must be a whole number of at least 1"),
+    ({}, {"inputs": "a cat", "top_k": "2"}, ValueError, "top_k must be a whole number"),
+    ({}, {"inputs": "a cat", "batch_size": -1}, ValueError, "batch_size must be a whole number"),
     ({}, {"inputs": "a cat", "max_new_tokens": 64}, ValueError, "leaves no room"),
     ({}, {"inputs": "a cat", "top_p": 1.5}, ValueError, "top_p"),
     ({}, {"inputs": "a cat", "beams": 2}, TypeError, "unknown options: beams"),
@@ -294,3 +296,49 @@ def test_members_that_end_at_different_tokens_are_refused_unless_the_call_gives_
     given = one_hot(PROMPTS[0], max_new_tokens=NEW, eos_token_id=eos, return_full_text=False, return_members=True)
     assert given["generated_text"] == expected
     assert given["members"][1]["generated_text"] == expected  # transformers' generate, given the eos
+
+
+def test_the_members_max_length_bounds_each_prompt_as_transformers_does(tmp_path):
+    # A generation config with max_length and no max_new_tokens: transformers' generate stops each prompt at max_length
+    # tokens in all (and refuses a prompt of that length); the pipeline made 20 new tokens whatever the prompt
+    tokenizer = decoder_tokenizer(tmp_path)
+    members = build_members("llama-causallm", 2)
+    for member in members:
+        member.generation_config.update(max_length=12, eos_token_id=None)
+    wide = WideModel.from_models(members)
+    prompts = [PROMPTS[1], PROMPTS[0], PROMPTS[0].rsplit(" ", 2)[0]]
+    expected = [[transformers.pipeline("text-generation", model=m, tokenizer=tokenizer)(
+        p, do_sample=False, return_full_text=False)[0]["generated_text"] for p in prompts] for m in members]
+    lengths = [len(tokenizer(p)["input_ids"]) for p in prompts]
+    assert len(set(lengths)) == 3 and max(lengths) < 12
+    for combine in ("none", "weighted"):
+        options = {"weights": [0, 1]} if combine == "weighted" else {}
+        pipe = pipeline("text-generation", model=wide, tokenizer=tokenizer, combine=combine, **options)
+        results = pipe(prompts, return_full_text=False, batch_size=3)  # one left-padded batch of three budgets
+        for b, result in enumerate(results):
+            if combine == "none":
+                assert [m["generated_text"] for m in result["members"]] == [e[b] for e in expected]
+            else:
+                assert result["generated_text"] == expected[1][b]
+        assert pipe(prompts[0], max_new_tokens=2, return_full_text=False) != results[0]  # the call's own wins
+    long_prompt = " ".join([PROMPTS[0]] * 2)
+    with pytest.raises(ValueError, match=r"end every sequence at max_length=12 tokens: pass max_new_tokens="):
+        pipe(long_prompt)
+    with pytest.raises(ValueError, match="max_length"):
+        transformers.pipeline("text-generation", model=members[0], tokenizer=tokenizer)(long_prompt, do_sample=False)
+
+
+def test_members_that_ask_for_beam_search_are_refused_by_ensemble_decoding(tmp_path):
+    tokenizer = decoder_tokenizer(tmp_path)
+    members = build_members("llama-causallm", 2)
+    members[1].generation_config.num_beams = 3
+    wide = WideModel.from_models(members)
+    with pytest.raises(ValueError, match=r"Member 1's generation config asks for beam search \(num_beams=3\)"):
+        pipeline("text-generation", model=wide, tokenizer=tokenizer)(PROMPTS[0], max_new_tokens=NEW)
+    members[0].generation_config.num_beams = 3  # each member's own beam search, as transformers' pipeline runs it
+    result = pipeline("text-generation", model=WideModel.from_models(members), tokenizer=tokenizer, combine="none")(
+        PROMPTS[0], max_new_tokens=NEW)
+    for i, member in enumerate(members):
+        expected = transformers.pipeline("text-generation", model=member, tokenizer=tokenizer)(
+            PROMPTS[0], max_new_tokens=NEW, do_sample=False)[0]["generated_text"]
+        assert result["members"][i]["generated_text"] == expected

@@ -75,8 +75,8 @@ def test_ensemble_tokens_are_the_members_mean_with_hand_computed_uncertainty(set
 def test_combination_rules_apply_per_token(setup, rule):
     tokenizer, members, wide = setup
     weights = [0.5, 0.3, 0.2]
-    pipe = pipeline("token-classification", model=wide, tokenizer=tokenizer, combine=rule, weights=weights,
-                    ignore_labels=[])
+    pipe = pipeline("token-classification", model=wide, tokenizer=tokenizer, combine=rule,
+                    weights=weights if rule == "weighted" else None, ignore_labels=[])
     text = TEXTS[0]
     with torch.no_grad():
         logits = torch.stack([m(**tokenizer(text, return_tensors="pt")).logits[0] for m in members])  # (N, T, C)
@@ -148,6 +148,11 @@ def test_bioes_labels_are_grouped_and_named_as_transformers_does(setup, strategy
                                               aggregation_strategy=strategy, **options)
             for text, result in zip(TEXTS, results):
                 assert_same_entities(result["members"][i], reference(text))
+    # one label given alone is that label (its characters were ignored instead, so every "O" entity stayed)
+    one = pipeline("token-classification", model=wide, tokenizer=tokenizer, aggregation_strategy=strategy,
+                   ignore_labels="O")
+    assert one(TEXTS) == pipeline("token-classification", model=wide, tokenizer=tokenizer,
+                                  aggregation_strategy=strategy, ignore_labels=["O"])(TEXTS)
 
 
 def test_members_with_reordered_labels_are_realigned_by_name(setup, tmp_path):
