@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from transformers.utils import ModelOutput
 
 from .adapters import PEFT_FORWARD_ARGS, without_peft_args
 from .capture import asks_for_capture, require_recorded
@@ -30,6 +31,11 @@ def run_members(wide, method: str | None, args: tuple, kwargs: dict):
         require_recorded(wide._unrecorded, kwargs, wide.config)
     if wide._inner and not PEFT_FORWARD_ARGS.isdisjoint(kwargs):
         kwargs = without_peft_args(kwargs)
+    # A tuple asked for (return_dict=False, or the config's) is the unfolded ModelOutput's, as transformers makes it
+    # (``to_tuple``): unfolding reads the outputs' names (XLNet's time-major mems, each layer's flattened rows)
+    as_tuple = method is None and kwargs.get("return_dict", getattr(wide.config, "return_dict", True)) is False
+    if as_tuple:
+        kwargs = {**kwargs, "return_dict": True}
     group = wide.members_group
     given = (args, kwargs)  # (what every rank must agree on: before PerMember inputs are cut to the rank's)
     n = wide.fold.num_members
@@ -55,13 +61,15 @@ def run_members(wide, method: str | None, args: tuple, kwargs: dict):
         outputs, losses = member_loss_outputs(outputs, n, labelled)  # each (N,)
     if routed:
         routers = member_router_logits(outputs, n)  # each (N, B*T, E)
-    outputs = unfold_outputs(outputs, n, batch, (*losses, *routers), other_batches(given[1], batch))
-    if group is None:
-        return outputs
-    outputs = gather_outputs(group, outputs, batch, given)
-    for loss in losses:
-        outputs = replace_loss(outputs, loss, gather_members(group, loss))
-    return replace_router_logits(outputs, lambda t: gather_members(group, t)) if routed else outputs
+    unfolded = None if group is None else []  # the tensors given a member dim, which the ranks gather
+    outputs = unfold_outputs(outputs, n, batch, (*losses, *routers), other_batches(given[1], batch), unfolded)
+    if group is not None:
+        outputs = gather_outputs(group, outputs, unfolded, given)
+        for loss in losses:
+            outputs = replace_loss(outputs, loss, gather_members(group, loss))
+        if routed:
+            outputs = replace_router_logits(outputs, lambda t: gather_members(group, t))
+    return outputs.to_tuple() if as_tuple and isinstance(outputs, ModelOutput) else outputs
 
 
 @torch.compiler.disable

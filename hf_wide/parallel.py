@@ -195,13 +195,14 @@ def all_slices(members: MemberGroup, local: Sequence) -> list:
     return [item for part in gathered for item in part]
 
 
-def gather_outputs(members: MemberGroup, outputs: Any, batch: int, inputs: tuple[tuple, dict]) -> Any:
-    """The local forward's ``outputs`` with every per-member tensor ``(n_local, B, ...)`` replaced by all N
-    members' ``(N, B, ...)``; other values (caches, scalars) stay as they are. Raises on every rank if the ranks'
-    inputs or output structures differ."""
-    n_local = len(members.local)
+def gather_outputs(members: MemberGroup, outputs: Any, unfolded: list[torch.Tensor], inputs: tuple[tuple, dict]) -> Any:
+    """The local forward's ``outputs`` with every per-member tensor, ``unfolded`` to ``(n_local, ...)`` (of B rows,
+    B*C of a multiple-choice head's layers, XLNet's time-major memories, ...), replaced by all N members'
+    ``(N, ...)``; other values (caches, scalars) stay as they are. Raises on every rank if the ranks' inputs or output
+    structures differ."""
+    made = {id(t) for t in unfolded}
     leaves: list[torch.Tensor] = []
-    _walk(outputs, lambda t: leaves.append(t) if _per_member(t, n_local, batch) else None)
+    _walk(outputs, lambda t: leaves.append(t) if id(t) in made else None)
     meta = (_fingerprint(inputs), [(tuple(t.shape[1:]), str(t.dtype)) for t in leaves])
     metas = [None] * members.world_size
     dist.all_gather_object(metas, meta, members.group)
@@ -213,7 +214,7 @@ def gather_outputs(members: MemberGroup, outputs: Any, batch: int, inputs: tuple
         raise MemberParallelError("The ranks' outputs differ in structure or shape: every rank must run the same "
                                   f"inputs with the same options ({metas[0][1]} on rank 0).")
     gathered = iter([gather_members(members, t) for t in leaves])
-    return _walk(outputs, lambda t: next(gathered) if _per_member(t, n_local, batch) else t, rebuild=True)
+    return _walk(outputs, lambda t: next(gathered) if id(t) in made else t, rebuild=True)
 
 
 def gather_members(members: MemberGroup, local: torch.Tensor, pad_value: float = 0) -> torch.Tensor:
@@ -228,10 +229,6 @@ def gather_members(members: MemberGroup, local: torch.Tensor, pad_value: float =
     parts = [torch.empty_like(padded) for _ in range(members.world_size)]
     dist.all_gather(parts, padded.contiguous(), members.group)
     return torch.cat([part[: len(members.slices[r])] for r, part in enumerate(parts)])
-
-
-def _per_member(value: Any, n_local: int, batch: int) -> bool:
-    return isinstance(value, torch.Tensor) and value.dim() >= 2 and tuple(value.shape[:2]) == (n_local, batch)
 
 
 def _walk(value: Any, visit: Callable, rebuild: bool = False) -> Any:

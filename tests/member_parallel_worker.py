@@ -2,9 +2,10 @@
 
     torchrun --nproc-per-node K tests/member_parallel_worker.py SCENARIO OUT_DIR [ARGS...]
 
-``run LLAMA_DIRS BERT_DIRS FUSED_DIR MOE_DIRS`` (comma-separated member folders, a fused repo of the Llama
-members): forward, per-member generation, ensemble decoding, the text-classification pipeline, a mixture of experts'
-router logits and balancing losses, parameter bytes, inputs that
+``run LLAMA_DIRS BERT_DIRS FUSED_DIR MOE_DIRS XLNET_DIRS`` (comma-separated member folders, a fused repo of the
+Llama members): forward, per-member generation, ensemble decoding, the text-classification pipeline, a mixture of experts'
+router logits and balancing losses, XLNet's time-major memories and a multiple-choice head's layers (per-member
+outputs whose second dim is not the batch), parameter bytes, inputs that
 differ across ranks, saving one fused repo (``OUT_DIR/saved``) and pushing it to the test Hub, and reading a
 fused repo's slices; ``load IDS``: loading
 only, expected to fail on some rank. Each rank writes ``rank{r}.pt`` (what it computed, or the error it raised)."""
@@ -31,7 +32,12 @@ def per_member_ids() -> torch.Tensor:
     return torch.randint(5, 90, (3, 2, 5), generator=torch.Generator().manual_seed(2))  # (N, B, T)
 
 
-def run(llama_dirs: str, bert_dirs: str, fused_dir: str, moe_dirs: str, out_dir: str) -> dict:
+def choices() -> dict:
+    ids = torch.randint(5, 90, (2, 3, 6), generator=torch.Generator().manual_seed(3))  # (B, C, T)
+    return {"input_ids": ids, "use_mems": True, "output_hidden_states": True}
+
+
+def run(llama_dirs: str, bert_dirs: str, fused_dir: str, moe_dirs: str, xlnet_dirs: str, out_dir: str) -> dict:
     result = {}
     wide = WideModel.from_pretrained(llama_dirs.split(","), member_parallel=True)
     wide.save_pretrained(Path(out_dir) / "saved")  # one fused repo, written by rank 0
@@ -75,6 +81,9 @@ def run(llama_dirs: str, bert_dirs: str, fused_dir: str, moe_dirs: str, out_dir:
     with torch.no_grad():
         routed = moe(**inputs(), labels=inputs()["input_ids"], output_router_logits=True)
     result["routed"] = {key: routed[key] for key in ("loss", "aux_loss", "router_logits")}
+    with torch.no_grad():  # (N, T, B*C, D) memories and (N, B*C, T, D) layers: they stayed each rank's own
+        chose = WideModel.from_pretrained(xlnet_dirs.split(","), member_parallel=True)(**choices())
+    result["choices"] = {key: chose[key] for key in ("logits", "mems", "hidden_states")}
     return result
 
 

@@ -362,6 +362,22 @@ def test_xlnets_memories_are_each_members_and_are_not_taken_back():
                 assert (layer[i] - mems).abs().max().item() <= 1e-5
         with pytest.raises(ValueError, match="mems"):  # a member's memory among all members' would be misread
             wide(**inputs, mems=got.mems)
+    assert_tuples_are_each_members(wide, models, {**inputs, "use_mems": True, "output_hidden_states": True,
+                                                  "labels": torch.tensor([0, 2])})
+
+
+def assert_tuples_are_each_members(wide, models, inputs):
+    """``return_dict=False``: the wide tuple's every tensor holds member i's at [i], as member i's own tuple. XLNet's
+    memories came back folded, (N*T, B, D): a tuple has no names to unfold them by."""
+    with torch.no_grad():
+        got = wide(**inputs, return_dict=False)
+        for i, model in enumerate(models):
+            want = model(**inputs, return_dict=False)
+            assert isinstance(got, tuple) and len(got) == len(want)
+            flat_got, flat_want = torch.utils._pytree.tree_leaves(got), torch.utils._pytree.tree_leaves(want)
+            assert len(flat_got) == len(flat_want)
+            for g, w in zip(flat_got, flat_want):
+                assert g[i].shape == w.shape and (g[i] - w).abs().max().item() <= 1e-5
 
 
 CHOICES = {
@@ -394,6 +410,8 @@ def test_a_multiple_choice_head_takes_any_number_of_choices(name, sample_choices
                 for i, model in enumerate(models):
                     for layer, mems in zip(got, model(**inputs, use_mems=True).mems, strict=True):
                         assert (layer[i] - mems).abs().max().item() <= 1e-5
+        assert_tuples_are_each_members(wide, models, {**inputs, "output_hidden_states": True, "output_attentions": True,
+                                                      "use_mems": name == "xlnet"})
     member = wide.member(1)  # without the wide model's hooks
     assert not member.base_model._forward_hooks and not member.base_model._forward_pre_hooks
 

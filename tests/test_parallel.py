@@ -15,7 +15,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent / "pipelines"))  # the te
 
 from answers import close  # noqa: E402
 from hub_server import running_hub  # noqa: E402
-from member_parallel_worker import inputs, per_member_ids  # noqa: E402
+from member_parallel_worker import choices, inputs, per_member_ids  # noqa: E402
 from text_members import bert_tokenizer, build_members, decoder_tokenizer, save_members  # noqa: E402
 
 from hf_wide import PerMember, WideModel  # noqa: E402
@@ -59,19 +59,26 @@ def members(tmp_path_factory):
                                              shared_expert_intermediate_size=16)
         transformers.Qwen2MoeForCausalLM(config).save_pretrained(root / f"moe-{seed}")
         moe.append(str(root / f"moe-{seed}"))
-    return root, llama, bert, moe
+    xlnet = []
+    for seed in range(3):
+        torch.manual_seed(seed)
+        config = transformers.XLNetConfig(vocab_size=100, d_model=32, n_layer=2, n_head=4, d_inner=64)
+        transformers.XLNetForMultipleChoice(config).save_pretrained(root / f"xlnet-{seed}")
+        xlnet.append(str(root / f"xlnet-{seed}"))
+    return root, llama, bert, moe, xlnet
 
 
 @pytest.fixture(scope="module")
 def ranks(members):
     """Every rank's results; the test Hub the ranks pushed to stays up (and the Hub client pointed at it) until
     this module's tests are done."""
-    root, llama, bert, moe = members
+    root, llama, bert, moe, xlnet = members
     out = root / "run"
     out.mkdir()
     WideModel.from_pretrained(llama).save_pretrained(root / "fused")
     with running_hub(root / "hub"):  # its environment reaches the ranks
-        yield torchrun(2, "run", ",".join(llama), ",".join(bert), str(root / "fused"), ",".join(moe), out=out)
+        yield torchrun(2, "run", ",".join(llama), ",".join(bert), str(root / "fused"), ",".join(moe), ",".join(xlnet),
+                       out=out)
 
 
 def test_member_slices_are_contiguous_and_even():
@@ -88,7 +95,7 @@ def test_member_parallel_without_torch_distributed_says_how():
 
 
 def test_every_rank_returns_what_one_process_computes(members, ranks):
-    _, llama, bert, moe = members
+    _, llama, bert, moe, xlnet = members
     wide = WideModel.from_pretrained(llama)
     with torch.no_grad():
         logits = wide(**inputs()).logits
@@ -99,6 +106,7 @@ def test_every_rank_returns_what_one_process_computes(members, ranks):
     classified = pipeline("text-classification", model=bert)(["the cat sat on the mat", "a bad movie"])
     with torch.no_grad():
         routed = WideModel.from_pretrained(moe)(**inputs(), labels=inputs()["input_ids"], output_router_logits=True)
+        chose = WideModel.from_pretrained(xlnet)(**choices())
     for rank in ranks:  # the same tokens, texts and labels; floats to the last bits (kernels block by batch size)
         assert rank["members"] == llama
         assert rank["logits"] == pytest.approx(logits, abs=1e-6, rel=0)
@@ -111,13 +119,17 @@ def test_every_rank_returns_what_one_process_computes(members, ranks):
             assert rank["routed"][key] == pytest.approx(routed[key], abs=1e-6, rel=0)
         for got, want in zip(rank["routed"]["router_logits"], routed.router_logits, strict=True):  # (N, B*T, E)
             assert got == pytest.approx(want, abs=1e-6, rel=0)
+        for key in ("logits", "mems", "hidden_states"):  # every member's, on every rank
+            for got, want in zip(torch.utils._pytree.tree_leaves(rank["choices"][key]),
+                                 torch.utils._pytree.tree_leaves(chose[key]), strict=True):
+                assert got.shape == want.shape and got == pytest.approx(want, abs=1e-5, rel=0), key
     assert [r["local"] for r in ranks] == [[0, 1], [2]]
     assert all("return_dict_in_generate" in r["generate_dict"] for r in ranks)  # refused on every rank
     assert ranks[0]["sampled"] == ranks[1]["sampled"]  # sampling without a seed: the same draws on every rank
 
 
 def test_each_rank_holds_its_share_of_the_parameters(members, ranks):
-    _, llama, _, _ = members
+    _, llama, _, _, _ = members
     def size(model):
         return sum(p.numel() * p.element_size() for p in model.parameters())
 
@@ -135,21 +147,21 @@ def test_ranks_given_different_inputs_all_raise(ranks):
 
 
 def test_a_member_that_cannot_be_loaded_fails_every_rank(members, tmp_path):
-    _, llama, _, _ = members
+    _, llama, _, _, _ = members
     results = torchrun(2, "load", ",".join([*llama[:2], str(tmp_path / "missing")]), out=tmp_path)
     for result in results:
         assert "MemberParallelError" in result["error"] and "rank 1 (member 2)" in result["error"]
 
 
 def test_more_ranks_than_members_fails_every_rank(members, tmp_path):
-    _, llama, _, _ = members
+    _, llama, _, _, _ = members
     results = torchrun(3, "load", ",".join(llama[:2]), out=tmp_path)
     for result in results:
         assert "needs at least 3 members" in result["error"]
 
 
 def test_a_fused_repo_is_read_a_slice_per_rank(members, ranks):
-    _, llama, _, _ = members
+    _, llama, _, _, _ = members
     wide = WideModel.from_pretrained(llama)
     with torch.no_grad():
         logits = wide(**inputs()).logits
@@ -164,7 +176,7 @@ def test_saving_from_the_ranks_writes_the_repo_one_process_writes(members, ranks
 
     from hf_wide.saving import read_section
 
-    root, llama, _, _ = members
+    root, llama, _, _, _ = members
     saved = root / "run" / "saved"
     one = WideModel.from_pretrained(llama, share_identical=False)  # as the ranks fuse theirs
     one.save_pretrained(tmp_path / "one")
@@ -180,7 +192,7 @@ def test_saving_from_the_ranks_writes_the_repo_one_process_writes(members, ranks
 
 
 def test_push_to_hub_from_the_ranks(members, ranks):
-    _, llama, _, _ = members
+    _, llama, _, _, _ = members
     assert ranks[0]["pushed"] == ranks[1]["pushed"]  # rank 0's commit, known to every rank
     one = WideModel.from_pretrained(llama, share_identical=False)
     with torch.no_grad():
