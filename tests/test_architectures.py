@@ -466,6 +466,11 @@ def test_swin_at_other_image_sizes_than_the_samples(version):
     for batch, size in [(2, 48), (2, 64), (1, 40), (3, 32)]:
         torch.manual_seed(size)
         assert worst(wide, models, {"pixel_values": torch.randn(batch, 3, size, size)}) <= 1e-5
+    # each stage's attentions, asked for in a call whose flag the trace never passed to the vectorised attention: its
+    # windows' N*B*W rows were taken for a broadcast, every member ran all of them, and the stage raised
+    eager = fuse(members(lambda: model_class(config_class(**config.to_dict(), attn_implementation="eager")))[:2])
+    inputs = {"pixel_values": torch.randn(2, 3, 48, 48), "output_attentions": True, "output_hidden_states": True}
+    assert_tuples_are_each_members(eager, [eager.member(i) for i in range(2)], inputs)
 
 
 def test_an_encoder_decoder_model_of_two_berts_is_verified_without_its_decoders_cache():

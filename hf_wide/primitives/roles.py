@@ -106,6 +106,8 @@ def rows_and_batched(known: dict[str, Roles], rows: int | None, num_members: int
         rows = next((t.shape[0] for t in leaves if isinstance(t, torch.Tensor) and t.dim() > 0), num_members)
     key = call_key(spec)
     seen = known.get(key)
+    if seen is None:  # a structure not met: the roles of the same call without its flags, if known
+        seen = _roles_without_flags(known, leaves, spec)
     if seen is not None:
         # (compared, not hashed in a set: hashing a compiled graph's symbolic size fixes it to its value)
         lengths = [t.shape[0] for t, role in zip(leaves, seen) if role and isinstance(t, torch.Tensor) and
@@ -120,6 +122,27 @@ def rows_and_batched(known: dict[str, Roles], rows: int | None, num_members: int
              for t, b in zip(leaves, batched)]
     known[key] = roles if seen is None else [r if s is None else s for r, s in zip(roles, seen)]
     return rows, batched
+
+
+def _roles_without_flags(known: dict[str, Roles], leaves: list, spec) -> Roles | None:
+    """The roles known for this call without its keyword flags (``output_attentions=True``: a bool, which no rows
+    ride on), at this call's places; None where not known. A flag asked for in a call the trace did not make (Swin's
+    attention with ``output_attentions``) left every input of unknown role, and the windows' N*B*W rows were taken
+    for a broadcast: each member ran every member's windows."""
+    args, kwargs = pytree.tree_unflatten(list(range(len(leaves))), spec)  # each leaf its place: (args, kwargs)
+    if not isinstance(kwargs, dict):
+        return None
+    flagless = {k: v for k, v in kwargs.items() if not (isinstance(v, int) and isinstance(leaves[v], bool))}
+    if len(flagless) == len(kwargs):
+        return None
+    places, short = pytree.tree_flatten((args, flagless))
+    seen = known.get(call_key(short))
+    if seen is None:
+        return None
+    roles: Roles = [None] * len(leaves)
+    for place, role in zip(places, seen):
+        roles[place] = role
+    return roles
 
 
 def is_rows_size(leaf, role: bool | None, num_members: int) -> bool:
