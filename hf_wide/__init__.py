@@ -15,12 +15,22 @@ from .registry import register_wide
 
 __version__ = "0.1.0"
 
+
+def __getattr__(name: str):
+    if name == "WideTrainer":  # transformers' Trainer (and accelerate) imported only when asked for
+        from .trainer import WideTrainer
+
+        return WideTrainer
+    raise AttributeError(f"module 'hf_wide' has no attribute {name!r}")
+
+
 __all__ = [
     "IncompatibleMembersError",
     "Kind",
     "PerMember",
     "WideModel",
     "WidePlan",
+    "WideTrainer",
     "WideValidationError",
     "calibrate",
     "pipeline",

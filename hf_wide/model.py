@@ -10,7 +10,6 @@
 from __future__ import annotations
 
 import threading
-import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -31,7 +30,7 @@ from .plan import WidePlan
 from .primitives import PerMemberFallback, VectorisedFallback
 from .primitives.vectorised import copy_code_for_thread
 from .swap import member_model
-from .training import trained_shared
+from .training import TrainingMixin
 
 
 # Methods of the members' class that compute each row's features outside their forward, from the modules it runs
@@ -43,7 +42,7 @@ class WideValidationError(RuntimeError):
     """The fused model's output for a member differs from that member run alone."""
 
 
-class WideModel(WideHubMixin, nn.Module):
+class WideModel(WideHubMixin, TrainingMixin, nn.Module):
     """N members folded into the batch of one model (see DESIGN.md, "Execution").
 
     Attributes: ``model`` (the folded template: the members' class with wide modules swapped in),
@@ -51,7 +50,8 @@ class WideModel(WideHubMixin, nn.Module):
     for members loaded as PEFT adapters (:mod:`hf_wide.adapter_repos`: their base and adapter configs), and
     ``full_members``: which of those members were full checkpoints (the base in the list, say), not adapters.
     Loading, saving and uploading (``from_pretrained``, ``save_pretrained``, ``push_to_hub``, ...) come from
-    :class:`~hf_wide.hub_mixin.WideHubMixin`.
+    :class:`~hf_wide.hub_mixin.WideHubMixin`; ``train()``, activation checkpointing and what transformers' ``Trainer``
+    reads of a model, from :class:`~hf_wide.training.TrainingMixin`.
     """
 
     adapter_sources = None
@@ -245,18 +245,6 @@ class WideModel(WideHubMixin, nn.Module):
         records = asks_for_capture(kwargs, self.config) or asks_for_capture(kwargs, self.generation_config)
         with GATE.call(True, records):  # as compiled: transformers may compile its steps (hf_wide.concurrency)
             return generate_wide(self, args, kwargs)
-
-    def train(self, mode: bool = True) -> "WideModel":
-        """As ``nn.Module.train``; warns once of trainable modules the members share (:mod:`hf_wide.training`)."""
-        shared = trained_shared(self) if mode and not getattr(self, "_warned_shared", False) else []
-        if shared:
-            warnings.warn(
-                f"Training a wide model whose modules {shared[:3]}{'...' if len(shared) > 3 else ''} are shared by "
-                "all members, and trainable: each is one tensor, trained by every member's gradient at once. Fuse "
-                "with share_identical=False to train every member's copy independently."
-            )
-            self._warned_shared = True
-        return super().train(mode)
 
     def compile(self, **compile_kwargs) -> "WideModel":
         """Compile the whole wide forward (folding included) in place with ``torch.compile``.

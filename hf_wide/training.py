@@ -11,13 +11,21 @@ would train alone (:mod:`hf_wide.losses`: each member's loss), with these except
   others have adapters (zero LoRA updates for ``target_modules`` they lack, the base's module for ``modules_to_save``
   they lack) that would train, cannot each train as alone: a forward that computes gradients in training mode is
   refused (:func:`check_training`). One in training mode without gradients (dropout at inference) runs.
+
+:class:`TrainingMixin` gives a wide model what transformers' ``Trainer`` and training code read of a model: its
+members' ``loss_type`` and ``accepts_loss_kwargs``, and activation checkpointing (:mod:`hf_wide.trainer`).
 """
 
 from __future__ import annotations
 
+import inspect
+import warnings
+
 import torch
+from torch import nn
 
 from .plan import Kind
+from .primitives import PerMemberFallback, VectorisedFallback
 
 
 def trained_shared(wide) -> list[str]:
@@ -65,3 +73,69 @@ def needs_check(wide) -> bool:
     """Whether a forward must ask :func:`check_training` first: in training mode, computing gradients, over members
     that train different tensors or hold no-ops (cheap: no walk over the parameters otherwise)."""
     return wide.training and torch.is_grad_enabled() and bool(wide.differently_trained or wide.padded_targets)
+
+
+class TrainingMixin:
+    """The training side of :class:`~hf_wide.model.WideModel`: ``train()``, and what transformers reads of a model it
+    trains, from the members' model (``Trainer`` counts a causal LM's ``num_items_in_batch`` over its shifted labels,
+    and divides the loss by the accumulation steps unless the model takes ``num_items_in_batch`` itself)."""
+
+    def train(self, mode: bool = True):
+        """As ``nn.Module.train``; warns once of trainable modules the members share (:func:`trained_shared`)."""
+        shared = trained_shared(self) if mode and not getattr(self, "_warned_shared", False) else []
+        if shared:
+            warnings.warn(
+                f"Training a wide model whose modules {shared[:3]}{'...' if len(shared) > 3 else ''} are shared by "
+                "all members, and trainable: each is one tensor, trained by every member's gradient at once. Fuse "
+                "with share_identical=False to train every member's copy independently."
+            )
+            self._warned_shared = True
+        return super().train(mode)
+
+    @property
+    def loss_type(self) -> str | None:
+        """The members' loss type (``ForCausalLM``, ...), as transformers set it on their model."""
+        return getattr(self._member_template(), "loss_type", None)
+
+    @property
+    def accepts_loss_kwargs(self) -> bool:
+        """Whether the members' forward takes loss keyword arguments (``num_items_in_batch``), as ``Trainer`` reads it
+        of a model: its own flag, else a ``**kwargs`` in its forward's signature."""
+        template = self._member_template()
+        own = getattr(template, "accepts_loss_kwargs", None)
+        if own is not None:
+            return bool(own)
+        return any(p.kind == p.VAR_KEYWORD for p in inspect.signature(template.forward).parameters.values())
+
+    def activation_checkpointing_enable(self, *args, **kwargs) -> None:
+        """The members' model's own (transformers' ``activation_checkpointing_enable``): each layer's activations
+        recomputed in the backward, wide modules included."""
+        self._checkpointed().activation_checkpointing_enable(*args, **kwargs)
+
+    def activation_checkpointing_disable(self) -> None:
+        self._checkpointed().activation_checkpointing_disable()
+
+    def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs=None, **kwargs) -> None:
+        """transformers' older name of :meth:`activation_checkpointing_enable`."""
+        self.activation_checkpointing_enable(activation_checkpointing_kwargs=gradient_checkpointing_kwargs, **kwargs)
+
+    def gradient_checkpointing_disable(self) -> None:
+        self.activation_checkpointing_disable()
+
+    @property
+    def is_activation_checkpointing(self) -> bool:
+        return bool(getattr(self._called, "is_activation_checkpointing", False))
+
+    def _checkpointed(self) -> nn.Module:
+        model = self._called
+        if not hasattr(model, "activation_checkpointing_enable"):
+            raise NotImplementedError(f"This wide model runs {type(model).__name__}, which has no activation "
+                                      "checkpointing: its members are no transformers model fused layer by layer.")
+        return model
+
+    def _member_template(self) -> nn.Module:
+        """A module of the members' class: the one the wide model calls, or a member's own where it runs whole."""
+        model = self._called
+        if isinstance(model, VectorisedFallback):
+            return model.proto
+        return model.members[0] if isinstance(model, PerMemberFallback) else model

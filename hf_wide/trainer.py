@@ -1,0 +1,132 @@
+"""``WideTrainer``: transformers' ``Trainer`` for a wide model, each member trained as it trains alone.
+
+    from hf_wide import WideTrainer
+    args = TrainingArguments("out", max_grad_norm=0, ...)   # clipping's one norm would mix the members
+    trainer = WideTrainer(model=wide, args=args, train_dataset=..., eval_dataset=..., compute_metrics=...)
+    trainer.train(); trainer.evaluate()
+
+What it changes in ``Trainer``, and why:
+
+- the loss it backpropagates is the sum of the members' losses (a wide model's loss is each member's, ``(N,)``), so
+  that each member's gradient is its own loss's. What it logs is that sum too (``loss``, ``eval_loss``).
+- what ``Trainer`` reads of a model's class (the columns its forward takes, the names of its labels, whether it
+  returns a loss without them) it reads of the members' class: a wide model's forward takes ``**kwargs`` only, so
+  every column was dropped and no batch had labels. (``loss_type`` and ``accepts_loss_kwargs``, which ``Trainer``
+  reads of the model itself, come from :class:`~hf_wide.training.TrainingMixin`.)
+- weight decay spares the parameters it spares in each member: the stacked tensors of a member's ``nn.LayerNorm``
+  whose name says nothing of a norm (GPT-2's ``ln_1``) were decayed.
+- the predictions gathered for ``compute_metrics`` are ``(B, N, ...)``, the member dim after the batch's, since
+  ``Trainer`` concatenates batches along their first dim.
+- what would mix the members is refused: gradient clipping (``max_grad_norm > 0``: one norm over every member's
+  gradients), optimizers that are not element-wise (Adafactor's factored moments, 8-bit blocks, GaLore's
+  projections) and label smoothing (``Trainer``'s smoother reads all members' logits as one batch).
+"""
+
+from __future__ import annotations
+
+import inspect
+import warnings
+
+import torch
+from torch import nn
+from torch.utils import _pytree as pytree
+from transformers import Trainer
+from transformers.pytorch_utils import ALL_LAYERNORM_LAYERS
+from transformers.utils.generic import can_return_loss, find_labels
+
+from .capture import source_class
+from .model import WideModel
+from .primitives import PerMemberFallback, VectorisedFallback
+
+# Trainer's optimizers that update every element from its own gradient and state alone
+ELEMENTWISE_OPTIMIZERS = frozenset({"adamw_torch", "adamw_torch_fused", "adamw_torch_xla", "adamw_torch_npu_fused",
+                                    "sgd", "adagrad", "rmsprop"})
+ELEMENTWISE_CLASSES = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adagrad, torch.optim.RMSprop,
+                       torch.optim.Adamax, torch.optim.NAdam, torch.optim.RAdam, torch.optim.Rprop)
+
+
+class WideTrainer(Trainer):
+    """``Trainer`` for a :class:`~hf_wide.model.WideModel` (see the module's docstring); its arguments."""
+
+    def __init__(self, model: WideModel | None = None, args=None, *rest, **kwargs):
+        if not isinstance(model, WideModel):
+            raise TypeError(f"WideTrainer trains a WideModel, got {type(model).__name__}: use transformers' Trainer.")
+        super().__init__(model, args, *rest, **kwargs)
+        chosen = getattr(self, "optimizer_cls_and_kwargs", None)
+        _refuse_mixing(self.args, self.optimizer if chosen is None else chosen[0])
+        members = type(model._member_template())
+        if self.args.label_names is None:
+            self.label_names = find_labels(members)
+        self.can_return_loss = can_return_loss(members)
+
+    def _set_signature_columns_if_needed(self) -> None:
+        """The columns the members' forward takes (and the labels'), as ``Trainer`` reads them of a model."""
+        if self._signature_columns is None:
+            forward = self.model._member_template().forward
+            self._signature_columns = [*inspect.signature(forward).parameters, "label", "label_ids", *self.label_names]
+
+    def compute_loss(self, model, inputs, return_outputs: bool = False, num_items_in_batch=None):
+        """``Trainer``'s loss, each member's ``(N,)``, summed: each member's gradient is its own loss's."""
+        loss, outputs = super().compute_loss(model, inputs, return_outputs=True, num_items_in_batch=num_items_in_batch)
+        loss = loss.sum()
+        return (loss, outputs) if return_outputs else loss
+
+    def prediction_step(self, model, inputs, prediction_loss_only: bool, ignore_keys=None):
+        """``Trainer``'s, with every per-member output ``(N, B, ...)`` as ``(B, N, ...)``: batches are concatenated
+        along their first dim."""
+        loss, logits, labels = super().prediction_step(model, inputs, prediction_loss_only, ignore_keys)
+        n = self.model.num_members
+        logits = pytree.tree_map(
+            lambda t: t.transpose(0, 1) if isinstance(t, torch.Tensor) and t.dim() >= 2 and t.shape[0] == n else t,
+            logits)
+        return loss, logits, labels
+
+    def get_decay_parameter_names(self, model: nn.Module) -> list[str]:
+        """``Trainer``'s (every weight but biases and norms), less the stacked tensors of the members' norms."""
+        norms = norm_parameters(model)
+        return [name for name in super().get_decay_parameter_names(model) if name not in norms]
+
+
+def norm_parameters(model: nn.Module) -> set[str]:
+    """The names of ``model``'s parameters that stand for a member's ``nn.LayerNorm`` (``ALL_LAYERNORM_LAYERS``), which
+    ``Trainer`` spares weight decay by their type: a wide norm, and the norms inside a module run per member
+    (vectorised: ``stacked.<path>``; looped: ``members.<i>.<path>``)."""
+    norms = tuple(ALL_LAYERNORM_LAYERS)
+    found = set()
+    for path, module in model.named_modules():
+        prefix = f"{path}." if path else ""
+        if isinstance(module, (VectorisedFallback, PerMemberFallback)):
+            source = module.proto if isinstance(module, VectorisedFallback) else module.members[0]
+            owners = {p for p, sub in source.named_modules() if isinstance(sub, norms)}
+            for name, _ in module.named_parameters():
+                inner = name.split(".", 2)[2] if name.startswith("members.") else name.removeprefix("stacked.")
+                if (inner.rsplit(".", 1)[0] if "." in inner else "") in owners:
+                    found.add(prefix + name)
+        else:
+            source = source_class(module)
+            if source is not None and issubclass(source, norms):
+                found.update(prefix + name for name, _ in module.named_parameters())
+    return found
+
+
+def _refuse_mixing(args, optimizer: torch.optim.Optimizer | type | None) -> None:
+    """Refuse the training arguments under which a member would not train as it does alone (an optimizer given, or
+    its class, is the user's: warned of unless torch's element-wise)."""
+    if args.max_grad_norm:
+        raise ValueError(f"max_grad_norm={args.max_grad_norm} clips one norm over every member's gradients, so each "
+                         "member's step would depend on the others': pass TrainingArguments(max_grad_norm=0).")
+    if args.label_smoothing_factor:
+        raise ValueError(f"label_smoothing_factor={args.label_smoothing_factor}: Trainer's label smoother reads the "
+                         "logits of all members as one batch. Smooth the labels in the members' loss instead, or "
+                         "pass label_smoothing_factor=0.")
+    if optimizer is not None:
+        kind = optimizer if isinstance(optimizer, type) else type(optimizer)
+        if not issubclass(kind, ELEMENTWISE_CLASSES):
+            warnings.warn(f"{kind.__name__} is not one of torch's element-wise optimizers: each member "
+                          "trains as alone only if it updates every element from its own gradient and state.")
+        return
+    optim = getattr(args.optim, "value", args.optim)
+    if optim not in ELEMENTWISE_OPTIMIZERS:
+        raise ValueError(f"optim={optim!r} is not element-wise (it reduces over whole tensors, or blocks of them), so "
+                         "each member's step would depend on the others': use one of "
+                         f"{', '.join(sorted(ELEMENTWISE_OPTIMIZERS))}.")
