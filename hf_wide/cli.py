@@ -14,8 +14,10 @@ from safetensors import SafetensorError
 from . import __version__
 from .cpu import tune_cpu_allocator
 from .pipelines import TASKS, pipeline
+from .pipelines.token_classification import AggregationStrategy
 
 SUBFOLDER_HELP = "where in its repo each member is (a training run's checkpoint-N, say): one for all, or one per member"
+LABEL_MISMATCH_HELP = "take members whose id2label holds the same labels in another order (realigned by name)"
 # What a member's files can raise beyond ValueError and OSError: a checkpoint cut short (hf-wide's reader, or
 # safetensors' own on its header)
 BAD_FILES = (EOFError, SafetensorError)
@@ -73,6 +75,7 @@ def _run(args: argparse.Namespace) -> int:
         subfolder = args.subfolder[0] if args.subfolder and len(args.subfolder) == 1 else args.subfolder
         pipe = pipeline(args.task, model=args.model, revision=args.revision, combine=args.combine,
                         weights=args.weights, batch_size=args.batch_size,
+                        allow_label_mismatch=args.allow_label_mismatch,
                         model_kwargs={"subfolder": subfolder} if subfolder else None)
         start = time.perf_counter()
         results = pipe(inputs, **options)
@@ -136,18 +139,38 @@ def _file_name_like(value: str) -> bool:
     return not any(c.isspace() for c in value) and suffix in {".txt", ".text", ".csv", ".tsv", ".json", ".jsonl"}
 
 
+# hf-wide run's options of one task or two: flag -> (the tasks it applies to, as its refusal names them)
+TASK_OPTIONS = {"--top-k": (("text-classification", "image-classification"), "text- and image-classification"),
+                "--aggregation": (("token-classification",), "token-classification"),
+                "--max-new-tokens": (("text-generation",), "text-generation")}
+
+
 def _call_options(args: argparse.Namespace) -> dict:
-    """The task's own options from the command line."""
-    classification = args.task in ("text-classification", "image-classification")
-    if args.top_k is not None and not classification:
-        raise ValueError("--top-k applies to text- and image-classification.")
-    if classification:
+    """The task's own options from the command line; another task's is refused, not ignored."""
+    for flag, (tasks, named) in TASK_OPTIONS.items():
+        if getattr(args, flag[2:].replace("-", "_")) is not None and args.task not in tasks:
+            raise ValueError(f"{flag} applies to {named}, not to {args.task}.")
+    if args.task in ("text-classification", "image-classification"):
         return {} if args.top_k is None else {"top_k": args.top_k}
     if args.task == "token-classification":
-        return {"aggregation_strategy": args.aggregation}
+        return {"aggregation_strategy": args.aggregation or "simple"}
     if args.task == "text-generation":  # the members' own continuations too, beside the ensemble's
-        return {"max_new_tokens": args.max_new_tokens, "return_members": args.combine != "none"}
+        options = {"return_members": args.combine != "none"}
+        if args.max_new_tokens is not None:  # else the members' own (or what their max_length leaves), else 20
+            options["max_new_tokens"] = args.max_new_tokens
+        return options
     return {}
+
+
+def _count(text: str) -> int:
+    """argparse's type of a count (tokens, labels, a batch): a whole number of at least 1."""
+    try:
+        number = int(text)
+    except ValueError:
+        number = 0
+    if number < 1:
+        raise argparse.ArgumentTypeError(f"must be a whole number of at least 1, got {text!r}")
+    return number
 
 
 def _answer(task: str, result: dict) -> str:
@@ -258,13 +281,15 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--combine", default="mean", help="mean, logit_mean, vote, weighted, median or none")
     run.add_argument("--weights", type=float, nargs="+", default=None, help="one weight per member (weighted)")
     run.add_argument("--json", action="store_true", help="print one JSON object per input instead of a table")
-    run.add_argument("--batch-size", type=int, default=32)
-    run.add_argument("--top-k", type=int, default=None, help="classification: also list the k best labels")
-    run.add_argument("--aggregation", default="simple",
-                     help="token-classification: none, simple, first, average or max (default simple)")
-    run.add_argument("--max-new-tokens", type=int, default=20, help="text-generation: tokens to generate")
+    run.add_argument("--batch-size", type=_count, default=32)
+    run.add_argument("--top-k", type=_count, default=None, help="classification: also list the k best labels")
+    run.add_argument("--aggregation", default=None, choices=[s.value for s in AggregationStrategy],
+                     help="token-classification: how tokens become entities (default simple)")
+    run.add_argument("--max-new-tokens", type=_count, default=None,
+                     help="text-generation: tokens to generate (default: the members' own, else 20)")
     run.add_argument("--revision", default=None)
     run.add_argument("--subfolder", nargs="+", metavar="DIR", default=None, help=SUBFOLDER_HELP)
+    run.add_argument("--allow-label-mismatch", action="store_true", help=LABEL_MISMATCH_HELP)
     run.set_defaults(func=_run)
 
     env = sub.add_parser("env", help="print the versions and settings a bug report needs",

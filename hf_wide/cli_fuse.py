@@ -4,7 +4,9 @@
 from __future__ import annotations
 
 import argparse
+import shutil
 import sys
+from pathlib import Path
 
 from .loading import DTYPES
 
@@ -39,7 +41,8 @@ def register_cli(sub) -> None:
     fuse.add_argument("--private", action="store_true", help="create the Hub repo private")
     fuse.add_argument("--commit-message", default=None)
     fuse.add_argument("--create-pr", action="store_true", help="push to a pull request, not to main")
-    fuse.add_argument("--max-shard-size", default="5GB", help="largest weight file (default 5GB)")
+    fuse.add_argument("--max-shard-size", type=_size, default="5GB",
+                      help="largest weight file: 5GB, 500MB, ... or a number of bytes (default 5GB)")
     fuse.add_argument("--allow-pickle", action="store_true", help="read members saved as pickles (.bin) only")
     fuse.add_argument("--trust-remote-code", action="store_true")
     fuse.add_argument("--allow-label-mismatch", action="store_true",
@@ -68,7 +71,7 @@ def _fuse(args: argparse.Namespace) -> int:
             base_revision=args.base_revision, merge=args.merge)
         print(wide.plan if args.plan else wide.plan.summary())
         if args.output is not None:
-            wide.save_pretrained(args.output, max_shard_size=args.max_shard_size)
+            _save(wide, Path(args.output), args.max_shard_size)
             print(f"Saved the fused repo to {args.output}")
         if args.push_to_hub is not None:
             commit = wide.push_to_hub(args.push_to_hub, private=True if args.private else None, token=args.token,
@@ -78,3 +81,30 @@ def _fuse(args: argparse.Namespace) -> int:
     except (ValueError, TypeError, OSError, WideValidationError, *BAD_FILES) as exc:  # hub errors are OSErrors
         return error(exc)
     return 0
+
+
+def _size(text: str) -> int:
+    """argparse's type of ``--max-shard-size``: bytes, read as huggingface_hub reads the size that splits the weights
+    into shards (``5GB``, ``500MB``: units of 1000), or a number of bytes; checked before the members load."""
+    from huggingface_hub.serialization._base import parse_size_to_int  # (what split_torch_state_dict_into_shards reads)
+
+    try:
+        size = int(text) if text.strip().isdigit() else parse_size_to_int(text)
+    except ValueError:
+        size = 0
+    if size < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is no size: give one such as 5GB, 500MB or 100KB (TB, GB, MB, "
+                                         "KB), or a number of bytes")
+    return size
+
+
+def _save(wide, output: Path, max_shard_size: int) -> None:
+    """``wide`` saved to ``output``; if that fails, the folders the save created are removed again, not left
+    empty or half written (a folder that was there before is left as it is)."""
+    created = next((p for p in reversed([output, *output.parents]) if not p.exists()), None)  # the outermost new one
+    try:
+        wide.save_pretrained(output, max_shard_size=max_shard_size)
+    except BaseException:
+        if created is not None:
+            shutil.rmtree(created, ignore_errors=True)
+        raise

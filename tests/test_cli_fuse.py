@@ -11,7 +11,7 @@ from lora_members import LLAMA, alone, save_adapter
 from oracle import TOLERANCE, max_member_error
 
 from hf_wide import WideModel
-from hf_wide.cli import main
+from hf_wide.cli import build_parser, main
 
 CASE = CASES["bert-seqcls"]
 
@@ -83,11 +83,16 @@ def test_adapters_of_a_base_on_the_hub(hub, tmp_path, capsys):
     ([], "--output DIR, --push-to-hub REPO_ID, or both"),
     (["--output", "{tmp}/w", "--revision", "a", "b", "c"], "Got 3 revisions for 2 members"),
     (["--output", "{tmp}/w", "--dtype", "int8"], "invalid choice"),
+    # refused after loading, fusing and verifying the members (in huggingface_hub's words, "Unit 'US' not
+    # supported"), leaving the output folder behind, empty
+    (["--output", "{tmp}/w", "--max-shard-size", "bogus"], "argument --max-shard-size: 'bogus' is no size: give one "
+                                                          "such as 5GB"),
+    (["--output", "{tmp}/w", "--max-shard-size", "0"], "argument --max-shard-size: '0' is no size"),
 ])
 def test_what_it_refuses_is_one_line(saved, tmp_path, capsys, argv, said):
     _, paths = saved
     argv = [a.replace("{tmp}", str(tmp_path)) for a in argv]
-    if "int8" in argv:  # argparse's own refusal
+    if said.startswith(("invalid choice", "argument")):  # argparse's own refusal, before anything loads
         with pytest.raises(SystemExit):
             main(["fuse", *paths, *argv])
     else:
@@ -95,6 +100,28 @@ def test_what_it_refuses_is_one_line(saved, tmp_path, capsys, argv, said):
     err = capsys.readouterr().err
     assert said in err and "Traceback" not in err
     assert not (tmp_path / "w").exists()
+
+
+@pytest.mark.parametrize("given, size", [("5GB", 5 * 10 ** 9), ("500mb", 5 * 10 ** 8), ("1.5KB", 1500), ("2048", 2048)])
+def test_shard_sizes_as_huggingface_hub_reads_them_or_bytes(given, size):
+    assert build_parser().parse_args(["fuse", "a", "--output", "o", "--max-shard-size", given]).max_shard_size == size
+
+
+def test_a_failed_save_leaves_no_folder_it_created(saved, tmp_path, capsys, monkeypatch):
+    _, paths = saved
+
+    def save_half(self, folder, **kwargs):  # a save that fails half way (a full disk, say)
+        Path(folder).mkdir(parents=True, exist_ok=True)
+        (Path(folder) / "model-00001-of-00002.safetensors").write_bytes(b"half")
+        raise OSError("No space left on device")
+
+    monkeypatch.setattr(WideModel, "save_pretrained", save_half)
+    assert main(["fuse", *paths, "--output", str(tmp_path / "new" / "wide")]) == 2
+    assert "No space left on device" in capsys.readouterr().err
+    assert not (tmp_path / "new").exists()
+    (tmp_path / "mine").mkdir()  # a folder that was there is the user's: left as it is
+    assert main(["fuse", *paths, "--output", str(tmp_path / "mine")]) == 2
+    assert (tmp_path / "mine").is_dir()
 
 
 def test_a_missing_member_is_named(saved, tmp_path, capsys):

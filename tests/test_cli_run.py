@@ -1,6 +1,7 @@
 """``hf-wide run TASK --model ID ... --input FILE_OR_TEXT`` and ``hf-wide benchmark --pipeline``."""
 
 import json
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -58,7 +59,8 @@ def test_members_in_subfolders_of_one_folder(saved, capsys):
 def test_a_file_gives_one_answer_per_line(saved, capsys, tmp_path, task):
     path = tmp_path / "inputs.txt"
     path.write_text("\ufeff" + "\n".join(TEXTS) + "\n\n", encoding="utf-8")  # a byte-order mark is no text's
-    lines = run_json(capsys, task, "--model", *saved[task], "--input", str(path), "--max-new-tokens", "3")
+    short = ["--max-new-tokens", "3"] if task == "text-generation" else []
+    lines = run_json(capsys, task, "--model", *saved[task], "--input", str(path), *short)
     assert [line["input"] for line in lines] == TEXTS
     for line in lines:
         assert len(line["members"]) == 2
@@ -108,6 +110,13 @@ def test_the_rich_table_where_rich_is_installed(saved, capsys):
     (["text-classification", "--input", ""], "empty text"),
     (["text-classification", "--input", "no-such-inputs.txt"], "No file no-such-inputs.txt"),  # not run as a text
     (["text-generation", "--input", "the.csv"], "No file the.csv"),
+    # another task's options were ignored, the command answering as without them
+    (["text-classification", "--max-new-tokens", "5"], "--max-new-tokens applies to text-generation, not to "
+                                                      "text-classification"),
+    (["feature-extraction", "--aggregation", "max"], "--aggregation applies to token-classification, not to "
+                                                     "feature-extraction"),
+    (["token-classification", "--top-k", "3"], "--top-k applies to text- and image-classification, not to "
+                                               "token-classification"),
 ])
 def test_errors_are_reported_with_exit_code_2(saved, capsys, argv, message):
     task, *rest = argv
@@ -116,6 +125,53 @@ def test_errors_are_reported_with_exit_code_2(saved, capsys, argv, message):
         rest += ["--input", TEXTS[0]]
     assert cli.main(["run", task, "--model", *members, *rest]) == 2
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["text-generation", "--max-new-tokens", "-3"], "argument --max-new-tokens: must be a whole number of at least 1, "
+                                                    "got '-3'"),
+    (["text-classification", "--top-k", "0"], "argument --top-k: must be a whole number of at least 1, got '0'"),
+    (["token-classification", "--aggregation", "bogus"], "argument --aggregation: invalid choice: 'bogus'"),
+    (["text-classification", "--aggregation", "bogus"], "argument --aggregation: invalid choice: 'bogus'"),
+])
+def test_bad_values_are_refused_before_anything_loads(capsys, argv, message):
+    # an unknown aggregation was accepted (and ignored) for other tasks, and a negative count went to the pipeline
+    task, *rest = argv
+    with pytest.raises(SystemExit) as exited:
+        cli.main(["run", task, "--model", "no/such-member", "--input", TEXTS[0], *rest])
+    assert exited.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_text_generation_takes_the_members_max_new_tokens_unless_told(saved, capsys, tmp_path):
+    # --max-new-tokens was 20 unless given, over the members' own generation config (which the pipeline reads)
+    members = []
+    for i, folder in enumerate(saved["text-generation"]):
+        copy = shutil.copytree(folder, tmp_path / f"m{i}")
+        own = transformers.GenerationConfig.from_pretrained(copy)
+        transformers.GenerationConfig(bos_token_id=own.bos_token_id, eos_token_id=own.eos_token_id,
+                                      pad_token_id=own.pad_token_id, max_new_tokens=3).save_pretrained(copy)
+        members.append(str(copy))
+    pipe = pipeline("text-generation", model=members)
+    expected = pipe(TEXTS[0], return_members=True)
+    assert expected["generated_text"] != pipe(TEXTS[0], max_new_tokens=20)["generated_text"]  # 3 tokens, not 20
+    (line,) = run_json(capsys, "text-generation", "--model", *members, "--input", TEXTS[0])
+    assert line == {"input": TEXTS[0], **json.loads(json.dumps(expected))}
+    (line,) = run_json(capsys, "text-generation", "--model", *members, "--input", TEXTS[0], "--max-new-tokens", "5")
+    assert line["generated_text"] == pipe(TEXTS[0], max_new_tokens=5)["generated_text"]
+
+
+def test_members_whose_labels_are_in_another_order(capsys, tmp_path):
+    # The load's refusal says "Pass allow_label_mismatch=True", which hf-wide run could not take.
+    members = build_members("bert-seqcls", 2)
+    for member, order in zip(members, [{0: "neg", 1: "pos", 2: "mixed"}, {0: "pos", 1: "mixed", 2: "neg"}]):
+        member.config.id2label, member.config.label2id = order, {v: k for k, v in order.items()}
+    paths = save_members(tmp_path, members, bert_tokenizer(tmp_path / "tok"))
+    assert cli.main(["run", "text-classification", "--model", *paths, "--input", TEXTS[0]]) == 2
+    assert "allow_label_mismatch" in capsys.readouterr().err
+    lines = run_json(capsys, "text-classification", "--model", *paths, "--input", TEXTS[0], "--top-k", "3",
+                     "--allow-label-mismatch")
+    expected = pipeline("text-classification", model=paths, allow_label_mismatch=True)(TEXTS[0], top_k=3)
+    assert lines == [{"input": TEXTS[0], **json.loads(json.dumps(expected))}]
 
 
 def test_benchmark_pipeline_runs_the_pipeline_benchmark(monkeypatch, tmp_path):

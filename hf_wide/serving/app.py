@@ -102,19 +102,31 @@ def build_app(model_ids: Sequence[str] | str, task: str = "text-classification",
     torch threads), ``max_constructor_retry_count`` how many times Ray Serve starts a replica whose constructor failed
     (its default: three per replica, at most 20), ``subfolder`` where in its repo each member is (one for all, or
     one per member, as :meth:`~hf_wide.WideModel.from_pretrained` takes it), and ``pipeline_options`` go to
-    :func:`hf_wide.pipeline` (``combine``, ``compile``, ``batch_size``, ``revision``, ``token``, ...)."""
+    :func:`hf_wide.pipeline` (``combine``, ``compile``, ``batch_size``, ``revision``, ``token``,
+    ``allow_label_mismatch``, ...). What the replicas would refuse is refused here where it can be, before Ray
+    starts them."""
+    from ..download import as_ids, per_member
     from ..pipelines import Combine
+    from ..pipelines.combine import check_weights
     from .tasks import check_task
 
     check_task(task)
+    ids = as_ids(model_ids)
+    if not ids:
+        raise ValueError("build_app needs the members: repo ids or folders, a fused repo, or adapters; got none.")
     if max_batch_size < 1 or replicas < 1:
         raise ValueError(f"max_batch_size and replicas must be at least 1, got {max_batch_size} and {replicas}.")
+    if not batch_wait_ms >= 0:  # (NaN too)
+        raise ValueError(f"batch_wait_ms must be 0 or more, got {batch_wait_ms}.")
     combine = Combine.parse(pipeline_options.get("combine", Combine.MEAN))
     if combine == Combine.NONE:
         raise ValueError("hf-wide serve answers with the ensemble's answer, and combine='none' has none: choose a "
                          "combination rule (mean, vote, ...); every member's answer comes with it.")
     if (combine == Combine.WEIGHTED) != (pipeline_options.get("weights") is not None):
         raise ValueError("combine='weighted' takes weights, one per member (--weights), and the other rules none.")
+    if len(ids) > 1:  # one id may be a fused repo, whose members only the replicas see
+        check_weights(pipeline_options.get("weights"), len(ids))
+    per_member(subfolder, len(ids), "subfolder")  # one for all, or one per member: another count is refused
     if subfolder:
         pipeline_options["model_kwargs"] = {**(pipeline_options.get("model_kwargs") or {}), "subfolder": subfolder}
     pipeline_options.setdefault("batch_size", max_batch_size)  # one Ray batch, one forward where it fits
@@ -137,13 +149,17 @@ def app_builder(args: dict) -> serve.Application:
             import_path: hf_wide.serving.app:app_builder
             args: {models: [org/a, org/b], task: text-classification, max_batch_size: 32}
 
-    ``subfolder`` is one folder for every member, or one per member (comma-separated or a YAML list).
+    ``subfolder`` is one folder for every member, or one per member (comma-separated or a YAML list);
+    ``allow_label_mismatch=true`` takes members whose ``id2label`` holds the same labels in another order.
     """
     options = dict(args)
     if "models" not in options:
         raise ValueError("app_builder needs models=: member repo ids or folders, comma-separated (or a YAML list).")
     models = options.pop("models")
     models = [m.strip() for m in models.split(",") if m.strip()] if isinstance(models, str) else list(models)
+    if not models:
+        raise ValueError("app_builder needs models=: member repo ids or folders, comma-separated (or a YAML list); "
+                         "got none.")
     unknown = sorted(set(options) - set(_ARGS))
     if unknown:
         raise ValueError(f"app_builder got unknown argument(s) {', '.join(unknown)}; it takes models, "
@@ -173,4 +189,5 @@ def _numbers(value) -> list[float]:
 
 
 _ARGS = {"task": str, "replicas": int, "max_batch_size": int, "batch_wait_ms": float, "num_cpus": float,
-         "combine": str, "weights": _numbers, "compile": _flag, "revision": str, "batch_size": int, "subfolder": _subfolders}
+         "combine": str, "weights": _numbers, "compile": _flag, "revision": str, "batch_size": int,
+         "subfolder": _subfolders, "allow_label_mismatch": _flag}

@@ -10,6 +10,8 @@ from .tasks import FORMATS
 
 
 def register_cli(sub) -> None:
+    from ..cli import LABEL_MISMATCH_HELP
+
     serve = sub.add_parser(
         "serve", help="serve the ensemble over HTTP (Hugging Face Inference API payloads) on Ray Serve",
         description="Fuses the members into one wide model and serves TASK at http://HOST:PORT/ (POST, the payloads "
@@ -38,6 +40,7 @@ def register_cli(sub) -> None:
     serve.add_argument("--subfolder", nargs="+", metavar="DIR", default=None,
                        help="where in its repo each member is (a training run's checkpoint-N, say): one for all, or "
                             "one per member")
+    serve.add_argument("--allow-label-mismatch", action="store_true", help=LABEL_MISMATCH_HELP)
     serve.set_defaults(func=_serve)
 
 
@@ -55,6 +58,8 @@ def _serve(args: argparse.Namespace) -> int:
         options["weights"] = args.weights
     if args.revision is not None:
         options["revision"] = args.revision
+    if args.allow_label_mismatch:
+        options["allow_label_mismatch"] = True
     if args.subfolder:
         options["subfolder"] = args.subfolder[0] if len(args.subfolder) == 1 else args.subfolder
     if args.high_throughput and args.address is not None:

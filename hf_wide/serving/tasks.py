@@ -30,9 +30,9 @@ MAX_IMAGE_BYTES = 20 * 1024 * 1024
 
 class Classification(TaskFormat):
     """Ranked labels per input (all labels, or ``top_k``); the first carries the ensemble's extras.
-    ``function_to_apply``: ``softmax`` (one label) or ``sigmoid`` (each label on its own, the pipeline's
-    ``multi_label``); ``none`` (raw logits) has no meaning for an ensemble's combined probabilities, and is
-    refused."""
+    ``function_to_apply`` goes to the pipeline, which decides what it means for these members: ``softmax`` (one
+    label) or ``sigmoid`` (each label on its own); ``none`` (values as they are) for regressors only, raw logits
+    having no meaning for an ensemble's combined probabilities (the pipeline's refusal is a 422)."""
 
     parameters = {"top_k": positive_int, "function_to_apply": one_of("softmax", "sigmoid", "none")}
 
@@ -41,12 +41,9 @@ class Classification(TaskFormat):
         self.num_labels = len(pipe.label_order()[0])
 
     def options(self, parameters: dict) -> dict:
-        if parameters.get("function_to_apply") == "none":
-            raise BadRequest("function_to_apply='none' (raw logits) has no meaning for an ensemble, whose answer "
-                             "combines the members' probabilities: use 'softmax' or 'sigmoid'.")
         options = {"top_k": self.num_labels}  # every label's score, to rank and cut to the caller's top_k
         if "function_to_apply" in parameters:
-            options["multi_label"] = parameters["function_to_apply"] == "sigmoid"
+            options["function_to_apply"] = parameters["function_to_apply"]
         return options
 
     def answer(self, answer: dict, parameters: dict) -> list[dict]:

@@ -138,6 +138,28 @@ def test_what_would_fail_in_the_replicas_is_said_before_ray_starts(tmp_path, cap
     assert "hf-wide serve: error: " + says.format(missing=missing) in capsys.readouterr().err
 
 
+def test_weights_for_another_number_of_members_are_refused_before_ray_starts(tmp_path, capsys, no_ray):
+    # they failed in the replica, after Ray had started (half a minute)
+    from hf_wide.cli import main
+
+    paths = save_members(tmp_path, build_members("bert-seqcls", 2), bert_tokenizer(tmp_path / "tok"))
+    assert main(["serve", *paths, "--combine", "weighted", "--weights", "1", "2", "3", "--port", str(free_port())]) == 2
+    assert ("hf-wide serve: error: weights must hold one number per member: got (3,) for 2 members"
+            in capsys.readouterr().err)
+
+
+def test_allow_label_mismatch_goes_to_the_replicas(monkeypatch):
+    # The load's refusal says "Pass allow_label_mismatch=True", which hf-wide serve could not take. (A replica that
+    # takes it: test_app.py.)
+    from hf_wide.cli import main
+
+    calls = []
+    monkeypatch.setattr("hf_wide.serving.serve", lambda models, task, **options: calls.append(options))
+    assert main(["serve", "org/a", "org/b", "--allow-label-mismatch"]) == 0
+    assert main(["serve", "org/a", "org/b"]) == 0
+    assert [c.get("allow_label_mismatch") for c in calls] == [True, None]
+
+
 def test_members_in_subfolders_are_fetched_from_them_before_ray_starts(tmp_path, capsys, no_ray):
     # The folder (or repo) and its members' subfolders, one for all or one each, fetched and checked here: their
     # head is read from the subfolders (these are classifiers, which text generation refuses), and a subfolder that

@@ -138,6 +138,31 @@ def test_sampled_requests_do_not_share_a_forward(pipes):
     assert not pipe.batch_invariant(pipe.call_options(sampled)[1]) and pipe.batch_invariant({})
 
 
+def test_regressors_values_as_they_are_with_function_to_apply_none(pipes):
+    # transformers' own default for regressors (problem_type='regression'), which the pipeline takes for them: the
+    # server refused it for every model, with a message about probabilities
+    config = CASES["bert-seqcls"].make_config()
+    config.num_labels, config.problem_type = 1, "regression"
+    members = []
+    for seed in range(3):
+        torch.manual_seed(seed)
+        members.append(transformers.BertForSequenceClassification(config).eval())
+    pipe = pipeline("text-classification", model=WideModel.from_models(members),
+                    tokenizer=pipes["text-classification"].tokenizer)
+    text = sentences(1, seed=6)[0]
+    (ranked,), = serve_in_process(pipe, [{"inputs": text, "parameters": {"function_to_apply": "none"}}])
+    alone = pipe(text, function_to_apply="none")
+    assert (ranked[0]["label"], ranked[0]["score"]) == (alone["label"], pytest.approx(alone["score"], abs=1e-6))
+    assert close(ranked[0]["members"], alone["members"])
+
+
+def test_raw_logits_of_classifiers_are_refused_by_the_pipeline(pipes):
+    pipe = pipes["text-classification"]
+    request = task_format(pipe.task, pipe).parse({"inputs": "a", "parameters": {"function_to_apply": "none"}})
+    (answer,) = run_requests(pipe, [(request.items, request.options)])
+    assert isinstance(answer, ValueError) and "no meaning for an ensemble" in str(answer)  # the server's 422
+
+
 @pytest.mark.parametrize("task, body, status, says", [
     ("token-classification", {"inputs": "a", "parameters": {"stride": 8}}, 422, "'stride' is not supported"),
     ("token-classification", {"inputs": "a", "parameters": {"aggregation_strategy": "best"}}, 422, "must be one of"),
