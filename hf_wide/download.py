@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from huggingface_hub import list_repo_files, snapshot_download
+from huggingface_hub import is_offline_mode, list_repo_files, snapshot_download
 from huggingface_hub.errors import HFValidationError, RepositoryNotFoundError
 from huggingface_hub.utils import tqdm as hf_tqdm
 
@@ -100,7 +100,7 @@ def download_members(
                 hint += f"\nThere is no local folder {os.path.abspath(model_id)} either."
             raise MemberLoadError(f"{name}: {type(exc).__name__}: {exc}{hint}") from exc
         sha, folder = folder.name, _inside(folder, sub, name)
-        if not allow_pickle and not any(folder.glob("*.safetensors")):
+        if not allow_pickle and not any(folder.rglob("*.safetensors")):  # (a fused LoRA ensemble's: members/)
             _refuse_if_pickle_only(model_id, sha, name, hub_kwargs, sub)
         return folder
 
@@ -142,8 +142,8 @@ def _inside(folder: Path, subfolder: str | None, name: str) -> Path:
 
 
 def _refuse_if_pickle_only(model_id: str, sha: str, name: str, hub_kwargs: dict, subfolder: str | None) -> None:
-    """The download skipped pickle files; ask the repo's file list whether that is all it has."""
-    if hub_kwargs.get("local_files_only"):
+    """The download skipped pickle files; ask the repo's file list whether that is all it has (online only)."""
+    if hub_kwargs.get("local_files_only") or is_offline_mode():
         return
     files = list_repo_files(model_id, revision=sha, token=hub_kwargs.get("token"))
     prefix = f"{subfolder.strip('/')}/" if subfolder else ""

@@ -7,6 +7,7 @@ import json
 import peft
 import pytest
 import torch
+from huggingface_hub import constants
 from hub_server import TOKEN, hub  # noqa: F401  (the fixture)
 from lora_members import LLAMA, alone, lora_keys, save_adapter, save_llama_adapters
 from oracle import TOLERANCE, max_member_error
@@ -157,7 +158,7 @@ def test_an_ensemble_of_adapters_saved_and_loaded_back(llama_adapters, tmp_path)
             assert torch.equal(again(**inputs).logits, original(**inputs).logits)
 
 
-def test_an_ensemble_of_adapters_pushed_and_loaded_in_a_fresh_cache(hub, tmp_path):
+def test_an_ensemble_of_adapters_pushed_and_loaded_in_a_fresh_cache(hub, tmp_path, monkeypatch):
     LLAMA.build(0).save_pretrained(tmp_path / "base")
     base_sha = hub.publish("meta/llama", tmp_path / "base")
     ids = []
@@ -175,3 +176,10 @@ def test_an_ensemble_of_adapters_pushed_and_loaded_in_a_fresh_cache(hub, tmp_pat
     inputs = LLAMA.inputs(2, padded=True)
     with torch.no_grad():
         assert torch.equal(back(**inputs).logits, wide(**inputs).logits)
+    # offline, from the warm cache: its weights are under members/, and the load asked the Hub for the repo's file
+    # list to see whether it held pickles only (OfflineModeIsEnabled)
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    offline = WideModel.from_pretrained("alice/lora-xensemble", cache_dir=tmp_path / "fresh")
+    with torch.no_grad():
+        assert torch.equal(offline(**inputs).logits, wide(**inputs).logits)
