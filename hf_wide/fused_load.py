@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import logging
 from pathlib import Path
 
 import torch
@@ -15,6 +16,11 @@ from torch import nn
 from .checkpoints import Checkpoint, assemble, empty_model, skeleton_like, state_tensors
 from .planner import tensor_aliases
 from .saving import CONFIG_KEY, FusedRepoError, member_config, model_class_for, plan_from_dict, read_section
+
+logger = logging.getLogger(__name__)
+# the section's lists of one entry per member (the last two only where they were written)
+PER_MEMBER = ("member_ids", "labels", "member_config_overrides", "member_revisions", "member_generation_overrides",
+              "member_subfolders")
 
 
 def load_fused(cls, folder: str | Path, *, name: str, dtype: torch.dtype | str | None = None, device=None,
@@ -26,6 +32,7 @@ def load_fused(cls, folder: str | Path, *, name: str, dtype: torch.dtype | str |
 
     folder = Path(folder)
     section = read_section(folder)
+    _check_section(section, name)
     config = transformers.AutoConfig.from_pretrained(folder)
     delattr(config, CONFIG_KEY)
     n = section["num_members"]
@@ -48,12 +55,26 @@ def load_fused(cls, folder: str | Path, *, name: str, dtype: torch.dtype | str |
     shared = set(section["shared"])
     with Checkpoint(folder) as ckpt:
         keys = _check_layout(ckpt, template, shared, n, name)
+        read_for: dict[str, set[int]] = {}  # stored key -> the members whose slice of it was read
 
         def read(i: int, key: str, dst: torch.Tensor) -> None:
+            read_for.setdefault(keys[key], set()).add(i)
             ckpt.read_into(keys[key], dst, None if keys[key] in shared else members[i])
 
-        plan = dataclasses.replace(plan_from_dict(section["plan"]), num_members=len(members))
-        model, fold, aliases = assemble(skeletons, plan, device, read)
+        try:
+            plan = dataclasses.replace(plan_from_dict(section["plan"]), num_members=len(members))
+            model, fold, aliases = assemble(skeletons, plan, device, read)
+        except (KeyError, AttributeError) as exc:  # a module the plan names that the model lacks
+            raise FusedRepoError(f"{name}: the fused repo's plan does not fit {type(template).__name__} "
+                                 f"({type(exc).__name__}: {exc}): its config.json was edited, or is another "
+                                 "model's.") from exc
+        # Each member's slice of every stacked tensor is read into its place; a module the plan holds once (an entry
+        # edited out of it) read member 0's alone, and ran it for every member
+        unread = sorted(k for k in set(keys.values()) - shared if len(read_for.get(k, ())) < len(members))
+        if unread:
+            raise FusedRepoError(f"{name}: the fused repo stores {unread[:3]}{'...' if len(unread) > 3 else ''} for "
+                                 "each member, but its plan holds them once: its config.json does not match its "
+                                 "weights.")
     roles = section.get("input_roles", section.get("vectorised_roles", {}))  # (the vectorised modules' alone before
     for path, known in roles.items():  # 2026-11-27; neither before 2026-11-24)
         model.get_submodule(path).input_roles.update(known)
@@ -65,9 +86,23 @@ def load_fused(cls, folder: str | Path, *, name: str, dtype: torch.dtype | str |
     return wide.eval()
 
 
+def _check_section(section: dict, name: str) -> None:
+    """Refuse an ``hf_wide`` section with a field missing, or a list of another length than the members."""
+    missing = [k for k in ("num_members", "plan", "shared", *PER_MEMBER[:4]) if k not in section]
+    if missing:
+        raise FusedRepoError(f"{name}: config.json's hf_wide section has no {', '.join(missing)}: it was edited, or "
+                             "was not written by hf-wide.")
+    n = section["num_members"]
+    for key in PER_MEMBER:
+        if section.get(key) is not None and len(section[key]) != n:
+            raise FusedRepoError(f"{name}: config.json's hf_wide section holds {len(section[key])} {key} for its "
+                                 f"{n} members: it was edited.")
+
+
 def _check_layout(ckpt: Checkpoint, template: nn.Module, shared: set[str], n: int, name: str) -> dict[str, str]:
     """Map every state-dict name of the template (tied tensors' every name) to its key in the fused file,
-    checking the stored shapes."""
+    checking the stored shapes; a stored tensor the template has no place for is logged, as transformers logs
+    unexpected keys."""
     aliases = tensor_aliases(template)
     keys = {}
     for key, t in state_tensors(template).items():
@@ -79,4 +114,8 @@ def _check_layout(ckpt: Checkpoint, template: nn.Module, shared: set[str], n: in
             raise FusedRepoError(f"{name}: the fused repo stores {found!r} with shape {ckpt.shape(found)}, but "
                                  f"{n} members of {type(template).__name__} need {expected}.")
         keys.update(dict.fromkeys(aliases.get(key, [key]), found))  # every name of a tied tensor
+    unexpected = sorted(set(ckpt.entries) - set(keys.values()))
+    if unexpected:
+        logger.warning("%s: the fused repo stores tensors %s that %s has no place for; they are not loaded.", name,
+                       unexpected[:5], type(template).__name__)
     return keys

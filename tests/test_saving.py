@@ -12,7 +12,7 @@ from safetensors import safe_open
 from hf_wide import IncompatibleMembersError, Kind, WideModel
 from hf_wide.checkpoints import WEIGHTS_INDEX_NAME, Checkpoint
 from hf_wide.loading import resolve_device
-from hf_wide.saving import CONFIG_KEY
+from hf_wide.saving import CONFIG_KEY, FusedRepoError
 
 ROUND_TRIP_CASES = [
     "bert-seqcls", "llama-causallm", "vit-imgcls", "resnet-imgcls",
@@ -340,6 +340,53 @@ def test_weights_of_the_wrong_shape_name_the_member(sharing_members, tmp_path):
     save_file(tensors, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
     with pytest.raises(IncompatibleMembersError, match=r"member 1 \(.*\) has 'classifier.weight' of shape \(4, 32\)"):
         WideModel.from_pretrained([paths[0], str(tmp_path)])
+
+
+def edited(folder, tmp_path, edit) -> str:
+    """A copy of the fused repo ``folder`` whose config.json ``edit`` changed."""
+    import shutil
+
+    copy = tmp_path / "edited"
+    shutil.rmtree(copy, ignore_errors=True)
+    shutil.copytree(folder, copy)
+    config = json.loads((copy / "config.json").read_text())
+    edit(config)
+    (copy / "config.json").write_text(json.dumps(config))
+    return str(copy)
+
+
+def test_an_edited_fused_repo_is_refused_not_loaded_wrong(tmp_path):
+    # A plan entry edited out of config.json made a stacked attention one module of member 0's weights, run for
+    # every member (0.19 off member 1), with nothing said; other edits gave bare IndexErrors and KeyErrors
+    members = [CASES["bert-seqcls"].build(seed) for seed in range(3)]
+    WideModel.from_models(members).save_pretrained(tmp_path / "good")
+    layer = "bert.encoder.layer.0.attention.self"
+    refusals = [
+        (lambda c: c[CONFIG_KEY]["plan"]["entries"].pop(next(k for k in c[CONFIG_KEY]["plan"]["entries"]
+                                                             if layer in str(k))),
+         r"stores \['bert.encoder.layer.0.attention.self.key.bias'.* for each member, but its plan holds them once"),
+        (lambda c: c[CONFIG_KEY].update(member_ids=c[CONFIG_KEY]["member_ids"][:2]), "holds 2 member_ids for its 3"),
+        (lambda c: c[CONFIG_KEY].update(labels=c[CONFIG_KEY]["labels"][:2]), "holds 2 labels for its 3 members"),
+        (lambda c: c[CONFIG_KEY].pop("plan"), "hf_wide section has no plan"),
+        (lambda c: c.update(architectures=["BertForTokenClassification"]),
+         "plan does not fit BertForTokenClassification"),
+    ]
+    for edit, match in refusals:
+        with pytest.raises(FusedRepoError, match=match):
+            WideModel.from_pretrained(edited(tmp_path / "good", tmp_path, edit))
+
+
+def test_a_tensor_the_model_has_no_place_for_is_logged(tmp_path, caplog):
+    members = [CASES["bert-seqcls"].build(seed) for seed in range(2)]
+    WideModel.from_models(members).save_pretrained(tmp_path)
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(str(tmp_path / "model.safetensors"))
+    save_file({**tensors, "bogus.weight": torch.zeros(2)}, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    with caplog.at_level("WARNING", logger="hf_wide.fused_load"):
+        wide = WideModel.from_pretrained(str(tmp_path))
+    assert "['bogus.weight'] that BertForSequenceClassification has no place for" in caplog.text
+    assert max_member_error(wide, members, CASES["bert-seqcls"].inputs(2, padded=True)) <= TOLERANCE
 
 
 def test_device_and_device_map():
