@@ -20,7 +20,7 @@ from .download import as_ids, check_hub_kwargs, commit_sha, download_members, me
 from .fuse import needs_verifying
 from .loading import load_models, load_streaming, resolve_device, resolve_dtype, verified, weights_format
 from .fused_load import load_fused
-from .saving import read_section
+from .saving import read_section, saved_dtype
 from .samples import sample_inputs
 
 
@@ -58,6 +58,7 @@ def load_wide(
     ``hub_kwargs``."""
     check_hub_kwargs(hub_kwargs)
     dtype = dtype if dtype is not None else torch_dtype
+    unshared = share_identical is False  # asked for: a fused repo that shares a module cannot give it
     # A rank cannot see whether other ranks' members hold the same tensor: member-parallel ranks keep each member's
     # own (so that every rank fuses its slice the same way), unless asked to share within the rank.
     share_identical = not member_parallel if share_identical is None else share_identical
@@ -93,6 +94,7 @@ def load_wide(
     elif fused:
         if len(ids) > 1:
             raise ValueError(f"{fused[0]} is a fused hf-wide repo: load it on its own, not as a member.")
+        _refuse_fused_options(ids[0], saved, base_model, base_revision, merge, unshared)
         wide = load_fused(cls, folders[0], name=ids[0], dtype=torch_dtype, device=device, **model_kwargs)
         validated = False
     elif any(adapters):
@@ -109,6 +111,18 @@ def load_wide(
     return wide
 
 
+def _refuse_fused_options(name: str, saved: dict, base_model, base_revision, merge: bool, unshared: bool) -> None:
+    """Refuse the options a fused repo of full members cannot take (they were dropped)."""
+    if base_model is not None or base_revision is not None or merge:
+        raise ValueError(f"base_model=, base_revision= and merge= apply to PEFT adapters; {name} is a fused repo of "
+                         "full members.")
+    if unshared and saved.get("shared"):
+        raise ValueError(f"{name} holds {saved['shared'][:3]}{'...' if len(saved['shared']) > 3 else ''} once for "
+                         "all its members (it was fused with share_identical=True), and its plan cannot be made "
+                         "again without the members: fuse them with share_identical=False to train each member's "
+                         "own copy.")
+
+
 def _fuse_adapter_list(cls, ids, folders, adapters, saved: dict | None, load: dict, fuse: dict):
     """The wide model of a list that holds PEFT adapters (:mod:`hf_wide.adapter_groups`; ``load`` and ``fuse``: its
     options), or of the saved ensemble of adapters in ``folders[0]``, whose config section is ``saved``: the base it
@@ -121,6 +135,8 @@ def _fuse_adapter_list(cls, ids, folders, adapters, saved: dict | None, load: di
         ids, revisions, source_dirs = saved["member_ids"], saved["member_revisions"], [folders[0]]
         load = {**load, "base_model": load["base_model"] or sources["base_model"],
                 "base_revision": load["base_revision"] or sources["base_revision"]}
+        if load["dtype"] in (None, "auto"):  # as it was saved (a bfloat16 ensemble of a float32 base: float32)
+            load["dtype"] = resolve_dtype(saved_dtype(folders[0])) or load["dtype"]
     else:
         member_folders, revisions, source_dirs = folders, [commit_sha(folder) for folder in folders], folders
     # (fused with copy_shared=False: our own members, whose base's tensors become the wide model's)

@@ -117,6 +117,12 @@ def read_section(folder: str | Path) -> dict | None:
     return section
 
 
+def saved_dtype(folder: str | Path) -> str | None:
+    """The dtype ``folder/config.json`` was saved in (transformers' ``dtype``, or ``torch_dtype`` before it)."""
+    config = json.loads((Path(folder) / "config.json").read_text())
+    return config.get("dtype", config.get("torch_dtype"))
+
+
 def model_class_for(config, name: str) -> type:
     """The transformers class a config names in ``architectures``."""
     import transformers

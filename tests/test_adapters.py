@@ -516,7 +516,7 @@ def test_each_adapter_is_held_once_in_the_tensors_the_wide_model_keeps(llama_ada
     assert {v.untyped_storage().data_ptr() for v in views} == {held.untyped_storage().data_ptr()}
 
 
-def test_adapters_over_a_bfloat16_base_compute_as_peft_does(llama_adapters):
+def test_adapters_over_a_bfloat16_base_compute_as_peft_does(llama_adapters, tmp_path):
     """Over a half-precision base PEFT keeps the adapters in float32 (``autocast_adapter_dtype``) and adds their
     update in float32, rounding once: so does the wide model, and it loads them as ``PeftModel.from_pretrained``
     does (PEFT's ``low_cpu_mem_usage`` would round them to bfloat16 first). Left: float32 summation order, which
@@ -536,6 +536,12 @@ def test_adapters_over_a_bfloat16_base_compute_as_peft_does(llama_adapters):
     assert lora and not wide.plan.fallbacks and {m.lora_A.dtype for m in lora} == {torch.float32}
     assert wide.member(0).base_model.model.model.layers[0].self_attn.q_proj.lora_A["default"].weight.dtype == (
         torch.float32)
+    # saved and loaded back as it was saved: the ensemble's bfloat16, not the base checkpoint's float32
+    wide.save_pretrained(tmp_path / "saved")
+    back = WideModel.from_pretrained(tmp_path / "saved")
+    assert {p.dtype for n, p in back.named_parameters() if "lora_" not in n} == {torch.bfloat16}
+    with torch.no_grad():
+        assert torch.equal(back(**inputs).logits, out)
 
 
 def test_adapters_that_replicate_layers_fuse_only_when_they_all_replicate_them_alike(llama_adapters, tmp_path):

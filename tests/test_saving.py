@@ -176,6 +176,13 @@ def test_identical_tensors_are_stored_once(sharing_members, tmp_path):
     back = WideModel.from_pretrained(str(tmp_path))
     assert kinds(back) == kinds(wide)
     assert max_member_error(back, members, CASES["bert-seqcls"].inputs(3, padded=True)) <= TOLERANCE
+    # options the fused repo cannot take were dropped: a table held once stayed shared (trained by every member's
+    # gradient), and the adapters' options loaded the full members as they are
+    with pytest.raises(ValueError, match=r"holds \['bert.embeddings.*once for all its members.* share_identical=False"):
+        WideModel.from_pretrained(str(tmp_path), share_identical=False)
+    for option in ({"base_model": "org/base"}, {"base_revision": "abc"}, {"merge": True}):
+        with pytest.raises(ValueError, match="apply to PEFT adapters; .* is a fused repo of full members"):
+            WideModel.from_pretrained(str(tmp_path), **option)
 
 
 def test_sharded_save(fused, tmp_path):
