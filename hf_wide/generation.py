@@ -96,12 +96,21 @@ def refuse_row_subsets(args: tuple, kwargs: dict, model: nn.Module) -> None:
     encoder = model.model.encoder
     stride = getattr(encoder.conv1, "stride", (1,))[0] * getattr(encoder.conv2, "stride", (2,))[0]
     long_form = isinstance(features, torch.Tensor) and features.shape[-1] > stride * model.config.max_source_positions
-    temperature = _effective_config(kwargs, model).temperature
-    if long_form or isinstance(temperature, (list, tuple)) and len(temperature) > 1:
+    config = _effective_config(kwargs, model)
+    if long_form or isinstance(config.temperature, (list, tuple)) and len(config.temperature) > 1:
         what = ("long-form transcription (input features longer than one window)" if long_form else
                 "a temperature fallback (temperature=(...))")
         raise ValueError(f"Whisper's {what} drops or re-runs some rows of a batch as they finish or fail, and a wide "
                          "model's rows are every member's: run it on each member, wide.member(i).generate(...).")
+    # Whisper's generate hands back each sequence's logits, hidden states and attentions by the sequence's row among
+    # the beams' rows: over N*B sequences, member 1's read member 0's beams
+    beams, returned = config.num_beams or 1, config.num_return_sequences or 1
+    asked = [k for k in ("output_logits", "output_hidden_states", "output_attentions") if getattr(config, k, False)]
+    if config.return_dict_in_generate and beams > returned and asked:
+        raise ValueError(f"Whisper's beam search ({beams} beams, {returned} returned) gives each sequence's "
+                         f"{', '.join(k.removeprefix('output_') for k in asked)} by its row among the beams', which a "
+                         "wide model's rows of every member would mix up: run it on each member, "
+                         "wide.member(i).generate(...), or ask for scores only.")
 
 
 def per_row_options(kwargs: dict, n: int, batch: int, model: nn.Module) -> dict:

@@ -161,3 +161,18 @@ def test_whisper_takes_a_language_per_input_and_refuses_what_drops_rows():
                       return_timestamps=True, max_new_tokens=4)  # member's, as rows finished)
     with pytest.raises(ValueError, match="temperature fallback"):
         wide.generate(input_features=features, temperature=(0.0, 0.5), max_new_tokens=4)
+    # beam search's logits and hidden states: Whisper gives each sequence those of its row among the beams' rows, and
+    # member 1's sequences read member 0's beams (2.1 off in the logits); its scores take their beam indices
+    beams = dict(num_beams=2, max_new_tokens=3, return_dict_in_generate=True, output_scores=True)
+    with pytest.raises(ValueError, match=r"Whisper's beam search \(2 beams, 1 returned\) gives each sequence's logits"):
+        wide.generate(input_features=features, output_logits=True, **beams)
+    out = wide.generate(input_features=features, **beams)
+    for i, member in enumerate(members):
+        alone = member.generate(input_features=features, **beams)
+        assert torch.equal(out.sequences[i], alone.sequences)
+        assert all((a - b[i]).abs().max() <= 1e-5 for a, b in zip(alone.scores, out.scores, strict=True))
+    greedy = dict(max_new_tokens=3, return_dict_in_generate=True, output_logits=True)
+    out = wide.generate(input_features=features, **greedy)
+    for i, member in enumerate(members):
+        alone = member.generate(input_features=features, **greedy)
+        assert all((a - b[i]).abs().max() <= 1e-5 for a, b in zip(alone.logits, out.logits, strict=True))
