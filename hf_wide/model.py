@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import threading
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -242,6 +243,9 @@ class WideModel(WideHubMixin, TrainingMixin, nn.Module):
         transformers' output with every member's: ``sequences`` ``(N, B, T')``, and each step's ``scores``,
         ``logits``, attentions and hidden states ``(N, B, ...)`` (B times the beams or returned sequences, where
         there are some, as for each member alone)."""
+        if self._compiled_call_impl is not None:
+            warnings.warn("generate steps the members' model eagerly: compile() compiled the wide forward, which "
+                          "generate does not call (README, 'Speed').", stacklevel=2)
         records = asks_for_capture(kwargs, self.config) or asks_for_capture(kwargs, self.generation_config)
         with GATE.call(True, records):  # as compiled: transformers may compile its steps (hf_wide.concurrency)
             return generate_wide(self, args, kwargs)

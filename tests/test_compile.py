@@ -183,3 +183,14 @@ def test_a_copy_of_a_compiled_model_runs_its_own_weights():
         for i, member in enumerate(members[2:]):
             assert (got[i] - member(**inputs).logits).abs().max() <= TOLERANCE
     torch.save(wide, io.BytesIO())
+
+
+def test_generate_on_a_compiled_model_says_it_steps_eagerly():
+    # compile() compiles the wide forward, which generate does not call: it ran eagerly without a word
+    members = [CASES["llama-causallm"].build(seed) for seed in range(2)]
+    wide = WideModel.from_models(members)
+    inputs = CASES["llama-causallm"].inputs(1, padded=False)
+    expected = wide.generate(**inputs, max_new_tokens=3, do_sample=False)
+    wide.compile(backend=CompileCounter())
+    with pytest.warns(UserWarning, match="generate steps the members' model eagerly"):
+        assert torch.equal(wide.generate(**inputs, max_new_tokens=3, do_sample=False), expected)
