@@ -74,11 +74,11 @@ def check_compatible(
 
 
 def check_configs(a, b, name_a: str, name_b: str, allow_label_mismatch: bool) -> None:
-    """Raise unless config ``b`` matches ``a`` in every field that shapes the graph (and labels, unless allowed)."""
-    da, db = a.to_dict(), b.to_dict()
+    """Raise unless config ``b`` matches ``a`` in every field that shapes the graph (and labels, unless allowed), and in
+    the attention implementation the members were built with (the wide model runs member 0's: eager beside sdpa gave
+    another member's padded positions other values)."""
+    da, db = _graph_fields(a.to_dict()), _graph_fields(b.to_dict())
     for key in sorted(set(da) | set(db)):
-        if key in METADATA_FIELDS:
-            continue
         if da.get(key) != db.get(key):
             path, va, vb = _difference(key, da.get(key), db.get(key))  # (in a sub-config: its field, not the whole)
             raise IncompatibleMembersError(
@@ -86,12 +86,24 @@ def check_configs(a, b, name_a: str, name_b: str, allow_label_mismatch: bool) ->
                 "their configs, labels and provenance aside (the wide model runs one config, and any field may change "
                 f"what the code computes). If config.{path} does not, set it alike on every member before fusing."
             )
+    attention_a, attention_b = getattr(a, "_attn_implementation", None), getattr(b, "_attn_implementation", None)
+    if attention_a != attention_b:
+        raise IncompatibleMembersError(
+            f"{name_b} runs attn_implementation={attention_b!r}, but {name_a} runs {attention_a!r}: the wide model runs "
+            "one. Load the members alike (from_pretrained(..., attn_implementation=...)), or switch them with "
+            "model.set_attn_implementation(...) before fusing.")
     labels_a, labels_b = getattr(a, "id2label", None), getattr(b, "id2label", None)
     if labels_a != labels_b and not allow_label_mismatch:
         raise IncompatibleMembersError(
             f"{name_b} has id2label = {labels_b!r}, but {name_a} has {labels_a!r}. Pass "
             "allow_label_mismatch=True to fuse members whose labels differ."
         )
+
+
+def _graph_fields(config: dict) -> dict:
+    """A config's ``to_dict()`` less its :data:`METADATA_FIELDS`, in its sub-configs too (CLIP's ``text_config``)."""
+    return {k: _graph_fields(v) if isinstance(v, dict) and "model_type" in v else v for k, v in config.items()
+            if k not in METADATA_FIELDS}
 
 
 def _difference(path: str, a, b) -> tuple[str, object, object]:

@@ -42,6 +42,22 @@ def test_a_sub_config_field_that_differs_is_named_not_the_whole_sub_config():
     with pytest.raises(IncompatibleMembersError, match=r"member 1 has config\.text_config\.layer_norm_eps = 0\.001, "
                                                        r"but member 0 has 1e-05"):
         WideModel.from_models([a, b])
+    # where a sub-config came from is provenance, as at the top level: it was refused, by a message that said it is not
+    b.config.text_config.layer_norm_eps = a.config.text_config.layer_norm_eps
+    b.config.text_config._name_or_path, b.config.text_config.finetuning_task = "org/clip-text", "sts"
+    WideModel.from_models([a, b])
+
+
+def test_members_built_with_other_attention_implementations_are_refused():
+    # the wide model ran member 0's eager attention for a member built with sdpa: its padded positions differed
+    make = CASES["llama-causallm"].make_config
+    eager = tf.LlamaForCausalLM._from_config(make(), attn_implementation="eager")
+    sdpa = tf.LlamaForCausalLM._from_config(make(), attn_implementation="sdpa")
+    with pytest.raises(IncompatibleMembersError, match="member 1 runs attn_implementation='sdpa', but member 0 runs "
+                                                       "'eager'"):
+        WideModel.from_models([eager, sdpa])
+    sdpa.set_attn_implementation("eager")
+    WideModel.from_models([eager, sdpa])
 
 def test_labels_may_differ_only_when_allowed():
     a, b = CASES["bert-seqcls"].build(0), CASES["bert-seqcls"].build(1)
