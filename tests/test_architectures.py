@@ -529,3 +529,33 @@ def test_heads_that_read_their_eos_or_take_choices_fuse_from_the_sample_built_fr
     if name.endswith("seqcls"):
         ids[:, -1] = eos
     assert worst(wide, models, {"input_ids": ids, "attention_mask": torch.ones_like(ids)}) <= 1e-5
+
+
+def test_a_module_that_caches_what_it_derives_from_its_tensors_gives_each_member_its_own():
+    # LeViT's attentions keep their bias table in a dict in eval mode. Run as one code for every member, the copy of
+    # that code held member 0's table, filled when the trace ran member 0, and every member read it (member 2: 8.5e-5
+    # off, more the more their biases differ); compiled, member 0's call filled it for the others
+    from torch._dynamo.testing import CompileCounter
+
+    config = tf.LevitConfig(image_size=32, hidden_sizes=[16, 32, 48], num_attention_heads=[1, 2, 3], depths=[1, 1, 1],
+                            key_dim=[8, 8, 8], patch_size=16, stride=2, kernel_size=3, num_labels=3,
+                            down_ops=[["Subsample", 8, 1, 4, 2, 2], ["Subsample", 8, 2, 4, 2, 2]])
+    models = []
+    for seed in range(3):
+        torch.manual_seed(0)
+        model = tf.LevitForImageClassification(config).eval()
+        gen = torch.Generator().manual_seed(100 + seed)
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                param.add_(0.05 * torch.randn(param.shape, generator=gen))
+                if name.endswith("attention_biases"):  # tables far apart
+                    param.add_(3 * torch.randn(param.shape, generator=gen))
+        models.append(model)
+    wide = fuse(models)
+    assert any(type(m).__name__ == "VectorisedFallback" for m in wide.modules())
+    for seed in (1, 2, 3):  # each call after the first read what the one before left
+        torch.manual_seed(seed)
+        inputs = {"pixel_values": torch.randn(2, 3, 32, 32), "output_hidden_states": True}
+        assert_tuples_are_each_members(wide, models, inputs)
+    wide.compile(backend=CompileCounter())
+    assert worst(wide, models, {"pixel_values": torch.randn(2, 3, 32, 32)}) <= 1e-5

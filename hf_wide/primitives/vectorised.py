@@ -36,6 +36,7 @@ from ..compare import device_lost
 from ..fold import Fold, enter_member_code, leave_member_code
 from . import member_cache
 from .base import copy_module, meta_copy
+from .code_state import FreshState, restore_apart
 from .fallback import is_own_method, per_member_method, run_per_member, token_rows
 from .roles import rows_and_batched
 
@@ -185,9 +186,20 @@ class VectorisedFallback(nn.Module):
             calls = self.__dict__["_calls"] = threading.local()
         if not hasattr(calls, "proto"):
             calls.proto = copy_module(self.proto)
+            calls.fresh = FreshState(calls.proto)  # what a call leaves in its attributes is taken back
         if calls.proto.training != self.training:  # not a child, which train() and eval() would reach: its dropout
             calls.proto.train(self.training)  # stayed off in training, as fusion left it
         return calls.proto
+
+    def _after_call(self, output=None):
+        """``output``, with what the call left in the code's plain attributes taken back (:mod:`.code_state`: a cache
+        member 0's call filled was every member's); compiled, only in code that keeps state, apart from the graph."""
+        fresh = self.__dict__["_calls"].fresh
+        if not torch.compiler.is_compiling():
+            fresh.restore()
+        elif fresh.changed or fresh.keeps_containers:
+            restore_apart(fresh)
+        return output
 
     def _state(self) -> dict[str, torch.Tensor]:
         """name -> (N, ...), each tensor once: functional_call sets a tied tensor's other names itself."""
@@ -250,7 +262,7 @@ class VectorisedFallback(nn.Module):
 
     def _loop(self, args: tuple, kwargs: dict):
         state, code = self._state(), self._code()
-        calls = [lambda *a, i=i, **k: functional_call(code, {n: t[i] for n, t in state.items()}, a, k)
+        calls = [lambda *a, i=i, **k: self._after_call(functional_call(code, {n: t[i] for n, t in state.items()}, a, k))
                  for i in range(self.num_members)]
         tokens = self.token_rows
         return run_per_member(self.fold, calls, tokens, args, kwargs, self.expands_broadcasts, self.input_roles)
@@ -292,6 +304,7 @@ class VectorisedFallback(nn.Module):
             outs = iter(vmap(member, in_dims=tuple(in_dims), randomness=randomness)(state, *mapped))
         finally:
             leave_member_code(outer)
+            self._after_call()
         out_leaves = [self._merge(next(outs), rows // n) if t is _TENSOR else t for t in structure["static"]]
         for cache, count in structure["caches"]:  # (N, B, ...) each -> the cache's N*B rows, member-major
             member_cache.set_row_tensors(cache, [self._merge(next(outs), rows // n) for _ in range(count)])

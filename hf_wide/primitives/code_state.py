@@ -1,0 +1,70 @@
+"""A vectorised module's code kept stateless: what a call leaves in its modules' plain attributes is taken back.
+
+A :class:`~hf_wide.primitives.vectorised.VectorisedFallback` runs one copy of its source's code for every member, with
+each member's tensors swapped in. Some modules keep what their forward derives from their tensors in plain
+attributes, for the next call: LeViT's attentions cache their bias table in eval mode (``attention_bias_cache``). Run
+as one code, member 0's call filled the cache and the other members read it (in a loop: member 1 took member 0's
+biases; under vmap, a later call took the table an earlier one left, another member's or a batched one), so members
+but one were off. :class:`FreshState` notes the copy's plain attributes as it is made (a dict of tensors emptied: a
+cache that a member's forward filled before, at the trace), and puts back after every member's call (and every
+vmapped one) what a call added or changed: each call starts from the source's own state.
+
+Modules whose state must last from call to call (RecurrentGemma's recurrent state) run as each member's own module
+(:data:`hf_wide.structure.STATEFUL`); nothing of theirs is here.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from torch import nn
+
+TRACKED = (dict, list, torch.Tensor)  # the plain attributes a call may leave state in (besides new ones)
+
+
+class FreshState:
+    """The plain attributes (not torch's own, whose names start with ``_``) of every submodule of ``module``, as they
+    are now: :meth:`restore` puts them back. ``changed`` says whether a call ever changed any (that module keeps
+    state: under ``torch.compile`` only such code is restored, apart from the graph)."""
+
+    def __init__(self, module: nn.Module):
+        self.entries = []
+        self.changed = False
+        for sub in module.modules():
+            attrs = vars(sub)
+            for k, v in list(attrs.items()):  # a cache of tensors the members' forwards filled before the copy was
+                if not k.startswith("_") and isinstance(v, dict) and any(  # made (the trace ran member 0): member 0's
+                        isinstance(t, torch.Tensor) for t in v.values()):
+                    attrs[k] = {}
+            tracked = {k: [v, len(v) if isinstance(v, (dict, list)) else None, copy.copy(v)]
+                       for k, v in attrs.items() if not k.startswith("_") and isinstance(v, TRACKED)}
+            self.entries.append((sub, frozenset(attrs), tracked))
+        # an empty dict, as a cache starts: restored under compilation from the first call on
+        self.keeps_containers = any(isinstance(rec[2], dict) and not rec[2]
+                                    for _, _, tracked in self.entries for rec in tracked.values())
+
+    def restore(self) -> None:
+        """Put back every plain attribute a call added, replaced or filled."""
+        for sub, keys, tracked in self.entries:
+            attrs = vars(sub)
+            if len(attrs) != len(keys):  # attributes the call added
+                for k in [k for k in attrs if k not in keys and not k.startswith("_")]:
+                    del attrs[k]
+                    self.changed = True
+            for k, rec in tracked.items():
+                current = attrs.get(k)
+                if current is not rec[0] or (rec[1] is not None and len(current) != rec[1]):
+                    rec[0] = attrs[k] = copy.copy(rec[2]) if rec[1] is not None else rec[2]
+                    self.changed = True
+
+    def after(self, output):
+        """``output``, with the state its call left taken back first (a member's call in a loop)."""
+        self.restore()
+        return output
+
+
+@torch.compiler.disable
+def restore_apart(state: FreshState) -> None:
+    """:meth:`FreshState.restore`, outside a compiled graph (a graph break, for code that keeps state only)."""
+    state.restore()
