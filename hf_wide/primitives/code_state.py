@@ -58,11 +58,6 @@ class FreshState:
                     rec[0] = attrs[k] = copy.copy(rec[2]) if rec[1] is not None else rec[2]
                     self.changed = True
 
-    def after(self, output):
-        """``output``, with the state its call left taken back first (a member's call in a loop)."""
-        self.restore()
-        return output
-
 
 @torch.compiler.disable
 def restore_apart(state: FreshState) -> None:

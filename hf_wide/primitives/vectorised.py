@@ -262,7 +262,8 @@ class VectorisedFallback(nn.Module):
 
     def _loop(self, args: tuple, kwargs: dict):
         state, code = self._state(), self._code()
-        calls = [lambda *a, i=i, **k: self._after_call(functional_call(code, {n: t[i] for n, t in state.items()}, a, k))
+        calls = [lambda *a, i=i, **k: self._after_call(functional_call(code, {n: t[i] for n, t in state.items()},
+                                                                          a, k))
                  for i in range(self.num_members)]
         tokens = self.token_rows
         return run_per_member(self.fold, calls, tokens, args, kwargs, self.expands_broadcasts, self.input_roles)
