@@ -200,10 +200,7 @@ class WideModel(WideHubMixin, TrainingMixin, nn.Module):
         return self.model.base_model.model if self._inner else self.model
 
     def _members_class(self) -> type:
-        model = self._called
-        if isinstance(model, VectorisedFallback):  # the whole model as a fallback: its methods run per member too
-            return type(model.proto)
-        return type(model.members[0] if isinstance(model, PerMemberFallback) else model)
+        return type(self._member_template())  # (the whole model as a fallback: its methods run per member too)
 
     def _run(self, method: str | None, args: tuple, kwargs: dict):
         """The members' ``forward`` (``method`` None) or their ``method``, every member on the folded rows."""
