@@ -93,7 +93,7 @@ def refuse_row_subsets(args: tuple, kwargs: dict, model: nn.Module) -> None:
         return
     features = kwargs.get("input_features", args[0] if args else None)
     features = getattr(features, "tensor", features)  # (a PerMember's)
-    encoder = model.model.encoder
+    encoder = model.get_encoder()  # (a PeftModel holds the model a level down)
     stride = getattr(encoder.conv1, "stride", (1,))[0] * getattr(encoder.conv2, "stride", (2,))[0]
     long_form = isinstance(features, torch.Tensor) and features.shape[-1] > stride * model.config.max_source_positions
     config = _effective_config(kwargs, model)
