@@ -36,6 +36,7 @@ from .configs import configs_in_place, configs_replaced, module_configs
 from .cpu import collected, release_freed_memory
 from .fold import Fold
 from .plan import Kind, WidePlan
+from .planner import common_aliases
 from .primitives.base import WideModule, keeping_storage, same_value
 from .registry import find_block, get_wide
 from .swap import remove_fold_hooks
@@ -219,7 +220,7 @@ def concatenate(cls, wides: Sequence, ids: Sequence[str]):
         if entry.kind == Kind.REWRITTEN:  # (its method reads the number of members: CLIP's)
             model.get_submodule(fqn).fold = fold
     remove_fold_hooks(model)
-    joined = cls(model, dataclasses.replace(first.plan, num_members=n), fold, first._aliases, list(ids),
+    joined = cls(model, dataclasses.replace(first.plan, num_members=n), fold, common_aliases([w._aliases for w in wides]), list(ids),
                  _joined_list(wides, "member_configs"), _joined_list(wides, "member_generation_configs"))
     joined.member_peft_configs = _joined_list(wides, "member_peft_configs")
     joined.differently_trained = tuple(dict.fromkeys(name for w in wides for name in w.differently_trained))

@@ -94,7 +94,7 @@ def fuse_models(cls: type[WideModel], models: Sequence[nn.Module], sample_inputs
                 folded,
                 plan,
                 fold,
-                tensor_aliases(template),
+                tensor_aliases(*models),  # the ties every member holds
                 ids,
                 [copy.deepcopy(m.config) for m in models] if hasattr(template, "config") else None,
                 [copy.deepcopy(getattr(m, "generation_config", None)) for m in models],

@@ -48,14 +48,27 @@ from .samples import sample_inputs
 from .tracer import Trace
 
 
-def tensor_aliases(model: nn.Module) -> dict[str, list[str]]:
-    """Every tensor name -> all names of that tensor (tied weights have several)."""
-    groups: dict[int, list[str]] = defaultdict(list)
-    for name, t in model.named_parameters(remove_duplicate=False):
-        groups[id(t)].append(name)
-    for name, t in model.named_buffers(remove_duplicate=False):
-        groups[id(t)].append(name)
-    return {name: names for names in groups.values() for name in names}
+def tensor_aliases(*models: nn.Module) -> dict[str, list[str]]:
+    """Every tensor name -> all names of that tensor (tied weights have several). Of several models (the members),
+    the ties that every one of them holds (:func:`common_aliases`)."""
+    per_model = []
+    for model in models:
+        groups: dict[int, list[str]] = defaultdict(list)
+        for name, t in model.named_parameters(remove_duplicate=False):
+            groups[id(t)].append(name)
+        for name, t in model.named_buffers(remove_duplicate=False):
+            groups[id(t)].append(name)
+        per_model.append({name: names for names in groups.values() for name in names})
+    return common_aliases(per_model)
+
+
+def common_aliases(per_model: Sequence[dict[str, list[str]]]) -> dict[str, list[str]]:
+    """The ties that all of ``per_model`` (:func:`tensor_aliases` of each member) hold. A tie that one member lacks is
+    none of the wide model's: a PEFT adapter that saves ``lm_head`` apart from its embeddings, beside one that ties
+    the two (``ensure_weight_tying``), would else have its ``lm_head`` copied from its embeddings in its member copy."""
+    first, others = per_model[0], per_model[1:]
+    return {name: [a for a in names if a == name or all(a in other.get(name, ()) for other in others)]
+            for name, names in first.items()}
 
 
 def make_plan(

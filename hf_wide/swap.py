@@ -71,7 +71,7 @@ def build_wide(members: Sequence[nn.Module], plan: WidePlan, fold: Fold) -> nn.M
         module = wide.get_submodule(fqn)
         if isinstance(module, (VectorisedFallback, PerMemberFallback)):
             module.input_roles.update(copy.deepcopy(roles))
-    retie(wide, tensor_aliases(template))
+    retie(wide, tensor_aliases(*members))  # the ties every member holds: no member's tensor taken for another's
     return reset_capture_hooks(wide)  # hooks copied from members may sit inside wide modules
 
 

@@ -157,6 +157,30 @@ def test_adapters_that_save_different_modules(tmp_path):
                                alone(BERT, tmp_path / "base", adapter)(**inputs).logits)
 
 
+def test_an_adapter_that_ties_its_saved_tables_beside_one_that_saves_the_head_alone(tmp_path):
+    """Member 0 saves its embeddings tied to its head (``ensure_weight_tying``), member 1 its head alone: the wide
+    model's ties were member 0's, so ``member(1)`` (and ``save_members``, and a saved ensemble loaded back) copied
+    member 1's embeddings, the base's, over its head (1.99 off). A tie is the wide model's only where every member
+    holds it; either order."""
+    LLAMA.build(0).save_pretrained(tmp_path / "base")  # (its head tied to its embeddings)
+    tied = dict(modules_to_save=["embed_tokens"], ensure_weight_tying=True)
+    adapters = [save_adapter(LLAMA, tmp_path / "base", tmp_path / f"a{seed}", seed, r=2 + 2 * seed,
+                             target_modules=["q_proj"], task_type="CAUSAL_LM",
+                             **(tied if seed == 0 else dict(modules_to_save=["lm_head"]))) for seed in range(2)]
+    references = [alone(LLAMA, tmp_path / "base", a) for a in adapters]
+    inputs = LLAMA.inputs(2, padded=True)
+    for order in ([0, 1], [1, 0]):
+        wide = WideModel.from_pretrained([adapters[i] for i in order])
+        ordered = [references[i] for i in order]
+        assert max_member_error(wide, ordered, inputs) <= TOLERANCE
+        folders = wide.save_members(tmp_path / f"members{order[0]}")
+        for i, (reference, folder) in enumerate(zip(ordered, folders)):
+            with torch.no_grad():
+                want = reference(**inputs).logits
+                assert torch.equal(wide.member(i)(**inputs).logits, want)
+                assert torch.equal(alone(LLAMA, tmp_path / "base", str(folder))(**inputs).logits, want)
+
+
 def test_an_adapter_that_trains_every_bias_beside_one_that_saves_the_head(tmp_path):
     """PEFT's ``bias="all"`` trains the head's bias where the adapter does not save the head; another adapter saves
     it whole (and the pooler). The head was to get a zero LoRA layer for the biases, over the other member's saved
