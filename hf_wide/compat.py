@@ -41,6 +41,15 @@ def member_names(models: Sequence[nn.Module], ids: Sequence[str] | None = None) 
     return names
 
 
+def _task_types(first: nn.Module, model: nn.Module, first_name: str, name: str) -> str:
+    """Where two PEFT models' classes come from their adapters' ``task_type``, a sentence that says so."""
+    types = [getattr(getattr(m, "peft_config", {}).get("default"), "task_type", None) for m in (first, model)]
+    if types[0] == types[1] or not all(hasattr(m, "peft_config") for m in (first, model)):
+        return ""
+    return (f" Their adapters' task_type (adapter_config.json) differs: {types[1]} for {name}, {types[0]} for "
+            f"{first_name}.")
+
+
 def refuse_unfused_attention(implementation) -> None:
     """Refuse an attention implementation hf-wide cannot run: flex attention's higher-order op takes no
     ``TorchFunctionMode``, under which the trace and a module run member by member call the members' code (transformers
@@ -66,7 +75,7 @@ def check_compatible(
         if type(model) is not type(first):
             raise IncompatibleMembersError(
                 f"{name} is a {type(model).__name__}, but {names[0]} is a {type(first).__name__}: "
-                "all members must be the same model class."
+                f"all members must be the same model class.{_task_types(first, model, names[0], name)}"
             )
         if hasattr(first, "config"):
             check_configs(first.config, model.config, names[0], name, allow_label_mismatch)

@@ -675,3 +675,13 @@ def test_adapters_of_other_names_are_refused_by_name():
     named = peft.get_peft_model(LLAMA.build(0), peft.LoraConfig(r=4, target_modules=["q_proj"]), adapter_name="a")
     with pytest.raises(IncompatibleMembersError, match=r"member 0 holds the adapters \['default'\] and member 1 \['a'\]"):
         WideModel.from_models([adapted(base, 0, r=4, target_modules=["q_proj"]), named])
+
+
+def test_adapters_of_other_task_types_are_refused_by_name(tmp_path):
+    """Their PeftModel classes differ (PeftModelForCausalLM, PeftModel): the refusal said so, not why."""
+    LLAMA.build(0).save_pretrained(tmp_path / "base")
+    adapters = [save_adapter(LLAMA, tmp_path / "base", tmp_path / f"a{seed}", seed, r=4, target_modules=["q_proj"],
+                             **({"task_type": "CAUSAL_LM"} if seed == 0 else {})) for seed in range(2)]
+    with pytest.raises(IncompatibleMembersError, match=r"task_type \(adapter_config\.json\) differs: None for "
+                                                       r"member 1 .*, CAUSAL_LM for member 0"):
+        WideModel.from_pretrained(adapters)
