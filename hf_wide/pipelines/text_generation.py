@@ -18,6 +18,7 @@ penalty, ...), as its own generate would. Rows stop at an eos token. Per-member 
 from __future__ import annotations
 
 import inspect
+import threading
 from typing import Any
 
 import torch
@@ -28,6 +29,8 @@ from .base import WidePipeline, _max_length, whole_number
 from .combine import Combine, combine, member_probabilities, ranking
 from .generation_settings import GenerationSettings
 
+# Held while members' own continuations draw from torch's global generator (transformers' sampling takes no other)
+GLOBAL_RNG = threading.Lock()
 MEASURES = ("predictive_entropy", "expected_entropy", "mutual_information", "member_std", "agreement")
 
 
@@ -118,7 +121,7 @@ class TextGenerationPipeline(GenerationSettings, WidePipeline):
         max_new_tokens = int(budgets.max())
         out = {}
         if self.combine == Combine.NONE or return_members:
-            tokens = self._member_continuations(batch, max_new_tokens, seed, **sampling)  # (N, B, S)
+            tokens = self._member_continuations(batch, max_new_tokens, seed, generator, **sampling)  # (N, B, S)
             past = torch.arange(tokens.shape[-1], device=tokens.device) >= budgets[:, None].to(tokens.device)  # (B, S)
             out["per_member_tokens"] = tokens.masked_fill(past, self._pad_id())  # each row ends at its own budget
         if self.combine != Combine.NONE:
@@ -197,19 +200,31 @@ class TextGenerationPipeline(GenerationSettings, WidePipeline):
             positions = positions[:, -1:] + 1
         return {key: torch.stack([s[key] for s in steps], -1) for key in steps[0]}  # each (B, S)
 
-    def _member_continuations(self, batch, max_new_tokens: int, seed: int | None, do_sample: bool,
-                              temperature: float | None, top_k: int | None, top_p: float | None,
+    def _member_continuations(self, batch, max_new_tokens: int, seed: int | None, generator: torch.Generator | None,
+                              do_sample: bool, temperature: float | None, top_k: int | None, top_p: float | None,
                               eos_token_id: int | list[int] | None) -> torch.Tensor:
-        """Each member's own continuation, ``(N, B, S)`` new tokens, from transformers' generate."""
+        """Each member's own continuation, ``(N, B, S)`` new tokens, from transformers' generate.
+
+        Its sampling draws from torch's global generator: a draw runs under :data:`GLOBAL_RNG`, on that generator
+        seeded from ``seed`` (else from ``generator``, else afresh) and given back as it was, so that calls from
+        several threads neither draw each other's numbers nor leave the process reseeded."""
         options = {"do_sample": do_sample} if eos_token_id is None else {"do_sample": do_sample,
                                                                           "eos_token_id": eos_token_id}
-        if do_sample:
-            options.update({k: v for k, v in dict(temperature=temperature, top_k=top_k, top_p=top_p).items()
-                            if v is not None})
-            if seed is not None:
-                torch.manual_seed(seed)  # transformers' sampling draws from the global generator
-        sequences = self.model.generate(**batch, max_new_tokens=max_new_tokens, pad_token_id=self._pad_id(),
-                                        **options)
+        if not do_sample:
+            sequences = self.model.generate(**batch, max_new_tokens=max_new_tokens, pad_token_id=self._pad_id(),
+                                            **options)
+            return sequences[:, :, batch["input_ids"].shape[-1]:]
+        options.update({k: v for k, v in dict(temperature=temperature, top_k=top_k, top_p=top_p).items()
+                        if v is not None})
+        if seed is None:
+            seed = (torch.Generator().seed() if generator is None else
+                    int(torch.randint(2**62, (), generator=generator, device=generator.device)))
+        device = self.model.device
+        with GLOBAL_RNG, torch.random.fork_rng(devices=[] if device.type == "cpu" else [device],
+                                               device_type=None if device.type == "cpu" else device.type):
+            torch.manual_seed(seed)
+            sequences = self.model.generate(**batch, max_new_tokens=max_new_tokens, pad_token_id=self._pad_id(),
+                                            **options)
         return sequences[:, :, batch["input_ids"].shape[-1]:]
 
     def _keeps_logits(self) -> bool:
