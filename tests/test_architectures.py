@@ -11,6 +11,7 @@ import io
 import pytest
 import torch
 import transformers as tf
+from families import randomise_
 
 from hf_wide import WideModel
 from hf_wide.verify_cache import cache_name
@@ -529,6 +530,30 @@ def test_heads_that_read_their_eos_or_take_choices_fuse_from_the_sample_built_fr
     if name.endswith("seqcls"):
         ids[:, -1] = eos
     assert worst(wide, models, {"input_ids": ids, "attention_mask": torch.ones_like(ids)}) <= 1e-5
+
+
+def test_a_member_taken_out_of_code_that_caches_holds_no_other_members_cache():
+    # member(i) copied the vectorised code's module, and with it the bias tables member 0's call had cached there
+    # (member 1: 5.7e-4 off, in eval mode; its state dict was its own)
+    config = tf.LevitConfig(image_size=32, hidden_sizes=[16, 32, 48], num_attention_heads=[1, 2, 3], depths=[1, 1, 1],
+                            key_dim=[8, 8, 8], patch_size=16, stride=2, kernel_size=3, num_labels=3,
+                            down_ops=[["Subsample", 8, 1, 4, 2, 2], ["Subsample", 8, 2, 4, 2, 2]])
+    models = []
+    for seed in range(3):
+        model = tf.LevitForImageClassification(config).eval()
+        randomise_(model, 100 + seed)
+        gen = torch.Generator().manual_seed(7 + seed)
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if name.endswith("attention_biases"):  # tables far apart
+                    param.add_(3 * torch.randn(param.shape, generator=gen))
+        models.append(model)
+    wide = fuse(models)
+    pixels = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        for i, model in enumerate(models):
+            own = wide.member(i)(pixel_values=pixels).logits
+            assert (own - model(pixel_values=pixels).logits).abs().max().item() <= 1e-5
 
 
 def test_a_module_that_caches_what_it_derives_from_its_tensors_gives_each_member_its_own():

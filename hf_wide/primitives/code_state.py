@@ -31,12 +31,8 @@ class FreshState:
     def __init__(self, module: nn.Module):
         self.entries = []
         self.changed = False
-        for sub in module.modules():
+        for sub in empty_caches(module).modules():
             attrs = vars(sub)
-            for k, v in list(attrs.items()):  # a cache of tensors the members' forwards filled before the copy was
-                if not k.startswith("_") and isinstance(v, dict) and any(  # made (the trace ran member 0): member 0's
-                        isinstance(t, torch.Tensor) for t in v.values()):
-                    attrs[k] = {}
             tracked = {k: [v, len(v) if isinstance(v, (dict, list)) else None, copy.copy(v)]
                        for k, v in attrs.items() if not k.startswith("_") and isinstance(v, TRACKED)}
             self.entries.append((sub, frozenset(attrs), tracked))
@@ -57,6 +53,17 @@ class FreshState:
                 if current is not rec[0] or (rec[1] is not None and len(current) != rec[1]):
                     rec[0] = attrs[k] = copy.copy(rec[2]) if rec[1] is not None else rec[2]
                     self.changed = True
+
+
+def empty_caches(module: nn.Module) -> nn.Module:
+    """``module`` with every plain dict of tensors in its submodules emptied, in place: a cache that the members'
+    forwards filled before the copy was made (the trace ran member 0), member 0's, which every member would read."""
+    for sub in module.modules():
+        attrs = vars(sub)
+        for k, v in list(attrs.items()):
+            if not k.startswith("_") and isinstance(v, dict) and any(isinstance(t, torch.Tensor) for t in v.values()):
+                attrs[k] = {}
+    return module
 
 
 @torch.compiler.disable

@@ -36,7 +36,7 @@ from ..compare import device_lost
 from ..fold import Fold, enter_member_code, leave_member_code
 from . import member_cache
 from .base import copy_module, meta_copy
-from .code_state import FreshState, restore_apart
+from .code_state import FreshState, empty_caches, restore_apart
 from .fallback import is_own_method, per_member_method, run_per_member, token_rows
 from .roles import rows_and_batched
 
@@ -129,7 +129,7 @@ class VectorisedFallback(nn.Module):
             value = value if share else value.clone()
             return nn.Parameter(value, t.requires_grad) if isinstance(t, nn.Parameter) else value
 
-        return _rebuild(copy_module(self.proto), self.stacked, take)
+        return _rebuild(empty_caches(copy_module(self.proto)), self.stacked, take)  # (no cache of member 0's)
 
     def to_modules(self) -> list[nn.Module]:
         return [self.to_module(i) for i in range(self.num_members)]
