@@ -15,6 +15,15 @@ from ..registry import register_wide, transformers_classes
 from .base import WideModule, affine
 
 
+HALF = (torch.float16, torch.bfloat16)
+
+
+def _float(t: torch.Tensor | None, upcast: bool = True) -> torch.Tensor | None:
+    """``t`` in float32 (where ``upcast``): a half-precision input's norm computes in it and rounds once, as torch's
+    kernels do, where one rounded before its affine and again after it (a last bit off, in 25-48% of outputs)."""
+    return t.float() if upcast and t is not None else t
+
+
 @register_wide(nn.LayerNorm)
 class WideLayerNorm(WideModule):
     """N ``nn.LayerNorm``s: ``weight``/``bias``: (N, *normalized_shape)."""
@@ -33,7 +42,14 @@ class WideLayerNorm(WideModule):
         weight, bias = self.weight, self.bias
         if weight is None:
             return F.layer_norm(x, self.normalized_shape, None, None, self.eps)
-        n, unit = weight.shape[0], self.unit
+        unit = self.unit
+        if x.dtype in HALF:  # in float32, its affine too, rounded once: as torch's kernel
+            weight, bias, unit = weight.float(), _float(bias), unit.float()
+            return self._affine(x.float(), weight, bias, unit).to(x.dtype)
+        return self._affine(x, weight, bias, unit)
+
+    def _affine(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, unit: torch.Tensor):
+        n = weight.shape[0]
         y = F.layer_norm(x, self.normalized_shape, unit[0], unit[1], self.eps)
         broadcast = x.shape[0] == 1 and n > 1
         if broadcast:  # every member's affine on the one row
@@ -134,11 +150,13 @@ class WideRMSNorm(WideModule):
         self.eps = proto.eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.fold.split(F.rms_norm(x, self.normalized_shape, None, self.eps))
         if self.weight is None:
-            return self.fold.merge(y)
+            return F.rms_norm(x, self.normalized_shape, None, self.eps)
+        # in float32 for a half x, rounded once, as torch's scales by its weight before it rounds
+        y = self.fold.split(F.rms_norm(_float(x, x.dtype in HALF), self.normalized_shape, None, self.eps))
         k = len(self.normalized_shape)
-        return self.fold.merge(y * self.weight.view(y.shape[0], *([1] * (y.dim() - 1 - k)), *self.normalized_shape))
+        weight = _float(self.weight, x.dtype in HALF).view(y.shape[0], *([1] * (y.dim() - 1 - k)), *self.normalized_shape)
+        return self.fold.merge(y * weight).to(x.dtype)
 
 
 @register_wide(nn.GroupNorm)
@@ -150,10 +168,12 @@ class WideGroupNorm(WideModule):
         self.eps = proto.eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: (N*B, C, *spatial)
-        y = self.fold.split(F.group_norm(x, self.num_groups, None, None, self.eps))  # (N, b, C, *spatial)
-        if self.weight is not None:
-            y = y * affine(self.weight, y.dim(), 2) + affine(self.bias, y.dim(), 2)
-        return self.fold.merge(y)
+        if self.weight is None:
+            return F.group_norm(x, self.num_groups, None, None, self.eps)
+        half = x.dtype in HALF  # in float32, rounded once, as torch's kernel applies the affine before it rounds
+        y = self.fold.split(F.group_norm(_float(x, half), self.num_groups, None, None, self.eps))  # (N, b, C, ...)
+        y = y * affine(_float(self.weight, half), y.dim(), 2) + affine(_float(self.bias, half), y.dim(), 2)
+        return self.fold.merge(y).to(x.dtype)
 
 
 @register_wide(nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
@@ -171,7 +191,8 @@ class WideBatchNorm(WideModule):
         self.track_running_stats = proto.track_running_stats
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: (N*B, C, *spatial)
-        xm = self.fold.split(x)  # (N, b, C, *spatial)
+        half = x.dtype in HALF  # statistics, scale and shift in float32 for a half x, rounded once, as torch's kernel
+        xm = self.fold.split(_float(x, half))  # (N, b, C, *spatial)
         use_batch_stats = self.training or self.running_mean is None
         if use_batch_stats:
             dims = [1] + list(range(3, xm.dim()))
@@ -180,19 +201,19 @@ class WideBatchNorm(WideModule):
             if self.training and self.running_mean is not None:
                 self._update_running_stats(mean, var, xm.numel() // (xm.shape[0] * xm.shape[2]))
         else:
-            mean, var = self.running_mean, self.running_var
+            mean, var = _float(self.running_mean, half), _float(self.running_var, half)
         scale = torch.rsqrt(var + self.eps)  # (N, C)
         if self.weight is not None:
-            scale = scale * self.weight
+            scale = scale * _float(self.weight, half)
         shift = -mean * scale
         if self.bias is not None:
-            shift = shift + self.bias
-        return self.fold.merge(xm * affine(scale, xm.dim(), 2) + affine(shift, xm.dim(), 2))
+            shift = shift + _float(self.bias, half)
+        return self.fold.merge(xm * affine(scale, xm.dim(), 2) + affine(shift, xm.dim(), 2)).to(x.dtype)
 
     @torch.no_grad()
     def _update_running_stats(self, mean: torch.Tensor, var: torch.Tensor, count: int) -> None:
         self.num_batches_tracked.add_(1)
         momentum = self.momentum if self.momentum is not None else 1.0 / self.num_batches_tracked[0].item()
         unbiased = var * count / max(count - 1, 1)
-        self.running_mean.lerp_(mean, momentum)
-        self.running_var.lerp_(unbiased, momentum)
+        self.running_mean.copy_(self.running_mean.to(mean.dtype).lerp_(mean, momentum))  # (in float32 for a half x)
+        self.running_var.copy_(self.running_var.to(var.dtype).lerp_(unbiased, momentum))

@@ -70,6 +70,14 @@ def _kept(t: torch.Tensor) -> torch.Tensor:  # a saved tensor, kept as it is
     return t
 
 
+def _autocasting(leaves: list) -> bool:
+    """Whether autocast is on for the inputs' device: vmap's kernels do not follow it (a vmapped linear with a bias
+    on CPU comes back in float32 where a member's own comes back in bfloat16; Whisper's attention then met keys of
+    another dtype than its queries), so the members' code runs member by member."""
+    device = next((t.device.type for t in leaves if isinstance(t, torch.Tensor)), "cpu")
+    return torch.is_autocast_enabled(device)
+
+
 def refused_by_vmap(exc: RuntimeError) -> bool:
     """Whether vmap refused a member's code: its own errors name it, and ``tensor.tolist()`` on a batched tensor
     (JetMoe's router counts its experts' tokens so) finds no storage."""
@@ -210,6 +218,7 @@ class VectorisedFallback(nn.Module):
         grad = torch.is_grad_enabled()
         if (self.loop or (grad and self.__dict__.get("loop_under_autograd"))
                 or any(isinstance(t, Cache) for t in leaves)  # a cache: each member appends to its rows
+                or _autocasting(leaves)
                 or (torch.compiler.is_compiling() and not self.fold.compiled_static)):  # see the class's docstring
             return self._loop(args, kwargs)
         if grad and "loop_under_autograd" not in self.__dict__:
