@@ -52,7 +52,7 @@ MAX_VERIFY_ROUNDS = 16  # each round moves every module that disagreed one strat
 
 def fuse_models(cls: type[WideModel], models: Sequence[nn.Module], sample_inputs: dict | tuple | None = None, *,
                 validate: bool = False, allow_label_mismatch: bool = False, member_ids: Sequence[str] | None = None,
-                share_identical: bool = True, verify: bool = True, atol: float = 1e-4,
+                share_identical: bool = True, verify: bool = True, atol: float | None = None,
                 copy_shared: bool = True, traced: tuple | None = None, outputs: list | None = None) -> WideModel:
     """``cls.from_models(models, ...)``: see :meth:`WideModel.from_models` for the options. ``traced``: (sample,
     :func:`~hf_wide.sample_trace.trace_members`' result) of ``models[0]`` as it is, traced already

@@ -20,6 +20,7 @@ from torch import nn
 from .adapters import runs_inner_model
 from .capture import asks_for_capture, install_capture_hooks, reset_capture_hooks
 from .choices import install_choice_rows
+from .compare import tolerance
 from .compat import member_names
 from .concurrency import GATE
 from .fold import Fold
@@ -37,6 +38,9 @@ from .training import TrainingMixin
 # Methods of the members' class that compute each row's features outside their forward, from the modules it runs
 # (CLIP's and SigLIP's towers and projections): a wide model runs them as its forward, every member on the rows
 FEATURE_METHODS = frozenset({"get_text_features", "get_image_features", "get_audio_features", "get_video_features"})
+
+
+FULL = (torch.float32, torch.float64)  # validate's default tolerance in these: 1e-4
 
 
 class WideValidationError(RuntimeError):
@@ -114,14 +118,15 @@ class WideModel(WideHubMixin, TrainingMixin, nn.Module):
         member_ids: Sequence[str] | None = None,
         share_identical: bool = True,
         verify: bool = True,
-        atol: float = 1e-4,
+        atol: float | None = None,
         copy_shared: bool = True,
     ) -> "WideModel":
         """Fuse ``models`` (same class and architecture). The models are left untouched.
 
         ``sample_inputs`` (a dict of kwargs or a tuple of args, batch first) drives the trace; transformers
         models get one built from their config when it is omitted. ``validate=True`` runs every member
-        alone on it and refuses a fused model whose outputs differ by more than ``atol``.
+        alone on it and refuses a fused model whose outputs differ by more than ``atol`` (by default 1e-4, and in
+        half precision what its rounding allows: :meth:`validate`).
         ``verify`` (on by default) checks every fused block and primitive against its members on the inputs the
         sample gives it (:mod:`hf_wide.verify`: one wide forward, and a forward per member) and runs a module that
         disagrees one strategy further down, with the reason in the plan.
@@ -269,8 +274,11 @@ class WideModel(WideHubMixin, TrainingMixin, nn.Module):
         model. With ``share=True`` its tensors are views into the wide model's: no memory, but one storage."""
         return member_model(self, i, share)
 
-    def validate(self, models: Sequence[nn.Module], args: tuple = (), kwargs: dict | None = None, *, atol=1e-4):
-        """Check member i of the fused model against ``models[i]`` run alone on the given inputs."""
+    def validate(self, models: Sequence[nn.Module], args: tuple = (), kwargs: dict | None = None, *,
+                 atol: float | None = None):
+        """Check member i of the fused model against ``models[i]`` run alone on the given inputs: within ``atol``,
+        by default 1e-4 in float32, and what a half precision's own rounding allows in it
+        (:func:`hf_wide.compare.tolerance`: 2e-2 of the output's scale)."""
         kwargs = kwargs or {}
         names = member_names(models, self.member_ids)
         with torch.no_grad():
@@ -278,10 +286,11 @@ class WideModel(WideHubMixin, TrainingMixin, nn.Module):
             for i, model in enumerate(models):
                 alone = first_tensor(model(*args, **kwargs))
                 diff = (wide_out[i] - alone).abs().max().item()
-                if not diff <= atol:
+                limit = atol if atol is not None else 1e-4 if alone.dtype in FULL else tolerance(alone)
+                if not diff <= limit:
                     raise WideValidationError(
                         f"{names[i]}: the fused model's output differs from the member run alone by {diff:.3g} "
-                        f"(tolerance {atol}). Plan:\n{self.plan}"
+                        f"(tolerance {limit:.3g}). Plan:\n{self.plan}"
                     )
 
     def extra_repr(self) -> str:

@@ -245,6 +245,15 @@ def test_validate_accepts_an_exact_fusion():
     WideModel.from_models(members, validate=True)
 
 
+def test_validate_holds_half_precision_to_its_rounding():
+    """``validate=True`` held every dtype to 1e-4: a bfloat16 ViT whose logits were a few last bits (0.012) off its
+    members' (its patches' convolution sums them in another order) was refused, as if its fusion were wrong."""
+    case = CASES["vit-imgcls"]
+    members = [case.build(s).to(torch.bfloat16) for s in range(3)]
+    sample = {"pixel_values": case.inputs(8, padded=True)["pixel_values"].to(torch.bfloat16)}
+    WideModel.from_models(members, sample, validate=True)
+
+
 @pytest.mark.parametrize("case_id", ["llama-causallm", "t5-encoder", "mixtral-causallm"])  # blocks, vectorised, loop
 def test_a_wide_model_deep_copies_and_pickles(case_id, tmp_path):
     # after forwards, which make per-thread state (a thread-local, which cannot be copied: copy.deepcopy and
