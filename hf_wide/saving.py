@@ -131,8 +131,10 @@ def model_class_for(config, name: str) -> type:
     for arch in architectures:
         if hasattr(transformers, arch):
             return getattr(transformers, arch)
+    remote = " (its own code, by the config's auto_map, which from_pretrained does not load)" if getattr(
+        config, "auto_map", None) else ""
     raise ValueError(
-        f"{name}: config.architectures is {architectures!r}, which names no transformers class; "
+        f"{name}: config.architectures is {architectures!r}, which names no transformers class{remote}; "
         "load the models yourself and use WideModel.from_models."
     )
 

@@ -12,7 +12,7 @@ from safetensors import safe_open
 from hf_wide import IncompatibleMembersError, Kind, WideModel
 from hf_wide.checkpoints import WEIGHTS_INDEX_NAME, Checkpoint
 from hf_wide.loading import resolve_device
-from hf_wide.saving import CONFIG_KEY, FusedRepoError
+from hf_wide.saving import CONFIG_KEY, FusedRepoError, model_class_for
 
 ROUND_TRIP_CASES = [
     "bert-seqcls", "llama-causallm", "vit-imgcls", "resnet-imgcls",
@@ -409,3 +409,12 @@ def test_device_and_device_map():
             resolve_device(device_map=spread)
     with pytest.raises(ValueError, match="not both"):
         resolve_device("cpu", "auto")
+
+
+def test_a_class_of_the_checkpoints_own_code_is_named_as_such():
+    """A checkpoint whose class comes from its own code (``auto_map``, ``trust_remote_code=True``) was told only that
+    its architecture names no transformers class."""
+    config = transformers.PretrainedConfig(architectures=["TinyModel"],
+                                           auto_map={"AutoModel": "modeling_tiny.TinyModel"})
+    with pytest.raises(ValueError, match=r"names no transformers class \(its own code, by the config's auto_map"):
+        model_class_for(config, "member 0")
