@@ -143,19 +143,28 @@ class Fold:
         return None
 
 
-_member_code = threading.local()  # ``inside``: this thread runs one member's own code (see in_member_code)
+class _MemberCode(threading.local):
+    """``inside``: this thread runs one member's own code (see in_member_code). Set in every thread as it first reads
+    it: a compiled graph's guard on it then holds in a thread that never ran member code (one that read it missing
+    compiled the forward again)."""
+
+    def __init__(self):
+        self.inside = False
+
+
+_member_code = _MemberCode()
 
 
 def in_member_code() -> bool:
     """Whether this thread runs one member's own code: a fallback's call of a member (its module, or its code over
     its tensors), or one member's part of a split loss. What splits a loss by member (hf_wide.losses,
     hf_wide.routers) leaves such code alone: its loss is already the member's."""
-    return getattr(_member_code, "inside", False)
+    return _member_code.inside
 
 
 def enter_member_code() -> bool:
     """Mark this thread as running one member's own code; returns what to give :func:`leave_member_code`."""
-    outer = getattr(_member_code, "inside", False)
+    outer = _member_code.inside
     _member_code.inside = True
     return outer
 

@@ -190,10 +190,14 @@ def test_a_new_thread_calls_a_compiled_vectorised_module_without_a_graph_break(f
     wide = WideModel.from_models([case.build(seed) for seed in range(N)]).compile(backend="eager")
     inputs = case.inputs(2, padded=True)
     expected = recorded(wide, inputs)
+    recorded(wide, inputs)  # (the first call installs transformers' capture hooks: the second compiles again)
     counters.clear()
+    compiled = dict(counters["stats"]).get("unique_graphs", 0)
     with ThreadPoolExecutor(1) as pool:
         assert same(pool.submit(recorded, wide, inputs).result(), expected)
     assert not counters["graph_break"]
+    # nor compiles the forward again: its guard read the thread's "in a member's code" flag, missing in a new thread
+    assert dict(counters["stats"]).get("unique_graphs", 0) == compiled
 
 
 KINDS = [(compiled, records) for compiled in (False, True) for records in (False, True)]  # (compiled, records)
