@@ -60,7 +60,7 @@ def resolve_device(device=None, device_map=None) -> torch.device | None:
     """The one device the wide model goes to. The members are folded into each layer, so a layer cannot be split
     across devices: ``device_map`` is "auto" (the first accelerator, else the CPU), a device, or ``{"": device}``."""
     if device_map is None:
-        return None if device is None else torch.device(device)
+        return None if device is None else _available(torch.device(device))
     if device is not None:
         raise ValueError("Pass device= or device_map=, not both.")
     if device_map == "auto":
@@ -77,7 +77,19 @@ def resolve_device(device=None, device_map=None) -> torch.device | None:
                 "device (every layer holds all members). Use device_map='auto' or {'': device}."
             )
         device_map = device_map[""]
-    return torch.device(device_map)
+    return _available(torch.device(device_map))
+
+
+def _available(device: torch.device) -> torch.device:
+    """``device``, once a tensor can be made on it: one this build or machine lacks (MPS on Linux, CUDA in a CPU
+    build) is refused before anything loads, not after the members are read and traced."""
+    if device.type not in ("cpu", "meta"):
+        try:
+            torch.empty(0, device=device)
+        except (RuntimeError, AssertionError, NotImplementedError) as exc:
+            reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0].split(". ")[0]
+            raise ValueError(f"device {str(device)!r} cannot be used here: {reason}") from None
+    return device
 
 
 def weights_format(folder: Path, name: str, allow_pickle: bool) -> bool:

@@ -409,6 +409,9 @@ def test_device_and_device_map():
             resolve_device(device_map=spread)
     with pytest.raises(ValueError, match="not both"):
         resolve_device("cpu", "auto")
+    if not torch.backends.mps.is_available():  # refused at once (it failed after the members were read and traced)
+        with pytest.raises(ValueError, match="device 'mps' cannot be used here"):
+            resolve_device(device_map="mps")
 
 
 def test_a_class_of_the_checkpoints_own_code_is_named_as_such():
