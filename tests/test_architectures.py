@@ -532,22 +532,42 @@ def test_heads_that_read_their_eos_or_take_choices_fuse_from_the_sample_built_fr
     assert worst(wide, models, {"input_ids": ids, "attention_mask": torch.ones_like(ids)}) <= 1e-5
 
 
-def test_a_member_taken_out_of_code_that_caches_holds_no_other_members_cache():
-    # member(i) copied the vectorised code's module, and with it the bias tables member 0's call had cached there
-    # (member 1: 5.7e-4 off, in eval mode; its state dict was its own)
+def levit_members(randomise) -> list:
+    """Three LeViT classifiers, each randomised by ``randomise(model, seed)``, their attentions' bias tables far
+    apart (LeViT caches the table in eval mode)."""
     config = tf.LevitConfig(image_size=32, hidden_sizes=[16, 32, 48], num_attention_heads=[1, 2, 3], depths=[1, 1, 1],
                             key_dim=[8, 8, 8], patch_size=16, stride=2, kernel_size=3, num_labels=3,
                             down_ops=[["Subsample", 8, 1, 4, 2, 2], ["Subsample", 8, 2, 4, 2, 2]])
     models = []
     for seed in range(3):
+        torch.manual_seed(0)
         model = tf.LevitForImageClassification(config).eval()
-        randomise_(model, 100 + seed)
-        gen = torch.Generator().manual_seed(7 + seed)
+        gen = randomise(model, seed)
         with torch.no_grad():
             for name, param in model.named_parameters():
-                if name.endswith("attention_biases"):  # tables far apart
+                if name.endswith("attention_biases"):
                     param.add_(3 * torch.randn(param.shape, generator=gen))
         models.append(model)
+    return models
+
+
+def _near_alike(model, seed: int) -> torch.Generator:
+    gen = torch.Generator().manual_seed(100 + seed)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(0.05 * torch.randn(param.shape, generator=gen))
+    return gen
+
+
+def _randomised(model, seed: int) -> torch.Generator:
+    randomise_(model, 100 + seed)
+    return torch.Generator().manual_seed(7 + seed)
+
+
+def test_a_member_taken_out_of_code_that_caches_holds_no_other_members_cache():
+    # member(i) copied the vectorised code's module, and with it the bias tables member 0's call had cached there
+    # (member 1: 5.7e-4 off, in eval mode; its state dict was its own)
+    models = levit_members(_randomised)
     wide = fuse(models)
     pixels = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
@@ -562,20 +582,7 @@ def test_a_module_that_caches_what_it_derives_from_its_tensors_gives_each_member
     # off, more the more their biases differ); compiled, member 0's call filled it for the others
     from torch._dynamo.testing import CompileCounter
 
-    config = tf.LevitConfig(image_size=32, hidden_sizes=[16, 32, 48], num_attention_heads=[1, 2, 3], depths=[1, 1, 1],
-                            key_dim=[8, 8, 8], patch_size=16, stride=2, kernel_size=3, num_labels=3,
-                            down_ops=[["Subsample", 8, 1, 4, 2, 2], ["Subsample", 8, 2, 4, 2, 2]])
-    models = []
-    for seed in range(3):
-        torch.manual_seed(0)
-        model = tf.LevitForImageClassification(config).eval()
-        gen = torch.Generator().manual_seed(100 + seed)
-        with torch.no_grad():
-            for name, param in model.named_parameters():
-                param.add_(0.05 * torch.randn(param.shape, generator=gen))
-                if name.endswith("attention_biases"):  # tables far apart
-                    param.add_(3 * torch.randn(param.shape, generator=gen))
-        models.append(model)
+    models = levit_members(_near_alike)
     wide = fuse(models)
     assert any(type(m).__name__ == "VectorisedFallback" for m in wide.modules())
     for seed in (1, 2, 3):  # each call after the first read what the one before left
