@@ -92,7 +92,9 @@ def member_copy(
     with configs_replaced(memo):
         for module in wide.modules():
             if isinstance(module, WIDE_MODULES) and id(module) not in memo:
-                memo[id(module)] = module.to_module(i, share=share)
+                # in the wide module's mode: what it was built from was put in eval mode (a member's BatchNorm in
+                # a wide model in training used its running statistics: 1.40 off)
+                memo[id(module)] = module.to_module(i, share=share).train(module.training)
                 memo.update({id(sub): sub for sub in module.modules() if sub is not module})  # inside it: skip
     member = memo[id(wide)] if id(wide) in memo else copy.deepcopy(wide, memo)
     for module in member.modules():

@@ -322,3 +322,17 @@ def test_a_text_model_without_a_vocabulary_asks_for_sample_inputs():
         got = wide(input_ids=ids).last_hidden_state
         for i, member in enumerate(members):
             assert (got[i] - member(input_ids=ids).last_hidden_state).abs().max().item() <= 1e-5
+
+
+def test_a_member_taken_out_of_a_wide_model_in_training_trains_as_its_model():
+    """``member(i)`` rebuilt its wide modules from copies in eval mode: in training its BatchNorm read its running
+    statistics, not the batch's (1.40 off model i in training)."""
+    torch.manual_seed(0)
+    models = [nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU()).train() for _ in range(3)]
+    wide = WideModel.from_models(models, torch.randn(2, 3, 8, 8))
+    x = torch.randn(4, 3, 8, 8)
+    for i, model in enumerate(models):
+        member = wide.member(i)
+        assert member.training and all(m.training for m in member.modules())
+        with torch.no_grad():
+            assert (member(x) - model(x)).abs().max().item() <= 1e-5
