@@ -93,8 +93,10 @@ def member_copy(
         for module in wide.modules():
             if isinstance(module, WIDE_MODULES) and id(module) not in memo:
                 # in the wide module's mode: what it was built from was put in eval mode (a member's BatchNorm in
-                # a wide model in training used its running statistics: 1.40 off)
-                memo[id(module)] = module.to_module(i, share=share).train(module.training)
+                # a wide model in training used its running statistics: 1.40 off). (Not train()'s return: LeViT's
+                # attentions return None.)
+                memo[id(module)] = module.to_module(i, share=share)
+                memo[id(module)].train(module.training)
                 memo.update({id(sub): sub for sub in module.modules() if sub is not module})  # inside it: skip
     member = memo[id(wide)] if id(wide) in memo else copy.deepcopy(wide, memo)
     for module in member.modules():
