@@ -18,17 +18,20 @@ def main(argv=None) -> dict:
     parser.add_argument("models", nargs="+", help="Hub repo ids or local folders of causal LMs of one architecture")
     parser.add_argument("--prompt", default="The capital of France is")
     parser.add_argument("--max-new-tokens", type=int, default=20)
-    parser.add_argument("--combine", default="mean", help="mean, logit_mean, vote, median, ...")
+    parser.add_argument("--combine", default="mean",
+                        help="mean, logit_mean, vote, median, ..., or none: the members' own continuations alone")
     args = parser.parse_args(argv)
 
     pipe = pipeline("text-generation", model=args.models, combine=args.combine)
     result = pipe(args.prompt, max_new_tokens=args.max_new_tokens, return_members=True)
-    print(f"ensemble ({args.combine}): {result['generated_text']!r}")
+    if "generated_text" in result:  # (combine="none": the members' own continuations, no ensemble's)
+        print(f"ensemble ({args.combine}): {result['generated_text']!r}")
     for member in result["members"]:
         print(f"  member {member['member']} alone: {member['generated_text']!r}")
-    u = result["uncertainty"]
-    print(f"per token, on average: predictive entropy {u['predictive_entropy']:.3f} nats, "
-          f"mutual information {u['mutual_information']:.3f}, agreement {u['agreement']:.0%}")
+    u = result.get("uncertainty")
+    if u:
+        print(f"per token, on average: predictive entropy {u['predictive_entropy']:.3f} nats, "
+              f"mutual information {u['mutual_information']:.3f}, agreement {u['agreement']:.0%}")
     return result
 
 

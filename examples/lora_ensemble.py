@@ -53,6 +53,21 @@ def train_adapter(base: Path, folder: Path, seed: int, epochs: int = 3, batch_si
     return folder
 
 
+def _item(parser, args, task: str, config):
+    """What the adapters' ensemble classifies: the text, the image, or, for digit classifiers, a held-out digit."""
+    if task != "image-classification":
+        return args.text
+    if args.image:
+        return to_digit_image(args.image) if is_digit_model(config) else args.image
+    if not is_digit_model(config):  # no default image fits another image classifier
+        parser.error("adapters of an image classifier need --image")
+    from PIL import Image
+
+    _, (images, labels) = load_digits_split()
+    print(f"A held-out digit, written as {labels[0].item()}:")
+    return Image.fromarray(images[0].numpy())
+
+
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("adapters", nargs="*", help="adapter repo ids or folders (default: fine-tune 4 of a digit "
@@ -61,7 +76,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--base", help="the digit classifier to adapt (default: the embedded default's first)")
     parser.add_argument("--out", help="where to save the fine-tuned adapters (default: a temporary folder)")
     parser.add_argument("--text", default="a great film", help="the text to classify (adapters of a text classifier)")
-    parser.add_argument("--image", help="the image to classify (adapters of an image classifier)")
+    parser.add_argument("--image", help="the image to classify (adapters of an image classifier; default for digit "
+                                        "classifiers: a held-out digit)")
     args = parser.parse_args(argv)
 
     if args.adapters:
@@ -69,8 +85,7 @@ def main(argv=None) -> dict:
         wide = WideModel.from_pretrained(args.adapters)
         print(wide.plan.summary())
         task = task_for_config(wide.config)
-        item = args.text if task != "image-classification" else (
-            to_digit_image(args.image) if is_digit_model(wide.config) else args.image)
+        item = _item(parser, args, task, wide.config)
         result = pipeline(task, model=wide)(item)
         print(result)
         return {"result": result}

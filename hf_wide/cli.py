@@ -25,20 +25,40 @@ BAD_FILES = (EOFError, SafetensorError)
 
 def _trace(args: argparse.Namespace) -> int:
     from .compat import check_compatible
+    from .download import download_members
     from .hub import load_members
     from .planner import plan_members
 
     try:
         subfolder = args.subfolder[0] if args.subfolder and len(args.subfolder) == 1 else args.subfolder
-        models, ids, _ = load_members(args.models, revision=args.revision, subfolder=subfolder,
-                                      local_files_only=args.offline)
+        where = {"revision": args.revision, "subfolder": subfolder, "local_files_only": args.offline}
+        if _print_saved_plan(args.models, download_members(args.models, **where)):
+            return 0
+        models, ids, _ = load_members(args.models, **where)
         check_compatible(models, ids, allow_label_mismatch=True)  # the plan is one for all: labels aside
-    except (ValueError, OSError, *BAD_FILES) as exc:  # a member not found or cut short, other architectures
+    except (ValueError, TypeError, OSError, *BAD_FILES) as exc:  # a member not found or cut short, other architectures
         print(f"hf-wide trace: error: {exc}", file=sys.stderr)
         return 2
     plan = plan_members(models, share_identical=len(models) > 1)
     print(plan)
     return 0
+
+
+def _print_saved_plan(ids: list[str], folders: list[Path]) -> bool:
+    """Print the plan a fused repo was saved with and return True; False for members. A fused repo's weights are no
+    checkpoint transformers loads (they are stacked), so its plan is read from its config, not traced again."""
+    from .saving import plan_from_dict, read_section
+
+    sections = [read_section(folder) for folder in folders]
+    fused = [i for i, section in enumerate(sections) if section is not None]
+    if not fused:
+        return False
+    if len(ids) > 1:
+        raise ValueError(f"{ids[fused[0]]} is a fused hf-wide repo: trace it on its own, not as a member.")
+    print(f"{ids[0]} is a fused hf-wide repo of {sections[0]['num_members']} members "
+          f"({', '.join(sections[0]['member_ids'])}); the plan it was saved with:")
+    print(plan_from_dict(sections[0]["plan"]))
+    return True
 
 
 def _env(args: argparse.Namespace) -> int:
@@ -53,14 +73,22 @@ def _env(args: argparse.Namespace) -> int:
 def _demo(args: argparse.Namespace) -> int:
     from .demo import run_demo
 
-    run_demo(members_dir=args.members_dir, num_members=args.members)
+    try:
+        run_demo(members_dir=args.members_dir, num_members=args.members)
+    except OSError as exc:  # --members-dir is a file (refused before any training), or cannot be written
+        print(f"hf-wide demo: error: {exc}", file=sys.stderr)
+        return 2
     return 0
 
 
 def _make_demo_members(args: argparse.Namespace) -> int:
     from .demo import make_demo_members
 
-    make_demo_members(args.output, num_members=args.members, seed=args.seed)
+    try:
+        make_demo_members(args.output, num_members=args.members, seed=args.seed)
+    except OSError as exc:  # OUTPUT is a file (refused before any training), or cannot be written
+        print(f"hf-wide make-demo-members: error: {exc}", file=sys.stderr)
+        return 2
     return 0
 
 
@@ -189,9 +217,15 @@ def _answer(task: str, result: dict) -> str:
     return f"{result['label']} ({result['score']:.2f})"
 
 
+def _ranked(result: dict) -> str:
+    """The k best labels of a classification run with --top-k, on a line of their own after its answer."""
+    best = result.get("top_k")
+    return "" if not best else f"\ntop {len(best)}: " + ", ".join(f"{x['label']} ({x['score']:.2f})" for x in best)
+
+
 def _cells(task: str, result: dict) -> list[str]:
     """The ensemble, members and uncertainty cells of one input's row."""
-    ensemble = "-" if set(result) <= {"members"} else _answer(task, result)
+    ensemble = "-" if set(result) <= {"members"} else _answer(task, result) + _ranked(result)
     members = "\n".join(f"m{i}: {_answer(task, m)}" for i, m in enumerate(result.get("members", [])))
     if task == "token-classification":  # the mean over the ensemble's entities
         found = [e["uncertainty"] for e in result.get("entities", [])]
@@ -260,12 +294,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     demo = sub.add_parser("demo", help="fuse the embedded default ensemble and show what it does")
     demo.add_argument("--members-dir", default=None, help="where the demo members are cached")
-    demo.add_argument("--members", type=int, default=8)
+    demo.add_argument("--members", type=_count, default=8, help="how many members to fuse (default 8)")
     demo.set_defaults(func=_demo)
 
     make = sub.add_parser("make-demo-members", help="train the embedded default: N digit classifiers")
     make.add_argument("output")
-    make.add_argument("--members", type=int, default=8)
+    make.add_argument("--members", type=_count, default=8, help="how many members to train (default 8)")
     make.add_argument("--seed", type=int, default=0)
     make.set_defaults(func=_make_demo_members)
 

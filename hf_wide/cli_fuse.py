@@ -22,7 +22,7 @@ def register_cli(sub) -> None:
     fuse.add_argument("models", nargs="+", metavar="ID",
                       help="member repo ids or local folders, or PEFT adapters of one base")
     fuse.add_argument("--output", metavar="DIR", help="save the fused repo to this folder")
-    fuse.add_argument("--push-to-hub", metavar="REPO_ID", help="upload the fused repo to this Hub repo")
+    fuse.add_argument("--push-to-hub", metavar="REPO_ID", type=_repo_id, help="upload the fused repo to this Hub repo")
     fuse.add_argument("--revision", nargs="+", metavar="REV",
                       help="the members' revision (a branch, tag or commit): one for all, or one per member")
     fuse.add_argument("--subfolder", nargs="+", metavar="DIR",
@@ -61,6 +61,13 @@ def _fuse(args: argparse.Namespace) -> int:
 
     if args.output is None and args.push_to_hub is None:
         return error("say where the fused repo goes: --output DIR, --push-to-hub REPO_ID, or both.")
+    # Refused before the members load and fuse, not after (or, for the push's options, not ignored)
+    unpushed = [flag for flag, given in (("--private", args.private), ("--create-pr", args.create_pr),
+                                         ("--commit-message", args.commit_message is not None)) if given]
+    if unpushed and args.push_to_hub is None:
+        return error(f"no --push-to-hub REPO_ID for {', '.join(unpushed)} to apply to.")
+    if args.output is not None and (not_a_folder := _file_in(Path(args.output))) is not None:
+        return error(f"--output {args.output}: {not_a_folder} is a file, not a folder.")
     revision = args.revision[0] if args.revision and len(args.revision) == 1 else args.revision
     subfolder = args.subfolder[0] if args.subfolder and len(args.subfolder) == 1 else args.subfolder
     try:
@@ -96,6 +103,23 @@ def _size(text: str) -> int:
         raise argparse.ArgumentTypeError(f"{text!r} is no size: give one such as 5GB, 500MB or 100KB (TB, GB, MB, "
                                          "KB), or a number of bytes")
     return size
+
+
+def _repo_id(text: str) -> str:
+    """argparse's type of ``--push-to-hub``: a Hub repo id as huggingface_hub checks it, before the members load."""
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    try:
+        validate_repo_id(text)
+    except HFValidationError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
+
+
+def _file_in(output: Path) -> Path | None:
+    """The file that stands where ``output`` or one of its parents should be a folder, if any."""
+    existing = next(p for p in [output, *output.parents] if p.exists())
+    return None if existing.is_dir() else existing
 
 
 def _save(wide, output: Path, max_shard_size: int) -> None:

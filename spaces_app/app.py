@@ -141,8 +141,10 @@ def _image_tab(ensemble: DemoEnsemble, labels: list[str], examples_dir: str | Pa
                 eraser=gr.Eraser(default_size=22), elem_id="drawing",
             )
             button = gr.Button("Classify the drawing", variant="primary", elem_id="classify-drawing")
-            upload = gr.Image(label="... or upload an image", type="pil", sources=("upload", "clipboard"),
-                              height=160, elem_id="upload")
+            # RGBA: Gradio's default (RGB) drops the alpha, and black ink on a transparent ground would come as
+            # black on black; the sketchpad above flattens its own transparency on white.
+            upload = gr.Image(label="... or upload an image", type="pil", image_mode="RGBA",
+                              sources=("upload", "clipboard"), height=160, elem_id="upload")
             examples_slot = gr.Column()  # filled below, once the outputs exist
         with gr.Column():
             outputs = _result_panel(ensemble, labels)

@@ -80,6 +80,49 @@ def test_a_member_whose_weights_are_cut_short_is_one_line_of_error(tmp_path, cap
         assert len(err) == 1 and err[0].startswith("hf-wide trace: error:") and said in err[0], err
 
 
+def test_trace_of_a_fused_repo_prints_the_plan_it_was_saved_with(tmp_path, capsys):
+    # transformers read its stacked weights as one member's: a traceback (RuntimeError, mismatched sizes)
+    from hf_wide import WideModel
+
+    paths = []
+    for seed in range(2):
+        CASES["bert-seqcls"].build(seed).save_pretrained(tmp_path / f"m{seed}")
+        paths.append(str(tmp_path / f"m{seed}"))
+    fused = WideModel.from_pretrained(paths)
+    fused.save_pretrained(tmp_path / "wide")
+    assert main(["trace", str(tmp_path / "wide")]) == 0
+    out = capsys.readouterr().out
+    assert f"{tmp_path / 'wide'} is a fused hf-wide repo of 2 members ({paths[0]}, {paths[1]})" in out
+    assert sorted(out.splitlines()[1:]) == sorted(str(fused.plan).splitlines())  # (saved in another order)
+    assert main(["trace", paths[0], str(tmp_path / "wide")]) == 2
+    assert "error: " + f"{tmp_path / 'wide'} is a fused hf-wide repo: trace it on its own" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv", [["demo", "--members", "0"], ["demo", "--members", "-2"],
+                                  ["make-demo-members", "{tmp}/out", "--members", "0"]])
+def test_demo_member_counts_below_one_are_refused(tmp_path, capsys, argv):
+    # an IndexError from the demo, a ValueError from the training: tracebacks
+    with pytest.raises(SystemExit) as exited:
+        main([a.replace("{tmp}", str(tmp_path)) for a in argv])
+    assert exited.value.code == 2
+    assert "argument --members: must be a whole number of at least 1" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv", [["make-demo-members", "{file}", "--members", "1"],
+                                  ["make-demo-members", "{file}/sub", "--members", "1"],
+                                  ["demo", "--members-dir", "{file}"]])
+def test_demo_members_in_a_file_are_refused_before_any_training(tmp_path, capsys, monkeypatch, argv):
+    # the members were trained first (8 of them for the demo), then saving them raised NotADirectoryError
+    def train(*args, **kwargs):
+        raise AssertionError("the training began")
+
+    monkeypatch.setattr("hf_wide.demo.digits.load_digits_split", train)
+    (tmp_path / "afile").write_text("")
+    assert main([a.replace("{file}", str(tmp_path / "afile")) for a in argv]) == 2
+    err = capsys.readouterr().err
+    assert f"error: {tmp_path / 'afile'} is a file: the members are saved in a folder" in err and "Traceback" not in err
+
+
 def test_console_script_help():
     result = subprocess.run([sys.executable, "-m", "hf_wide.cli", "--help"], capture_output=True, text=True)
     assert result.returncode == 0

@@ -88,6 +88,11 @@ def test_adapters_of_a_base_on_the_hub(hub, tmp_path, capsys):
     (["--output", "{tmp}/w", "--max-shard-size", "bogus"], "argument --max-shard-size: 'bogus' is no size: give one "
                                                           "such as 5GB"),
     (["--output", "{tmp}/w", "--max-shard-size", "0"], "argument --max-shard-size: '0' is no size"),
+    # the push's options with no push: the repo was saved to --output, the options silently dropped
+    (["--output", "{tmp}/w", "--private"], "no --push-to-hub REPO_ID for --private to apply to"),
+    (["--output", "{tmp}/w", "--create-pr", "--commit-message", "m"], "for --create-pr, --commit-message to apply"),
+    # refused by the push, after loading, fusing and verifying the members
+    (["--push-to-hub", "alice/not a name"], "argument --push-to-hub: Repo id must use alphanumeric chars"),
 ])
 def test_what_it_refuses_is_one_line(saved, tmp_path, capsys, argv, said):
     _, paths = saved
@@ -122,6 +127,20 @@ def test_a_failed_save_leaves_no_folder_it_created(saved, tmp_path, capsys, monk
     (tmp_path / "mine").mkdir()  # a folder that was there is the user's: left as it is
     assert main(["fuse", *paths, "--output", str(tmp_path / "mine")]) == 2
     assert (tmp_path / "mine").is_dir()
+
+
+def test_an_output_that_is_a_file_is_refused_before_the_members_load(saved, tmp_path, capsys, monkeypatch):
+    # the members were loaded, fused and verified first, then the save raised
+    def load(*args, **kwargs):
+        raise AssertionError("the members were loaded")
+
+    monkeypatch.setattr(WideModel, "from_pretrained", load)
+    _, paths = saved
+    (tmp_path / "afile").write_text("mine")
+    for output in (tmp_path / "afile", tmp_path / "afile" / "wide"):
+        assert main(["fuse", *paths, "--output", str(output)]) == 2
+        assert f"--output {output}: {tmp_path / 'afile'} is a file, not a folder." in capsys.readouterr().err
+    assert (tmp_path / "afile").read_text() == "mine"
 
 
 def test_a_missing_member_is_named(saved, tmp_path, capsys):

@@ -93,6 +93,16 @@ def test_the_plain_table_shows_ensemble_members_and_uncertainty(saved, capsys, m
     assert "m0: " in row and " | m1: " in row and "MI " in row and "agree " in row
 
 
+def test_the_table_lists_the_k_best_labels_of_top_k(saved, capsys, monkeypatch):
+    # --top-k changed the JSON lines only: the table showed the best label alone
+    monkeypatch.setattr(cli, "_has_rich", lambda: False)
+    members = saved["text-classification"]
+    assert cli.main(["run", "text-classification", "--model", *members, "--input", TEXTS[1], "--top-k", "2"]) == 0
+    row = capsys.readouterr().out.splitlines()[2]
+    best = pipeline("text-classification", model=members)(TEXTS[1], top_k=2)["top_k"]
+    assert "top 2: " + ", ".join(f"{x['label']} ({x['score']:.2f})" for x in best) in row
+
+
 def test_the_rich_table_where_rich_is_installed(saved, capsys):
     pytest.importorskip("rich")
     assert cli.main(["run", "text-generation", "--model", *saved["text-generation"], "--input", TEXTS[0],

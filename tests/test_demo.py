@@ -76,6 +76,13 @@ def test_run_demo_prints_the_calibration_report(demo_members, capsys):
     assert re.search(r"the ensemble is (under|over)-confident: mean confidence", out)
 
 
+def test_run_demo_says_how_many_of_the_members_made_it_fuses(demo_members, capsys):
+    # "Members: 2 ViTs trained together ...", then 1 member fused
+    run_demo(members_dir=demo_members[0].parent, num_members=1)
+    out = capsys.readouterr().out
+    assert out.startswith("Members: 1 of the 2 ViTs trained together") and "1 members fused into one model" in out
+
+
 def _stroke(points, size=(300, 400), width=12, ink="black", ground="white", mode="RGB"):
     image = Image.new(mode, size, ground)
     ImageDraw.Draw(image).line([(x * size[0], y * size[1]) for x, y in points], fill=ink, width=width)

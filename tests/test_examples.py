@@ -61,6 +61,23 @@ def test_lora_ensemble(digit_members, tmp_path, capsys):
     adapters = [str(tmp_path / f"lora-{seed}") for seed in range(2)]
     answer = example("lora_ensemble")([*adapters, "--image", str(tmp_path / "drawn.png")])["result"]
     assert answer["label"] in [str(digit) for digit in range(10)] and len(answer["members"]) == 2
+    # without --image: a held-out digit, as fuse_and_classify.py takes (it was a TypeError from to_digit_image(None))
+    capsys.readouterr()
+    answer = example("lora_ensemble")(adapters)["result"]
+    assert answer["label"] in [str(digit) for digit in range(10)] and "A held-out digit" in capsys.readouterr().out
+
+
+def test_lora_ensemble_of_another_image_classifier_needs_an_image(tmp_path, capsys):
+    from conftest import CASES
+    from lora_members import save_adapter
+
+    case = CASES["vit-imgcls"]
+    case.build(0).save_pretrained(tmp_path / "base")
+    adapters = [save_adapter(case, tmp_path / "base", tmp_path / f"a{seed}", seed, r=2, target_modules=["q_proj"])
+                for seed in range(2)]
+    with pytest.raises(SystemExit) as exited:
+        example("lora_ensemble")(adapters)
+    assert exited.value.code == 2 and "adapters of an image classifier need --image" in capsys.readouterr().err
 
 
 def test_fuse_and_classify(digit_members, tmp_path, capsys):
@@ -78,6 +95,15 @@ def test_ensemble_decoding(causal_lm_members, capsys):
     assert result["generated_text"].startswith("the capital of") and len(result["members"]) == 3
     assert set(result["uncertainty"]) >= {"predictive_entropy", "mutual_information", "agreement"}
     assert "ensemble (mean)" in capsys.readouterr().out
+
+
+def test_ensemble_decoding_of_the_members_alone(causal_lm_members, capsys):
+    # combine="none" gives the members' continuations alone: a KeyError ('generated_text')
+    result = example("ensemble_decoding")([*causal_lm_members, "--prompt", "the capital of", "--max-new-tokens", "2",
+                                           "--combine", "none"])
+    assert set(result) == {"members"}
+    out = capsys.readouterr().out
+    assert "ensemble" not in out and out.count(" alone: 'the capital of") == 3
 
 
 def test_push_fused_model(digit_members, tmp_path, capsys):

@@ -2,6 +2,7 @@
 with Playwright, and called through its API with gradio_client. Its members are a tiny, fast ensemble."""
 
 import importlib.util
+import json
 import os
 import re
 import shutil
@@ -161,16 +162,66 @@ def _load_app():
 @pytest.mark.parametrize("model_id, reason", [
     ("/no/such/fused-model", "Could not use /no/such/fused-model"),  # neither a folder nor a repo id
     ("causal-lm", "this model is ['GPT2LMHeadModel']"),  # loads, but the Space shows classifiers only
+    # a KeyError ('mutual_information') from the verdict, and "list indices must be integers or slices, not str"
+    ("regression", "this model is a regressor (problem_type='regression')"),
+    ("multi_label_classification", "a multi-label classifier (problem_type='multi_label_classification')"),
 ])
 def test_a_model_that_cannot_be_shown_falls_back_to_the_embedded_default(members_dir, tmp_path, model_id, reason):
-    if model_id == "causal-lm":
-        from transformers import GPT2Config
+    from transformers import BertConfig, GPT2Config
 
+    if model_id == "causal-lm":
         GPT2Config(architectures=["GPT2LMHeadModel"]).save_pretrained(tmp_path)
         model_id = str(tmp_path)
+    elif model_id != "/no/such/fused-model":  # (its config alone: the Space reads it before any weights)
+        BertConfig(architectures=["BertForSequenceClassification"], problem_type=model_id).save_pretrained(tmp_path)
+        model_id = f"{tmp_path},{tmp_path}"
     ensemble = DemoEnsemble.load(model_id, members_dir)
     assert ensemble.task == "image-classification" and ensemble.num_members == NUM_MEMBERS
     assert reason in ensemble.note and ensemble.note.endswith("showing the embedded default instead.")
+
+
+@pytest.mark.parametrize("model_id", [" ", ",", " , "])
+def test_a_blank_model_setting_is_no_setting(members_dir, model_id):
+    # the note was "Could not use   (list index out of range)"
+    ensemble = DemoEnsemble.load(model_id, members_dir)
+    assert ensemble.source.startswith("the embedded default") and ensemble.note == ""
+
+
+def test_the_reason_a_model_cannot_be_shown_is_kept_whole(members_dir, text_members, tmp_path):
+    # cut at 200 characters: "... has {0: 'negative', 1: 'positive'}. Pass allo); showing the embedded default"
+    import shutil
+
+    other = shutil.copytree(text_members[1], tmp_path / "other")
+    config = json.loads((other / "config.json").read_text())
+    config["id2label"], config["label2id"] = {"0": "positive", "1": "negative"}, {"positive": 0, "negative": 1}
+    (other / "config.json").write_text(json.dumps(config))
+    ensemble = DemoEnsemble.load(f"{text_members[0]},{other}", members_dir)
+    assert len(ensemble.note) > 250
+    assert ensemble.note.endswith("Pass allow_label_mismatch=True to fuse members whose labels differ.); showing the "
+                                  "embedded default instead.")
+
+
+def test_an_uploaded_digit_in_black_ink_on_a_transparent_ground(members_dir, tmp_path):
+    # Gradio's default image_mode ("RGB") dropped the alpha: black ink on black, "The image is blank"
+    import numpy as np
+    from gradio.data_classes import FileData
+    from PIL import Image
+
+    from hf_wide.demo import digit_drawing, load_digits_split
+
+    app = _load_app()
+    ensemble = DemoEnsemble.load(None, members_dir)
+    demo = app.build_demo(ensemble, examples_dir=tmp_path / "examples")
+    (upload,) = [block for block in demo.blocks.values() if getattr(block, "elem_id", None) == "upload"]
+    _, (x_test, _) = load_digits_split()
+    drawn = digit_drawing(x_test[0])  # dark ink on white
+    ink = np.zeros((*drawn.size[::-1], 4), dtype=np.uint8)
+    ink[..., 3] = 255 - np.asarray(drawn)  # black, as opaque as the drawing is dark
+    Image.fromarray(ink, mode="RGBA").save(tmp_path / "ink.png")
+    image = upload.preprocess(FileData(path=str(tmp_path / "ink.png"), orig_name="ink.png"))
+    _, _, verdict, _, _, raw = app._classify(ensemble)(image)
+    assert raw is not None, verdict
+    assert raw["label"] == app._classify(ensemble)(drawn)[5]["label"]
 
 
 def test_a_fused_repo_on_the_hub_is_what_the_space_shows(members_dir, tmp_path):

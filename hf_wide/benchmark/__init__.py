@@ -102,6 +102,7 @@ def _models_records(model_ids: Sequence[str], batch: int, seq: int, compiled: bo
 
     members, ids = load_members(model_ids, local_files_only=offline)[:2]  # (models, ids[, revisions])
     check_compatible(members, ids, allow_label_mismatch=True)  # timing: labels aside
+    _check_positions(members[0], seq)
     for model in members:
         model.eval()
     label = {"config": type(members[0]).__name__, "family": None, "hidden": None, "layers": None,
@@ -113,6 +114,17 @@ def _models_records(model_ids: Sequence[str], batch: int, seq: int, compiled: bo
     record = _measure_config(label, members, _to(device, inputs), flops, compiled, MODELS_TARGET_S)
     _progress("[1/1]", record, time.perf_counter() - start)
     return [record]
+
+
+def _check_positions(model: nn.Module, seq: int) -> None:
+    """Refuse token inputs longer than the model's positions: its position embeddings have no row for them."""
+    if getattr(model, "main_input_name", None) != "input_ids":  # (images, audio: no --seq)
+        return
+    for name in ("max_position_embeddings", "n_positions"):  # (GPT-2's name for it)
+        limit = getattr(model.config, name, None)
+        if isinstance(limit, int) and seq > limit:
+            raise ValueError(f"seq {seq} is longer than the {limit} positions of {type(model).__name__} "
+                             f"(config.{name}): give a sequence length of at most {limit} (--seq).")
 
 
 def _progress(prefix: str, record: dict, seconds: float) -> None:
@@ -189,14 +201,32 @@ def _cli(args: argparse.Namespace) -> int:
                                 compile=args.compile, threads=args.threads, max_gflop=args.max_gflop,
                                 offline=args.offline, device=args.device, json_path=args.json,
                                 plot_path=args.plot)
-    except (MemberLoadError, IncompatibleMembersError) as exc:  # --models: not found, not one architecture
+    except (MemberLoadError, IncompatibleMembersError, ValueError) as exc:  # --models: missing, mixed, under --seq
         print(f"hf-wide benchmark: error: {exc}", file=sys.stderr)
         return 2
     return 1 if report.mismatches(records) else 0
 
 
+def _device(text: str) -> str:
+    """argparse's type of ``--device``: a device torch knows and this build of it has, checked before any timing."""
+    try:
+        device = torch.device(text)
+    except RuntimeError:
+        raise argparse.ArgumentTypeError(f"{text!r} is no torch device: cpu, cuda, cuda:1, mps, ...") from None
+    backend = getattr(torch, device.type, None)  # torch.cuda, torch.mps, torch.xpu: is_available, device_count
+    if device.type == "cpu" or backend is None or not hasattr(backend, "is_available"):
+        return text
+    if not backend.is_available():
+        raise argparse.ArgumentTypeError(f"torch {torch.__version__} sees no {device.type} device here")
+    if device.index is not None and device.index >= backend.device_count():
+        raise argparse.ArgumentTypeError(f"{text}: this machine has {backend.device_count()} {device.type} device(s)")
+    return text
+
+
 def register_cli(subparsers) -> argparse.ArgumentParser:
     """Add the ``benchmark`` subcommand to an ``argparse`` subparsers object (its ``func`` runs it)."""
+    from ..cli import _count
+
     bench = subparsers.add_parser(
         "benchmark", help="time wide against sequential, vmap and the ideal (one model on N*B rows)",
         description="Times, on the same inputs: the N checkpoints one after another (sequential), the torch.func "
@@ -207,15 +237,16 @@ def register_cli(subparsers) -> argparse.ArgumentParser:
                        help="tiny: seconds, for tests; quick: under 2 minutes; full: the whole grid (long); "
                             "lora: the LoRA configs, each method timed longer (2 minutes)")
     bench.add_argument("--models", nargs="+", metavar="ID", help="benchmark these checkpoints instead of a preset")
-    bench.add_argument("--batch", type=int, default=8, help="batch size B for --models")
-    bench.add_argument("--seq", type=int, default=64, help="sequence length for --models")
+    bench.add_argument("--batch", type=_count, default=8, help="batch size B for --models")
+    bench.add_argument("--seq", type=_count, default=64, help="sequence length for --models")
     bench.add_argument("--compile", choices=COMPILE_POLICIES, default=None,
                        help="which configs run under torch.compile (default: the preset's; subset: one per family)")
     bench.add_argument("--max-gflop", type=float, default=None,
                        help="skip preset configs whose forward of all N members needs more GFLOP (default: preset's)")
-    bench.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
+    bench.add_argument("--threads", type=_count, default=None, help="torch.set_num_threads (default: torch's)")
     bench.add_argument("--offline", action="store_true", help="--models from the local cache only")
-    bench.add_argument("--device", default="cpu", help="where every method runs: cpu (default), cuda, cuda:1, ...")
+    bench.add_argument("--device", type=_device, default="cpu",
+                       help="where every method runs: cpu (default), cuda, cuda:1, ...")
     bench.add_argument("--json", metavar="PATH", help="write the records and machine info as JSON")
     bench.add_argument("--pipeline", action="store_true",
                        help="time the pipelines instead: 2,000 texts with 8 BERT members against 8 transformers "

@@ -76,6 +76,7 @@ def make_demo_members(output: str | Path, num_members: int = 8, seed: int = 0, e
     from transformers import ViTForImageClassification
 
     output = Path(output)
+    _refuse_a_file(output)  # before the training, not after it
     (x_train, y_train), _ = load_digits_split()
     pixels = to_pixel_values(x_train)  # (n, 1, 8, 8)
     n = len(y_train)
@@ -122,10 +123,19 @@ def make_demo_members(output: str | Path, num_members: int = 8, seed: int = 0, e
     return paths
 
 
+def _refuse_a_file(output: Path) -> None:
+    """Raise NotADirectoryError when ``output``, or the nearest of its parents that exists, is no folder."""
+    existing = next(path for path in [output, *output.parents] if path.exists())
+    if not existing.is_dir():
+        raise NotADirectoryError(f"{existing} is a file: the members are saved in a folder, member-0, member-1, ... "
+                                 "inside it.")
+
+
 def demo_member_paths(members_dir: str | Path | None = None, num_members: int | None = 8) -> list[Path]:
     """The cached demo members, trained on first use. ``num_members=None``: the members already in
     ``members_dir`` (``member-0``, ``member-1``, ...), however many; 8 are made if there are none."""
     members_dir = Path(members_dir) if members_dir else default_members_dir()
+    _refuse_a_file(members_dir)
     if num_members is None:
         num_members = sum(1 for _ in members_dir.glob("member-*/model.safetensors")) or 8
     paths = [members_dir / f"member-{m}" for m in range(num_members)]
@@ -198,7 +208,9 @@ def run_demo(members_dir: str | Path | None = None, num_members: int = 8) -> dic
     training = paths[0].parent / "training.json"
     if training.exists():
         made = json.loads(training.read_text())
-        print(f"Members: {made['members']} ViTs trained together for {made['epochs']} epochs in "
+        # the folder may hold more members than are fused here (hf-wide demo --members 3 of the 8 made)
+        fused = f"{len(paths)} of the {made['members']}" if len(paths) < made["members"] else f"{len(paths)}"
+        print(f"Members: {fused} ViTs trained together for {made['epochs']} epochs in "
               f"{made['seconds']} s ({made['threads']} threads), cached in {paths[0].parent}")
     wide = WideModel.from_pretrained([str(p) for p in paths])
     print(wide.plan.summary())

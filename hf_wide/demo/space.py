@@ -15,8 +15,18 @@ from .digits import (
 )
 from .drawings import to_digit_image
 
+
+# What the demo cannot show as votes for one label: a regressor's values, a multi-label model's sets of labels.
+NOT_SINGLE_LABEL = {"regression": "a regressor", "multi_label_classification": "a multi-label classifier"}
+
+
 def task_for_config(config) -> str:
-    """The pipeline task of a classifier's config: ``image-classification`` or ``text-classification``."""
+    """The pipeline task of a single-label classifier's config: ``image-classification`` or
+    ``text-classification``. Raises ValueError for any other model, regressors and multi-label classifiers too."""
+    problem = getattr(config, "problem_type", None)
+    if problem in NOT_SINGLE_LABEL:
+        raise ValueError(f"The demo shows single-label classifiers; this model is {NOT_SINGLE_LABEL[problem]} "
+                         f"(problem_type={problem!r}).")
     architectures = getattr(config, "architectures", None) or []
     for architecture in architectures:
         if architecture.endswith("ForImageClassification"):
@@ -58,14 +68,15 @@ class DemoEnsemble:
         from ..pipelines import pipeline
 
         note = ""
-        if model_id:
-            ids = [part.strip() for part in model_id.split(",") if part.strip()]
+        ids = [part.strip() for part in (model_id or "").split(",") if part.strip()]  # blank (" ", ","): unset
+        if ids:
             try:
                 task = task_for_config(AutoConfig.from_pretrained(ids[0]))
                 return cls(pipeline(task, model=ids[0] if len(ids) == 1 else ids), source=", ".join(ids))
             except Exception as exc:  # unreachable Hub, unknown repo, unsupported model: say so, go on
-                reason = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__
-                note = f"Could not use {model_id} ({reason}); showing the embedded default instead."
+                # the first line whole: cut short, the advice it ends with ("Pass allow_label_mismatch=True") is lost
+                reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+                note = f"Could not use {', '.join(ids)} ({reason}); showing the embedded default instead."
         paths = demo_member_paths(members_dir, None if members_dir else 8)
         return cls(pipeline("image-classification", model=[str(p) for p in paths]),
                    source="the embedded default (digit classifiers trained here)", note=note)

@@ -9,8 +9,16 @@ from . import BATCH_WAIT_MS
 from .tasks import FORMATS
 
 
+def _port(text: str) -> int:
+    """argparse's type of ``--port``: a TCP port, 1 to 65535."""
+    port = int(text) if text.strip().isdigit() else -1
+    if not 1 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"{text!r} is no TCP port: give one from 1 to 65535.")
+    return port
+
+
 def register_cli(sub) -> None:
-    from ..cli import LABEL_MISMATCH_HELP
+    from ..cli import LABEL_MISMATCH_HELP, _count
 
     serve = sub.add_parser(
         "serve", help="serve the ensemble over HTTP (Hugging Face Inference API payloads) on Ray Serve",
@@ -20,15 +28,15 @@ def register_cli(sub) -> None:
     serve.add_argument("models", nargs="+", metavar="ID", help="member repo ids or local folders, a fused repo, or adapters")
     serve.add_argument("--task", default="text-classification", choices=sorted(FORMATS))
     serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--port", type=_port, default=8000)
     serve.add_argument("--combine", default="mean", help="mean, logit_mean, vote, weighted or median")
     serve.add_argument("--weights", type=float, nargs="+", default=None, metavar="W",
                        help="one weight per member, for --combine weighted")
     serve.add_argument("--compile", action="store_true", help="torch.compile the wide model in each replica")
-    serve.add_argument("--replicas", type=int, default=1, help="Ray Serve replicas (each holds the wide model)")
+    serve.add_argument("--replicas", type=_count, default=1, help="Ray Serve replicas (each holds the wide model)")
     serve.add_argument("--num-cpus", type=float, default=None,
                        help="CPUs Ray reserves for each replica, and its torch threads (default: Ray's, 1)")
-    serve.add_argument("--max-batch-size", type=int, default=32, help="requests batched into one forward, at most")
+    serve.add_argument("--max-batch-size", type=_count, default=32, help="requests batched into one forward, at most")
     serve.add_argument("--batch-wait-ms", type=float, default=BATCH_WAIT_MS,
                        help="how long a batch waits for more requests once the replica takes its first")
     serve.add_argument("--address", default=None,
@@ -65,6 +73,10 @@ def _serve(args: argparse.Namespace) -> int:
     if args.high_throughput and args.address is not None:
         print(f"hf-wide serve: error: --high-throughput applies to the Ray this command starts, not to one at "
               f"--address: {HIGH_THROUGHPUT_HINT}", file=sys.stderr)
+        return 2
+    if (args.combine == "weighted") != (args.weights is not None):  # (before the banner: nothing is served)
+        print("hf-wide serve: error: --combine weighted takes --weights, one per member, and the other rules none.",
+              file=sys.stderr)
         return 2
     print(f"hf-wide serve: {args.task} on http://{args.host}:{args.port}/ (Ctrl-C stops)", file=sys.stderr)
     try:

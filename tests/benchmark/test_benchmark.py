@@ -118,3 +118,37 @@ def test_lora_configs_time_the_base_as_the_ideal_and_peft_mixed_batches():
     assert methods["peft_mixed"]["ms"] is not None and record["peft_mixed_over_wide"] is not None
     assert methods["ideal"]["ms"] is not None and methods["ideal"]["max_abs_diff"] is None  # the base: no member
     assert {c.spec.family for c in preset_configs("quick").configs} >= {"llama-lora", "bert-lora"}
+
+
+def _cli_args(*argv):
+    parser = argparse.ArgumentParser(prog="hf-wide")
+    register_cli(parser.add_subparsers(dest="command", required=True))
+    return parser.parse_args(["benchmark", *argv])
+
+
+@pytest.mark.parametrize("argv, said", [
+    (["--batch", "0"], "argument --batch: must be a whole number of at least 1, got '0'"),
+    (["--seq", "0"], "argument --seq: must be a whole number of at least 1, got '0'"),
+    (["--threads", "0"], "argument --threads: must be a whole number of at least 1, got '0'"),
+    (["--device", "bogus"], "argument --device: 'bogus' is no torch device"),
+    (["--device", "cuda"], "argument --device: torch " + torch.__version__ + " sees no cuda device here"),
+])
+def test_bad_options_are_refused_before_anything_runs(capsys, monkeypatch, argv, said):
+    # each was a traceback from torch once the timing began (an empty batch, set_num_threads(0), a device string)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # a CPU build, wherever the test runs
+    with pytest.raises(SystemExit) as exited:
+        _cli_args("--models", "a", "b", *argv)
+    assert exited.value.code == 2 and said in capsys.readouterr().err
+
+
+def test_a_sequence_past_the_members_positions_is_refused(tmp_path, capsys):
+    # a RuntimeError from the position embeddings ("The expanded size of the tensor (100) must match ... (64)")
+    paths = []
+    for seed in range(2):
+        paths.append(str(tmp_path / f"m{seed}"))
+        CASES["bert-seqcls"].build(seed).save_pretrained(paths[-1])
+    args = _cli_args("--models", *paths, "--batch", "1", "--seq", "65")
+    assert args.func(args) == 2
+    err = capsys.readouterr().err
+    assert "hf-wide benchmark: error: seq 65 is longer than the 64 positions of BertForSequenceClassification" in err
+    assert "Traceback" not in err

@@ -91,6 +91,19 @@ def test_high_throughput_is_refused_for_a_cluster_it_cannot_configure(capsys):
     assert "RAY_SERVE_ENABLE_HA_PROXY=1" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("options, says", [
+    (["--port", "99999"], "no TCP port"), (["--replicas", "0"], "at least 1"),
+    (["--max-batch-size", "0"], "at least 1"), (["--weights", "1", "2"], "--combine weighted takes --weights")])
+def test_bad_options_are_refused_before_the_banner(capsys, options, says):
+    """They printed "hf-wide serve: ... on http://127.0.0.1:99999/ (Ctrl-C stops)" first, and then the error."""
+    from hf_wide.cli import main
+
+    with contextlib.suppress(SystemExit):  # (argparse's own refusals exit 2)
+        assert main(["serve", "org/a", *options]) == 2
+    err = capsys.readouterr().err
+    assert says in err and "Ctrl-C stops" not in err
+
+
 @pytest.fixture
 def no_ray(monkeypatch):
     """Ray must not start: what is refused is refused before (not after Ray's seconds of starting, or its replicas'
