@@ -11,7 +11,7 @@ from conftest import CASES
 from PIL import Image
 from pipelines.text_members import bert_tokenizer, build_members, decoder_tokenizer, save_members, sentences
 
-from hf_wide import cli
+from hf_wide import cli, cli_run
 from hf_wide.pipelines import pipeline
 
 TEXTS = sentences(3, seed=31)
@@ -82,7 +82,7 @@ def test_a_folder_of_images_gives_one_answer_per_image(capsys, tmp_path):
 
 
 def test_the_plain_table_shows_ensemble_members_and_uncertainty(saved, capsys, monkeypatch):
-    monkeypatch.setattr(cli, "_has_rich", lambda: False)
+    monkeypatch.setattr(cli_run, "_has_rich", lambda: False)
     members = saved["text-classification"]
     assert cli.main(["run", "text-classification", "--model", *members, "--input", TEXTS[1]]) == 0
     out = capsys.readouterr().out.splitlines()
@@ -95,7 +95,7 @@ def test_the_plain_table_shows_ensemble_members_and_uncertainty(saved, capsys, m
 
 def test_the_table_lists_the_k_best_labels_of_top_k(saved, capsys, monkeypatch):
     # --top-k changed the JSON lines only: the table showed the best label alone
-    monkeypatch.setattr(cli, "_has_rich", lambda: False)
+    monkeypatch.setattr(cli_run, "_has_rich", lambda: False)
     members = saved["text-classification"]
     assert cli.main(["run", "text-classification", "--model", *members, "--input", TEXTS[1], "--top-k", "2"]) == 0
     row = capsys.readouterr().out.splitlines()[2]
