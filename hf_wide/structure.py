@@ -45,6 +45,9 @@ IGNORED_ATTRIBUTES = frozenset({"training", "config", "generation_config", "name
 # Module classes whose forward keeps state in plain attributes (of its own, or of its children): what it keeps.
 STATEFUL = dict(zip(transformers_classes("recurrent_gemma.RecurrentGemmaRecurrentBlock"),
                     ["conv1d_state, rg_lru.recurrent_states"]))
+# torch's classes whose fast path (in eval, without autograd) reads their children's weights directly, in one kernel
+# (torch._transformer_encoder_layer_fwd): wide children's (N, ...) weights would reach it
+FAST_PATHS = (nn.TransformerEncoderLayer, nn.TransformerEncoder)
 WHOLE = "(the module)"  # what a block's member_attribute is asked for a module it takes whole per member
 
 
@@ -96,6 +99,8 @@ def opaque_reason(mods: Sequence[nn.Module], taken: Callable[[str], bool] = lamb
     if type(mods[0]) in STATEFUL:
         return Opaque(f"{type(mods[0]).__name__} keeps state in its own attributes between calls "
                       f"({STATEFUL[type(mods[0])]})")
+    if type(mods[0]) in FAST_PATHS:
+        return Opaque(f"{type(mods[0]).__name__}'s fast path reads its layers' weights itself", vectorisable=True)
     for i, mod in enumerate(mods):
         reason = hook_reason(mod)
         if reason is not None:

@@ -59,8 +59,13 @@ def unfold_outputs(outputs: Any, n: int, batch: int, keep: tuple[torch.Tensor, .
                 outputs[key] = unfold_outputs(value, n, batch, keep, others, unfolded)
         return outputs
     if isinstance(outputs, (tuple, list)):
-        return type(outputs)(unfold_outputs(v, n, batch, keep, others, unfolded) for v in outputs)
+        return _like(outputs, [unfold_outputs(v, n, batch, keep, others, unfolded) for v in outputs])
     return outputs
+
+
+def _like(sequence: tuple | list, items: list) -> tuple | list:
+    """``items`` in a sequence of ``sequence``'s type: a named tuple's takes them as its fields."""
+    return type(sequence)(*items) if hasattr(sequence, "_fields") else type(sequence)(items)
 
 
 def unfold_generated(output: Any, n: int, rows: int | None = None) -> Any:
@@ -78,5 +83,5 @@ def unfold_generated(output: Any, n: int, rows: int | None = None) -> Any:
                 output[key] = torch.where(output[key] >= 0, output[key] - first, output[key])  # -1: no beam
         return output
     if isinstance(output, (tuple, list)):
-        return type(output)(unfold_generated(v, n) for v in output)
+        return _like(output, [unfold_generated(v, n) for v in output])
     return output

@@ -241,10 +241,30 @@ def check_whole(wide, recorded: list[dict], args: tuple, kwargs: dict, output=No
         with torch.no_grad():
             output = wide(*args, **sample_kwargs(wide.model, kwargs))  # (N, B, ...) leaves
     n = wide.num_members
+    unlike = _unlike_members(output, [r[None][2] for r in recorded], n)
+    if unlike is not None:
+        return unlike
     batch = _sample_batch(args, kwargs)
     folded = pytree.tree_map(lambda t: t.reshape(n * batch, *t.shape[2:])
                              if isinstance(t, torch.Tensor) and t.dim() > 1 and t.shape[:2] == (n, batch) else t, output)
     return compare_outputs(folded, [r[None][2] for r in recorded], n * batch, tf32)
+
+
+def _unlike_members(output, members: list, n: int) -> str | None:
+    """What keeps ``output`` (the wide model's, as its caller gets it) from holding every member's output in the
+    members' own shapes, ``(N, *member's)``, or None. The layouts a module's output may take inside the model (a
+    broadcast expanded to the rows, one tensor for every member) are no caller's: an LSTM's ``h_n``, ``(1, B, H)``,
+    came back ``(N, B, B, H)``, and an output averaged over the batch, ``(C,)``, came back ``(N*C,)``."""
+    leaves, spec = pytree.tree_flatten(output)
+    for member in members:
+        own, own_spec = pytree.tree_flatten(member)
+        if own_spec != spec:
+            return None  # (compare_outputs says so)
+        for k, (out, ref) in enumerate(zip(leaves, own)):
+            if isinstance(out, torch.Tensor) and isinstance(ref, torch.Tensor) and out.shape != (n, *ref.shape):
+                return (f"returned output {k} of shape {tuple(out.shape)}, where each member's is {tuple(ref.shape)}: "
+                        f"not one per member")
+    return None
 
 
 def _sample_batch(args: tuple, kwargs: dict) -> int:

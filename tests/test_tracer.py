@@ -1,12 +1,13 @@
 """The tracer and planner on plain torch modules: raw parameters, row mixing, export failures."""
 
 import copy
+from typing import NamedTuple
 
 import pytest
 import torch
 from torch import nn
 
-from hf_wide import Kind, WideModel
+from hf_wide import Kind, WideModel, WideValidationError
 
 
 class RawScale(nn.Module):
@@ -336,3 +337,76 @@ def test_a_member_taken_out_of_a_wide_model_in_training_trains_as_its_model():
         assert member.training and all(m.training for m in member.modules())
         with torch.no_grad():
             assert (member(x) - model(x)).abs().max().item() <= 1e-5
+
+
+class Fields(NamedTuple):
+    logits: torch.Tensor
+    features: torch.Tensor
+
+
+class NamedOutputs(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(6, 8), nn.Linear(8, 3)
+
+    def forward(self, x):
+        features = torch.tanh(self.a(x))
+        return Fields(self.b(features), features)
+
+
+def test_outputs_in_a_named_tuple_are_each_members():
+    # unfolding rebuilt the tuple from one generator, which a named tuple does not take (a TypeError)
+    members = members_of(NamedOutputs)
+    wide = WideModel.from_models(members, torch.randn(2, 6))
+    x = torch.randn(5, 6)
+    with torch.no_grad():
+        out = wide(x)
+        assert isinstance(out, Fields) and out.logits.shape == (len(members), 5, 3)
+        for i, member in enumerate(members):
+            assert (out.logits[i] - member(x).logits).abs().max().item() <= 1e-5
+
+
+class LastState(nn.Module):  # returns the LSTM's h_n, (1, B, H): no batch dim first
+    def __init__(self):
+        super().__init__()
+        self.lstm = nn.LSTM(5, 7, batch_first=True)
+
+    def forward(self, x):
+        return self.lstm(x)[1][0]
+
+
+class BatchMean(nn.Module):  # returns (C,): the batch averaged away
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(6, 4)
+
+    def forward(self, x):
+        return self.a(x).mean(0)
+
+
+@pytest.mark.parametrize("factory, sample", [(LastState, torch.randn(2, 4, 5)), (BatchMean, torch.randn(2, 6))],
+                         ids=["lstm-h_n", "batch-mean"])
+def test_outputs_that_are_not_one_per_member_are_refused(factory, sample):
+    # An LSTM's h_n, (1, B, H), came back (N, B, B, H), taken for a broadcast and expanded to the rows; an output
+    # averaged over the batch, (C,), came back (N*C,): wide[1] was member 0's second feature. Each verified as a
+    # layout a module's output may take inside the model, not as what its caller gets.
+    with pytest.raises(WideValidationError, match=r"returned output \d of shape .*, where each member's is .*: not "
+                                                  r"one per member"):
+        WideModel.from_models(members_of(factory), sample)
+
+
+@pytest.mark.parametrize("encoder", [False, True], ids=["layer", "encoder"])
+def test_torchs_transformer_layers_run_their_fast_path_with_each_members_weights(encoder):
+    # In eval without autograd, torch's encoder layer hands its children's weights to one kernel itself: those of
+    # the wide linears and norms, (N, ...) ("2d weights expected"), since verification's hooks turn the path off
+    def factory():
+        layer = nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True)
+        return nn.TransformerEncoder(layer, 2, enable_nested_tensor=False) if encoder else layer
+
+    members = [m.eval() for m in members_of(factory)]
+    wide = WideModel.from_models(members, torch.randn(2, 5, 8))
+    x = torch.randn(3, 5, 8)
+    with torch.no_grad():
+        out = wide(x)
+        for i, member in enumerate(members):
+            assert (out[i] - member(x)).abs().max().item() <= 1e-5
