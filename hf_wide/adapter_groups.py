@@ -220,7 +220,8 @@ def concatenate(cls, wides: Sequence, ids: Sequence[str]):
         if entry.kind == Kind.REWRITTEN:  # (its method reads the number of members: CLIP's)
             model.get_submodule(fqn).fold = fold
     remove_fold_hooks(model)
-    joined = cls(model, dataclasses.replace(first.plan, num_members=n), fold, common_aliases([w._aliases for w in wides]), list(ids),
+    ties = common_aliases([w._aliases for w in wides])  # those every group's members hold
+    joined = cls(model, dataclasses.replace(first.plan, num_members=n), fold, ties, list(ids),
                  _joined_list(wides, "member_configs"), _joined_list(wides, "member_generation_configs"))
     joined.member_peft_configs = _joined_list(wides, "member_peft_configs")
     joined.differently_trained = tuple(dict.fromkeys(name for w in wides for name in w.differently_trained))

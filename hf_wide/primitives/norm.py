@@ -155,7 +155,8 @@ class WideRMSNorm(WideModule):
         # in float32 for a half x, rounded once, as torch's scales by its weight before it rounds
         y = self.fold.split(F.rms_norm(_float(x, x.dtype in HALF), self.normalized_shape, None, self.eps))
         k = len(self.normalized_shape)
-        weight = _float(self.weight, x.dtype in HALF).view(y.shape[0], *([1] * (y.dim() - 1 - k)), *self.normalized_shape)
+        weight = _float(self.weight, x.dtype in HALF)  # (N, *normalized_shape)
+        weight = weight.view(y.shape[0], *([1] * (y.dim() - 1 - k)), *self.normalized_shape)
         return self.fold.merge(y * weight).to(x.dtype)
 
 
