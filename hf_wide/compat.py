@@ -70,6 +70,7 @@ def check_compatible(
     for model in models:
         refuse_unfused_attention(getattr(getattr(model, "config", None), "_attn_implementation", None))
     names = member_names(models, ids)
+    _check_devices(models, names)
     first = models[0]
     for name, model in zip(names[1:], models[1:]):
         if type(model) is not type(first):
@@ -80,6 +81,24 @@ def check_compatible(
         if hasattr(first, "config"):
             check_configs(first.config, model.config, names[0], name, allow_label_mismatch)
         _check_state_dicts(first, model, names[0], name)
+
+
+def _check_devices(models: Sequence[nn.Module], names: Sequence[str]) -> None:
+    """Refuse a member with tensors on the meta device (no values: torch's own error came from deep in the fusion)
+    and members on other devices than member 0's (the wide model stacks their tensors on one)."""
+    devices = []
+    for model, name in zip(models, names):
+        state = model.state_dict()
+        empty = next((key for key, t in state.items() if t.is_meta), None)
+        if empty is not None:
+            raise IncompatibleMembersError(f"{name}'s {empty!r} is on the meta device: it holds no values to fuse. "
+                                           "Load the member's weights first.")
+        devices.append(sorted({str(t.device) for t in state.values()}))
+    for name, found in zip(names[1:], devices[1:]):
+        if found != devices[0]:
+            raise IncompatibleMembersError(f"{name} is on {', '.join(found)}, but {names[0]} on "
+                                           f"{', '.join(devices[0])}: move the members to one device "
+                                           "(model.to(device)).")
 
 
 def check_configs(a, b, name_a: str, name_b: str, allow_label_mismatch: bool) -> None:

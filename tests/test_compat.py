@@ -23,6 +23,15 @@ def test_members_of_different_classes():
         WideModel.from_models([a, b])
 
 
+def test_a_member_on_the_meta_device_is_refused_by_name():
+    # torch's own error came from deep in the fusion ("aten::equal ... Meta tensors")
+    members = [torch.nn.Linear(4, 4) for _ in range(2)]
+    with torch.device("meta"):
+        members.append(torch.nn.Linear(4, 4))
+    with pytest.raises(IncompatibleMembersError, match=r"member 2's 'weight' is on the meta device"):
+        WideModel.from_models(members, torch.randn(2, 4))
+
+
 def test_different_hidden_sizes_name_the_field_and_both_values():
     a = CASES["bert-seqcls"].build(0)
     config = CASES["bert-seqcls"].make_config()
