@@ -16,7 +16,7 @@ import signal
 import socket
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 logger = logging.getLogger(__name__)
@@ -142,14 +142,15 @@ def build_app(model_ids: Sequence[str] | str, task: str = "text-classification",
 
 def serve(model_ids: Sequence[str] | str, task: str = "text-classification", *, host: str = "127.0.0.1",
           port: int = 8000, address: str | None = None, blocking: bool = True, high_throughput: bool = False,
-          **kwargs):
+          ready: Callable[[], None] | None = None, **kwargs):
     """Start Ray (a local instance, or join the cluster at ``address``), run the application on
     ``host:port`` and, with ``blocking``, serve until Ctrl-C or SIGTERM (what ``docker stop`` and Kubernetes
     send), then shut Serve (and a local Ray) down. ``high_throughput``: Ray Serve's high-throughput mode for the
     local Ray (see :data:`HIGH_THROUGHPUT_ENV`; HAProxy's stats and metrics take free ports where Ray's defaults
     are taken: :func:`haproxy_ports`). Raises, for a local Ray before it starts, :class:`PortInUse`,
     :class:`~hf_wide.download.MemberLoadError` (:func:`fetch_members`) and ``ValueError`` (:func:`check_head`), and
-    :class:`ServeStartError` with the replicas' own error where they could not load the model."""
+    :class:`ServeStartError` with the replicas' own error where they could not load the model. ``ready`` is called
+    once the replicas have loaded the model and answer."""
     require_ray()
     import ray
     from ray import serve as ray_serve
@@ -181,6 +182,8 @@ def serve(model_ids: Sequence[str] | str, task: str = "text-classification", *, 
                 if reason is None:
                     raise
                 raise ServeStartError(f"The replicas could not load the model: {reason}") from exc
+            if ready is not None:
+                ready()
             if not blocking:
                 return app
             while True:

@@ -9,14 +9,6 @@ from . import BATCH_WAIT_MS
 from .tasks import FORMATS
 
 
-def _port(text: str) -> int:
-    """argparse's type of ``--port``: a TCP port, 1 to 65535."""
-    port = int(text) if text.strip().isdigit() else -1
-    if not 1 <= port <= 65535:
-        raise argparse.ArgumentTypeError(f"{text!r} is no TCP port: give one from 1 to 65535.")
-    return port
-
-
 def register_cli(sub) -> None:
     from ..cli import LABEL_MISMATCH_HELP, _count
 
@@ -28,7 +20,7 @@ def register_cli(sub) -> None:
     serve.add_argument("models", nargs="+", metavar="ID", help="member repo ids or local folders, a fused repo, or adapters")
     serve.add_argument("--task", default="text-classification", choices=sorted(FORMATS))
     serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=_port, default=8000)
+    serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--combine", default="mean", help="mean, logit_mean, vote, weighted or median")
     serve.add_argument("--weights", type=float, nargs="+", default=None, metavar="W",
                        help="one weight per member, for --combine weighted")
@@ -74,15 +66,14 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"hf-wide serve: error: --high-throughput applies to the Ray this command starts, not to one at "
               f"--address: {HIGH_THROUGHPUT_HINT}", file=sys.stderr)
         return 2
-    if (args.combine == "weighted") != (args.weights is not None):  # (before the banner: nothing is served)
-        print("hf-wide serve: error: --combine weighted takes --weights, one per member, and the other rules none.",
-              file=sys.stderr)
-        return 2
-    print(f"hf-wide serve: {args.task} on http://{args.host}:{args.port}/ (Ctrl-C stops)", file=sys.stderr)
+
+    def ready():  # once the replicas answer: an option serve refuses, before Ray starts, prints no banner first
+        print(f"hf-wide serve: {args.task} on http://{args.host}:{args.port}/ (Ctrl-C stops)", file=sys.stderr)
+
     try:
         serve(args.models, args.task, host=args.host, port=args.port, address=args.address, replicas=args.replicas,
               num_cpus=args.num_cpus, max_batch_size=args.max_batch_size, batch_wait_ms=args.batch_wait_ms,
-              high_throughput=args.high_throughput, **options)
+              high_throughput=args.high_throughput, ready=ready, **options)
     except PortInUse as exc:
         print(f"hf-wide serve: error: {exc.strerror}: choose another --port.", file=sys.stderr)
         return 2

@@ -92,14 +92,17 @@ def test_high_throughput_is_refused_for_a_cluster_it_cannot_configure(capsys):
 
 
 @pytest.mark.parametrize("options, says", [
-    (["--port", "99999"], "no TCP port"), (["--replicas", "0"], "at least 1"),
-    (["--max-batch-size", "0"], "at least 1"), (["--weights", "1", "2"], "--combine weighted takes --weights")])
-def test_bad_options_are_refused_before_the_banner(capsys, options, says):
-    """They printed "hf-wide serve: ... on http://127.0.0.1:99999/ (Ctrl-C stops)" first, and then the error."""
+    (["--port", "99999"], "The port must be 0-65535"), (["--replicas", "0"], "at least 1"),
+    (["--max-batch-size", "0"], "at least 1"), (["--weights", "1", "2"], "combine='weighted' takes weights")])
+def test_bad_options_are_refused_before_the_banner(tmp_path, capsys, no_ray, options, says):
+    """They printed "hf-wide serve: ... on http://127.0.0.1:99999/ (Ctrl-C stops)" first, and then the error: the
+    banner is printed once the replicas answer."""
     from hf_wide.cli import main
 
+    paths = save_members(tmp_path, build_members("bert-seqcls", 1), bert_tokenizer(tmp_path / "tok"))
+    port = [] if "--port" in options else ["--port", str(free_port())]
     with contextlib.suppress(SystemExit):  # (argparse's own refusals exit 2)
-        assert main(["serve", "org/a", *options]) == 2
+        assert main(["serve", *paths, *options, *port]) == 2
     err = capsys.readouterr().err
     assert says in err and "Ctrl-C stops" not in err
 
