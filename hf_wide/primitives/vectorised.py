@@ -79,9 +79,12 @@ def _autocasting(leaves: list) -> bool:
 
 
 def refused_by_vmap(exc: RuntimeError) -> bool:
-    """Whether vmap refused a member's code: its own errors name it, and ``tensor.tolist()`` on a batched tensor
-    (JetMoe's router counts its experts' tokens so) finds no storage."""
-    return "vmap" in str(exc) or "doesn't have storage" in str(exc)
+    """Whether vmap refused a member's code: its own errors name it, an op it has no batching rule for says so (an
+    ``out=`` division in spectral norm's power iteration, which runs in training only), and ``tensor.tolist()`` on a
+    batched tensor (JetMoe's router counts its experts' tokens so) finds no storage."""
+    message = str(exc)
+    return "vmap" in message or "Batching rule not implemented" in message or "doesn't have storage" in message
+
 
 def copy_code_for_thread(model: nn.Module) -> None:
     """This thread's copy of the code of every vectorised module in ``model`` (and of the submodules they were asked

@@ -63,6 +63,20 @@ def test_a_vectorised_module_under_autocast_computes_as_its_members_do():
             assert out.dtype == own.dtype == torch.bfloat16 and torch.equal(out[i], own)
 
 
+def test_spectral_norm_members_train_member_by_member_where_vmap_has_no_batching_rule():
+    """Spectral norm's power iteration, which runs in training only, divides with ``out=``: vmap has no batching rule
+    for it, and every training forward raised (fusion verifies in eval). The members' code now runs one by one."""
+    torch.manual_seed(0)
+    mods = [nn.Sequential(nn.utils.parametrizations.spectral_norm(nn.Linear(4, 5)), nn.ReLU()) for _ in range(3)]
+    wide = WideModel.from_models(mods, torch.randn(2, 4)).train()
+    references = [copy.deepcopy(m).train() for m in mods]
+    x = torch.randn(3, 4)
+    for _ in range(2):  # (each step moves every member's own power-iteration vectors)
+        out = wide(x)
+        for i, reference in enumerate(references):
+            assert (out[i] - reference(x)).abs().max().item() <= TOLERANCE
+
+
 def test_one_stacked_tensor_per_source_tensor_and_members_back():
     mods = members()
     wide = VectorisedFallback.from_modules(mods, Fold(3))
