@@ -247,7 +247,7 @@ def test_validate_accepts_an_exact_fusion():
 
 def test_validate_holds_half_precision_to_its_rounding():
     """``validate=True`` held every dtype to 1e-4: a bfloat16 ViT whose logits were a few last bits (0.012) off its
-    members' (its patches' convolution sums them in another order) was refused, as if its fusion were wrong."""
+    members' was refused, as if its fusion were wrong."""
     case = CASES["vit-imgcls"]
     members = [case.build(s).to(torch.bfloat16) for s in range(3)]
     sample = {"pixel_values": case.inputs(8, padded=True)["pixel_values"].to(torch.bfloat16)}
