@@ -72,6 +72,7 @@ def fuse_models(cls: type[WideModel], models: Sequence[nn.Module], sample_inputs
     was_training = [m.training for m in models]
     for m in models:
         m.eval()
+    given = BufferSnapshot(models)  # the members as given: fusion runs them, and a forward may update a buffer
     try:
         opaque = opaque_modules(models)  # before the trace runs member 0
         if traced is not None:
@@ -85,8 +86,10 @@ def fuse_models(cls: type[WideModel], models: Sequence[nn.Module], sample_inputs
             plan = make_plan(models, *trace, share_identical=share_identical, demotions=demotions, opaque=opaque)
             fold = Fold(len(models))
             if verify and recorded is None:  # the whole outputs, before the build shares the members' tensors
+                given.restore()
                 recorded = record_members(models, (), args, kwargs, inputs=False)
                 release_freed_memory()
+            given.restore()  # built from the members as given, not as the trace or the checks left them
             with contextlib.nullcontext() if copy_shared else keeping_storage():
                 folded = build_wide(models, plan, fold)
             release_freed_memory()
@@ -99,11 +102,13 @@ def fuse_models(cls: type[WideModel], models: Sequence[nn.Module], sample_inputs
                 [copy.deepcopy(m.config) for m in models] if hasattr(template, "config") else None,
                 [copy.deepcopy(getattr(m, "generation_config", None)) for m in models],
             ).eval()
+            built = BufferSnapshot([wide])
             if hasattr(template, "peft_config"):
                 wide.member_peft_configs = [copy.deepcopy(m.peft_config) for m in models]
             if not verify:
                 break
             failures, recorded = diagnose(wide, models, args, kwargs, recorded)
+            built.restore()
             if not failures:
                 break
             if not demotions.add(plan, failures):
@@ -115,9 +120,11 @@ def fuse_models(cls: type[WideModel], models: Sequence[nn.Module], sample_inputs
             raise WideValidationError(f"hf-wide could not verify a plan in {MAX_VERIFY_ROUNDS} rounds:\n{plan}")
         if verify and not args:
             require_cache_agrees(wide, models, ids, kwargs)
+            built.restore()
         if verify and outputs is not None:
             outputs.extend({None: calls[None]} for calls in recorded)
     finally:
+        given.restore()
         for m, training in zip(models, was_training):
             m.train(training)
     if padded:  # the no-ops the views were given, which member(i) takes out
@@ -125,8 +132,38 @@ def fuse_models(cls: type[WideModel], models: Sequence[nn.Module], sample_inputs
     wide.differently_trained = differently_trained(models)
     wide.train(was_training[0])
     if validate:
-        wide.validate(models, args, kwargs, atol=atol)
+        try:
+            wide.validate(models, args, kwargs, atol=atol)
+        finally:
+            given.restore()
+            built.restore()
     return wide
+
+
+class BufferSnapshot:
+    """The buffers of ``modules`` as they are now, put back by :meth:`restore` after forwards that change them (a call
+    counter, a statistic a forward updates even in eval mode): fusion runs the members and the wide model on the
+    sample, and leaves both as they were (the wide model as built from the members as given)."""
+
+    def __init__(self, modules: Sequence[nn.Module]):
+        seen = set()
+        self.saved = []  # (module, name, the buffer, a copy of its value)
+        for model in modules:
+            for module in model.modules():
+                for name, buffer in module._buffers.items():
+                    if buffer is not None and (id(module), name) not in seen:
+                        seen.add((id(module), name))
+                        self.saved.append((module, name, buffer, buffer.detach().clone()))
+
+    @torch.no_grad()
+    def restore(self) -> None:
+        for module, name, buffer, value in self.saved:
+            if buffer.shape != value.shape:  # resized in place
+                module._buffers[name] = value
+                continue
+            if not torch.equal(buffer, value):
+                buffer.copy_(value)
+            module._buffers[name] = buffer  # (a forward may rebind it: ``self.calls = self.calls + 1``)
 
 
 def differently_trained(models: Sequence[nn.Module]) -> tuple[str, ...]:

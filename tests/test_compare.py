@@ -1,5 +1,7 @@
 """hf_wide/compare.py: a wide output against its members' outputs, in each layout a wide module may give."""
 
+import dataclasses
+
 import pytest
 import torch
 from torch import nn
@@ -40,6 +42,18 @@ def test_unchecked_members_are_left_out_but_keep_their_rows():
 def test_outputs_of_another_structure_disagree():
     refs = members()
     assert "another structure" in compare_outputs((torch.cat(refs),), [(r, r) for r in refs], rows=6)
+
+
+@dataclasses.dataclass
+class Output:
+    logits: torch.Tensor
+
+
+def test_a_dataclass_output_is_named_as_what_hf_wide_cannot_see_into():
+    """A plain dataclass is one leaf to torch's pytree: it was refused as "a layout that matches no member's"."""
+    refs = members()
+    message = compare_outputs(Output(torch.cat(refs)), [Output(r) for r in refs], rows=6)
+    assert "a dataclass (Output)" in message and "ModelOutput" in message
 
 
 @pytest.fixture
