@@ -64,8 +64,10 @@ def base_revision_of(configs: Sequence[dict | None], names: Sequence[str], base_
     return pins[0][1] if pins else None
 
 
-def base_class(configs: Sequence[dict | None], base_config, name: str) -> type:
-    """The transformers class to load the base with: the adapters' task type's, else the base's own."""
+def base_class(configs: Sequence[dict | None], base_config, name: str, folder=None,
+               trust_remote_code: bool = False) -> type:
+    """The transformers class to load the base with: the adapters' task type's, else the base's own (its own code in
+    ``folder``, with ``trust_remote_code``)."""
     from .saving import model_class_for
 
     tasks = {c.get("task_type") for c in configs if c is not None}
@@ -76,7 +78,7 @@ def base_class(configs: Sequence[dict | None], base_config, name: str) -> type:
         for auto in TASK_CLASSES[tasks.pop()]:
             if type(base_config) in auto._model_mapping:
                 return auto._model_mapping[type(base_config)]
-    return model_class_for(base_config, name)
+    return model_class_for(base_config, name, folder, trust_remote_code)
 
 
 def adapter_keys(folder: Path) -> list[str]:

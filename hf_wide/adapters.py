@@ -126,13 +126,16 @@ def grow(model: nn.Module, grown: dict[str, int], name: str) -> None:
             "their new rows would be drawn at random.")
 
 
-def is_base(model_id, base_id) -> bool:
-    """Whether a member of the list is the adapters' base: its id, or its folder under another name (``base/``, a
-    relative path, where the adapters name it by its absolute path)."""
-    if str(model_id) == str(base_id):
+def is_base(folder, base_folder, base_id) -> bool:
+    """Whether a member of the list is the adapters' base: the very folder the base was loaded from (its id at the
+    base's revision, without a subfolder; or its folder under another name: ``base/``, a relative path, where the
+    adapters name it by its absolute path), or the base's id itself (a saved ensemble names its base member so). The
+    base's id at another revision or in a subfolder is a full checkpoint of its own (it was taken for the base, and
+    member 0 came out the base at the adapters' revision: 0.54 off)."""
+    if str(folder) == str(base_id):
         return True
     try:
-        return os.path.isdir(model_id) and os.path.isdir(base_id) and os.path.samefile(model_id, base_id)
+        return os.path.samefile(folder, base_folder)
     except OSError:
         return False
 
@@ -178,7 +181,7 @@ def load_adapter_base(ids, folders, configs, *, base_model=None, base_revision=N
         raise MemberLoadError(f"The base model {base_id!r} of the adapters could not be loaded: {exc}") from exc
     base_name = f"the base model ({base_id})"
     base_config = transformers.AutoConfig.from_pretrained(base_folder, trust_remote_code=trust_remote_code)
-    klass = base_class(configs, base_config, base_name)
+    klass = base_class(configs, base_config, base_name, base_folder, trust_remote_code)
     labels = head_labels([Path(f) for f in folders], configs)
     extra = {"num_labels": labels} if labels is not None and labels != base_config.num_labels else {}
     base = load_member(base_folder, base_name, dtype, device=device, klass=klass, trust_remote_code=trust_remote_code,
@@ -218,7 +221,7 @@ def load_adapter_members(ids, folders, configs, *, base_model=None, base_revisio
     for name, model_id, folder, config in hf_tqdm(list(zip(names, ids, folders, configs)), desc=desc,
                                                   unit="member", disable=not show_bar):
         if config is None:  # a full checkpoint: the base itself, or one of its architecture
-            if is_base(model_id, base_id):
+            if is_base(folder, base_folder, base_id):
                 models.append(shared_view(base))
             else:
                 models.append(load_member(folder, name, dtype, device=device, klass=klass,
@@ -254,8 +257,9 @@ def load_adapter_members(ids, folders, configs, *, base_model=None, base_revisio
             models[i] = as_adapter(model, reference)
         padded.append(pad_saved_modules(models[i], saved) + pad_targets(models[i], union, dtype, names[i], dora))
     stack_adapters(models)
-    full = any(c is None and not is_base(i, base_id) for c, i in zip(configs, ids))  # a full checkpoint, not the base
-    sources = None if full else AdapterSources(base_id, base_revision or commit_sha(Path(base_folder)), list(configs),
+    full = any(c is None and not is_base(f, base_folder, base_id) for c, f in zip(configs, folders))  # not the base
+    # the commit the base was loaded at (a branch or a tag moves on), or the revision asked for, of a local folder
+    sources = None if full else AdapterSources(base_id, commit_sha(Path(base_folder)) or base_revision, list(configs),
                                                padded)
     if ahead is not None and module_structure(models[0]) != ahead[2]:
         ahead = None  # member 0 has changed since (padded): the fusion traces it as it is now

@@ -47,19 +47,25 @@ class Checkpoint:
     def __init__(self, folder: str | Path):
         folder = Path(folder)
         index = folder / WEIGHTS_INDEX_NAME
-        if index.exists():
+        if (folder / WEIGHTS_NAME).exists():  # first, as transformers reads it (an index beside it is stale: a
+            files = [WEIGHTS_NAME]           # repo sharded once and uploaded whole since, uploads deleting nothing)
+        elif index.exists():
             files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        elif (folder / WEIGHTS_NAME).exists():
-            files = [WEIGHTS_NAME]
         else:
             raise FileNotFoundError(f"No {WEIGHTS_NAME} or {WEIGHTS_INDEX_NAME} in {folder}.")
         self.entries: dict[str, tuple[Path, int, dict]] = {}  # name -> (file, start of its data, header entry)
         self._handles: dict[Path, object] = {}
         for name in files:
             path = folder / name
+            if not path.is_file():
+                raise FileNotFoundError(f"{index} names the shard {name}, which is not in {folder}.")
             with open(path, "rb") as f:
                 header_len = int.from_bytes(f.read(8), "little")
-                header = json.loads(f.read(header_len))
+                try:
+                    header = json.loads(f.read(header_len))
+                except (ValueError, MemoryError, OverflowError) as exc:  # cut short, or not safetensors at all
+                    raise OSError(f"{path} is no safetensors file that can be read (its header: {exc}); if it was "
+                                  "downloaded, force_download=True fetches it again.") from None
             header.pop("__metadata__", None)
             self.entries.update({key: (path, 8 + header_len, entry) for key, entry in header.items()})
 

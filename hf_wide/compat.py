@@ -74,13 +74,21 @@ def check_compatible(
     first = models[0]
     for name, model in zip(names[1:], models[1:]):
         if type(model) is not type(first):
-            raise IncompatibleMembersError(
-                f"{name} is a {type(model).__name__}, but {names[0]} is a {type(first).__name__}: "
-                f"all members must be the same model class.{_task_types(first, model, names[0], name)}"
-            )
+            refuse_other_class(type(first), type(model), names[0], name, _task_types(first, model, names[0], name))
         if hasattr(first, "config"):
             check_configs(first.config, model.config, names[0], name, allow_label_mismatch)
         _check_state_dicts(first, model, names[0], name)
+
+
+def refuse_other_class(first: type, other: type, first_name: str, name: str, more: str = "") -> None:
+    """An :class:`IncompatibleMembersError`: member ``name`` is of another class than ``first_name``'s (or of a class
+    of the same name from other code: checkpoints' own code, each folder's loaded apart, that differs)."""
+    if other.__qualname__ == first.__qualname__:
+        raise IncompatibleMembersError(
+            f"{name} and {first_name} are each a {other.__name__} of their own code ({other.__module__}, "
+            f"{first.__module__}), which differs: all members must be one model class.{more}")
+    raise IncompatibleMembersError(f"{name} is a {other.__name__}, but {first_name} is a {first.__name__}: "
+                                   f"all members must be the same model class.{more}")
 
 
 def _check_devices(models: Sequence[nn.Module], names: Sequence[str]) -> None:

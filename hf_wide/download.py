@@ -52,13 +52,40 @@ HUB_KWARGS = frozenset({"token", "cache_dir", "local_files_only", "force_downloa
                         "etag_timeout", "headers", "tqdm_class"})
 
 
-def check_hub_kwargs(hub_kwargs: dict, caller: str = "WideModel.from_pretrained") -> None:
-    """A ``TypeError`` naming any keyword argument that is not an option: with local folders nothing else would
-    read it, and a misspelt option would be silently ignored."""
-    unknown = sorted(set(hub_kwargs) - HUB_KWARGS)
+# transformers' from_pretrained options that hf-wide cannot honour, and why (rather than "an unexpected keyword").
+_ONE_DEVICE = ("hf-wide keeps the wide model on one device (every layer holds all members): use device='cuda', "
+               "device_map='auto' or {'': device}, or member_parallel=True to split the members across ranks.")
+REFUSED_OPTIONS = {
+    "max_memory": "max_memory= places layers across devices within budgets; " + _ONE_DEVICE,
+    "offload_folder": "offload_folder= offloads layers to disk; " + _ONE_DEVICE,
+    "offload_buffers": "offload_buffers= offloads buffers off the device; " + _ONE_DEVICE,
+    "tp_plan": "tp_plan= splits each layer across ranks; " + _ONE_DEVICE,
+    "device_mesh": "device_mesh= splits each layer across ranks; " + _ONE_DEVICE,
+    "quantization_config": "quantized members are not supported: load them in float32, float16 or bfloat16 (dtype=).",
+    "load_in_8bit": "quantized members are not supported: load them in float32, float16 or bfloat16 (dtype=).",
+    "load_in_4bit": "quantized members are not supported: load them in float32, float16 or bfloat16 (dtype=).",
+}
+# Options transformers 5 takes and no longer uses: taken here alike (hf-wide's loading always holds little memory).
+IGNORED_OPTIONS = frozenset({"low_cpu_mem_usage", "_fast_init", "offload_state_dict", "mirror"})
+
+
+def check_hub_kwargs(hub_kwargs: dict, caller: str = "WideModel.from_pretrained") -> dict:
+    """``hub_kwargs`` without the options transformers ignores. A ``TypeError`` naming any keyword argument that is
+    not an option (with local folders nothing else would read it, and a misspelt option would be silently ignored),
+    and a ``ValueError`` saying why for transformers' options that hf-wide cannot honour."""
+    for name, why in REFUSED_OPTIONS.items():
+        if hub_kwargs.get(name) not in (None, False):
+            raise ValueError(f"{caller}(): {why}")
+    if hub_kwargs.get("use_safetensors") is False:
+        raise ValueError(f"{caller}(): use_safetensors=False: hf-wide reads a checkpoint's safetensors where it has "
+                         "them; pass allow_pickle=True to read checkpoints that only have pickled weights.")
+    options = {k: v for k, v in hub_kwargs.items()
+               if k not in IGNORED_OPTIONS and not (k in REFUSED_OPTIONS or k == "use_safetensors")}
+    unknown = sorted(set(options) - HUB_KWARGS)
     if unknown:
         raise TypeError(f"{caller}() got an unexpected keyword argument {unknown[0]!r}"
                         + (f" (and {', '.join(map(repr, unknown[1:]))})" if len(unknown) > 1 else ""))
+    return options
 
 
 def download_members(
@@ -75,7 +102,7 @@ def download_members(
     ``from_pretrained(..., subfolder=)`` takes it (one for all, or one per member: a training run's
     ``checkpoint-N`` folders, say). ``hub_kwargs``: ``token``, ``cache_dir``, ``local_files_only``,
     ``force_download``."""
-    check_hub_kwargs(hub_kwargs)
+    hub_kwargs = check_hub_kwargs(hub_kwargs)
     revisions = per_member(revision, len(model_ids))
     subfolders = subfolders_of(subfolder, len(model_ids))
     hub_kwargs.setdefault("tqdm_class", _QuietTqdm)

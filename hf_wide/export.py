@@ -18,6 +18,7 @@ from huggingface_hub.utils import tqdm as hf_tqdm
 
 from .checkpoints import WEIGHTS_INDEX_NAME
 from .loading import quiet_transformers_bars
+from .own_code import save_own_code
 from .saving import CONFIG_KEY, TOKENIZER_PATTERNS, copy_tokenizer_files, refuse_peft_without_sources, save_wide
 
 
@@ -29,6 +30,7 @@ def save_member(wide, i: int, save_directory: str | Path) -> Path:
         raise TypeError(f"Member {i} is a {type(member).__name__}, not a transformers model: use torch.save.")
     directory = Path(save_directory)
     member.save_pretrained(directory)
+    save_own_code(member, directory)  # (a checkpoint's own code: its config's auto_map names the files)
     sources = getattr(wide, "_source_dirs", None) or []
     if sources:
         copy_tokenizer_files([sources[i] if len(sources) > 1 else sources[0]], directory)
@@ -81,8 +83,8 @@ def push_wide(wide, repo_id: str, *, private: bool | None = None, token: str | N
             if not overwrite_readme and api.file_exists(repo_id, "README.md"):
                 (Path(tmp) / "README.md").unlink()
             stale = ["model*.safetensors", WEIGHTS_INDEX_NAME]
-            if _holds_fused_repo(api, repo_id):  # its tokenizer is the earlier members' (as save_pretrained does)
-                stale += TOKENIZER_PATTERNS
+            if _holds_fused_repo(api, repo_id):  # its tokenizer is the earlier members' (as save_pretrained does),
+                stale += [*TOKENIZER_PATTERNS, "members/*", "generation_config.json"]  # and so are its adapters
             return api.upload_folder(
                 repo_id=repo_id,
                 folder_path=tmp,
@@ -105,9 +107,16 @@ def _holds_fused_repo(api: HfApi, repo_id: str) -> bool:
     return isinstance(config, dict) and CONFIG_KEY in config
 
 
+# An earlier upload's weights, which a member pushed over them replaces: uploads delete nothing, and transformers reads
+# model.safetensors before an index (hf-wide does too), and an adapter's files before a full model's.
+MEMBER_WEIGHTS = ["model*.safetensors", WEIGHTS_INDEX_NAME, "pytorch_model*.bin", "pytorch_model.bin.index.json",
+                  "adapter_model.*", "adapter_config.json"]
+
+
 def push_members(wide, repo_ids: Sequence[str], *, private: bool | None = None, token: str | None = None,
                  commit_message: str | None = None) -> list:
-    """Upload every member as an ordinary transformers repo, member i to ``repo_ids[i]`` (one commit each)."""
+    """Upload every member as an ordinary transformers repo, member i to ``repo_ids[i]`` (one commit each; weights of
+    an earlier upload there are deleted in it, :data:`MEMBER_WEIGHTS`)."""
     repo_ids = list(repo_ids)
     if len(repo_ids) != wide.num_members:
         raise ValueError(f"Got {len(repo_ids)} repo ids for {wide.num_members} members.")
@@ -118,5 +127,6 @@ def push_members(wide, repo_ids: Sequence[str], *, private: bool | None = None, 
         with tempfile.TemporaryDirectory(prefix="hf-wide-") as tmp:
             save_member(wide, i, tmp)
             message = commit_message or f"Upload member {i} ({wide.member_ids[i]}) of a wide model with hf-wide"
-            commits.append(api.upload_folder(repo_id=repo_id, folder_path=tmp, commit_message=message))
+            commits.append(api.upload_folder(repo_id=repo_id, folder_path=tmp, commit_message=message,
+                                             delete_patterns=MEMBER_WEIGHTS))
     return commits

@@ -24,7 +24,7 @@ PER_MEMBER = ("member_ids", "labels", "member_config_overrides", "member_revisio
 
 
 def load_fused(cls, folder: str | Path, *, name: str, dtype: torch.dtype | str | None = None, device=None,
-               members: range | None = None, **model_kwargs):
+               members: range | None = None, trust_remote_code: bool = False, **model_kwargs):
     """A fused repo folder back as a ``cls`` (WideModel), without tracing: the stored plan is reapplied. With
     ``members`` (a member-parallel rank's slice), only those members, and only their bytes are read."""
     import transformers
@@ -33,12 +33,13 @@ def load_fused(cls, folder: str | Path, *, name: str, dtype: torch.dtype | str |
     folder = Path(folder)
     section = read_section(folder)
     _check_section(section, name)
-    config = transformers.AutoConfig.from_pretrained(folder)
+    config = transformers.AutoConfig.from_pretrained(folder, trust_remote_code=trust_remote_code)
     delattr(config, CONFIG_KEY)
     n = section["num_members"]
     members = range(n) if members is None else members
     torch_dtype = config.dtype if dtype in (None, "auto") else dtype
-    template = empty_model(model_class_for(config, name), config, torch_dtype, **model_kwargs)
+    klass = model_class_for(config, name, folder, trust_remote_code)
+    template = empty_model(klass, config, torch_dtype, **model_kwargs)
     generation_config = getattr(template, "generation_config", None)
     if generation_config is not None and (folder / "generation_config.json").exists():
         generation_config = GenerationConfig.from_pretrained(folder)

@@ -56,7 +56,7 @@ def load_wide(
     the members are traced, fused and verified with it. ``torch_dtype``: ``dtype``'s older name, which transformers
     still takes (``dtype`` wins where both are given). See :func:`download_members` for ``subfolder`` and
     ``hub_kwargs``."""
-    check_hub_kwargs(hub_kwargs)
+    hub_kwargs = check_hub_kwargs(hub_kwargs)
     dtype = dtype if dtype is not None else torch_dtype
     unshared = share_identical is False  # asked for: a fused repo that shares a module cannot give it
     # A rank cannot see whether other ranks' members hold the same tensor: member-parallel ranks keep each member's
@@ -95,7 +95,8 @@ def load_wide(
         if len(ids) > 1:
             raise ValueError(f"{fused[0]} is a fused hf-wide repo: load it on its own, not as a member.")
         _refuse_fused_options(ids[0], saved, base_model, base_revision, merge, unshared)
-        wide = load_fused(cls, folders[0], name=ids[0], dtype=torch_dtype, device=device, **model_kwargs)
+        wide = load_fused(cls, folders[0], name=ids[0], dtype=torch_dtype, device=device,
+                          trust_remote_code=trust_remote_code, **model_kwargs)
         validated = False
     elif any(adapters):
         wide = _fuse_adapter_list(cls, ids, folders, adapters, None, load, fuse)
@@ -191,8 +192,9 @@ def _slice_loader(cls, model_ids, revision, subfolder, options: dict):
     dtype, device = resolve_dtype(options["dtype"]), resolve_device(options["device"], options["device_map"])
     implementation = {} if options["attn_implementation"] is None else {
         "attn_implementation": options["attn_implementation"]}
-    return section["num_members"], lambda members: load_fused(cls, folder, name=ids[0], dtype=dtype, device=device,
-                                                              members=members, **implementation)
+    return section["num_members"], lambda members: load_fused(
+        cls, folder, name=ids[0], dtype=dtype, device=device, members=members,
+        trust_remote_code=options["trust_remote_code"], **implementation)
 
 
 def load_members(
@@ -209,7 +211,7 @@ def load_members(
     """Load every member with its own transformers class, or, where the list holds PEFT adapters, as
     ``from_pretrained`` loads them (``PeftModel`` members over their one base: :mod:`hf_wide.adapters`). Returns the
     models, their ids, and the commit sha each was loaded at (None for local folders)."""
-    model_ids = list(model_ids)
+    model_ids, hub_kwargs = list(model_ids), check_hub_kwargs(hub_kwargs, "load_members")
     if not model_ids:
         raise ValueError("WideModel.from_pretrained needs at least one model id; got an empty list.")
     folders = download_members(model_ids, revision, subfolder=subfolder, allow_pickle=allow_pickle, **hub_kwargs)

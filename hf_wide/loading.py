@@ -24,7 +24,7 @@ from huggingface_hub.utils import tqdm as hf_tqdm
 from torch import nn
 
 from .checkpoints import Checkpoint, assemble, same_bytes, skeleton_like, state_tensors
-from .compat import IncompatibleMembersError, check_configs, require_one_dtype
+from .compat import IncompatibleMembersError, check_configs, refuse_other_class, require_one_dtype
 from .fallback_roots import STAND_IN
 from .planner import plan_members, tensor_aliases
 from .samples import sample_inputs
@@ -123,13 +123,12 @@ def load_streaming(cls, ids, folders, names, dtype, device, trust_remote_code, a
     """The low-memory path: member 0 alone for the trace, then the wide model filled from the files.
     Returns None when a checkpoint's tensor names differ from its model's (transformers must convert them)."""
     raw = [transformers.AutoConfig.from_pretrained(f, trust_remote_code=trust_remote_code) for f in folders]
-    classes = [model_class_for(config, name) for config, name in zip(raw, names)]
+    classes = [model_class_for(raw[0], names[0], folders[0], trust_remote_code)]
+    classes += [model_class_for(config, name, folder, trust_remote_code, like=classes[0])
+                for config, name, folder in zip(raw[1:], names[1:], folders[1:])]
     for name, config, klass in zip(names[1:], raw[1:], classes[1:]):
         if klass is not classes[0]:
-            raise IncompatibleMembersError(
-                f"{name} is a {klass.__name__}, but {names[0]} is a {classes[0].__name__}: "
-                "all members must be the same model class."
-            )
+            refuse_other_class(classes[0], klass, names[0], name)
         check_configs(raw[0], config, names[0], name, allow_label_mismatch)
     checkpoints = [Checkpoint(folder) for folder in folders]
     try:
@@ -245,7 +244,8 @@ def load_models(model_ids, folders, torch_dtype, device, allow_pickle, trust_rem
         name = f"member {i} ({model_id})"
         use_safetensors = weights_format(folder, name, allow_pickle)
         models.append(load_member(folder, name, torch_dtype, device=device, use_safetensors=use_safetensors,
-                                   trust_remote_code=trust_remote_code, **model_kwargs))
+                                   trust_remote_code=trust_remote_code, like=type(models[0]) if models else None,
+                                   **model_kwargs))
     return models
 
 
@@ -261,15 +261,16 @@ def quiet_transformers_bars():
             transformers.utils.logging.enable_progress_bar()
 
 
-def load_member(folder, name, torch_dtype, *, device, use_safetensors, trust_remote_code, klass=None,
+def load_member(folder, name, torch_dtype, *, device, use_safetensors, trust_remote_code, klass=None, like=None,
                  may_miss: frozenset[str] | None = None, **model_kwargs):
     """One member with its own transformers class (or ``klass``), refusing a checkpoint that lacks tensors (but those
     named in ``may_miss``, where given: an adapters' base may lack the head each of them saves whole, and
     transformers' load report, which would call such a head newly initialized, is then not shown: see
-    :class:`_HeldReport`). ``model_kwargs`` go to ``from_pretrained`` (an adapter's head may want ``num_labels``)."""
+    :class:`_HeldReport`). ``model_kwargs`` go to ``from_pretrained`` (an adapter's head may want ``num_labels``).
+    ``like``: another member's class, taken where this checkpoint's own code is the same (:func:`model_class_for`)."""
     if klass is None:
         config = transformers.AutoConfig.from_pretrained(folder, trust_remote_code=trust_remote_code)
-        klass = model_class_for(config, name)
+        klass = model_class_for(config, name, folder, trust_remote_code, like=like)
     report = _HeldReport(str(folder)) if may_miss else contextlib.nullcontext()
     with quiet_transformers_bars(), report:
         try:

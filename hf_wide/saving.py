@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 
 from .checkpoints import WEIGHTS_INDEX_NAME, state_tensors
+from .own_code import own_class, save_own_code
 from .plan import Kind, ModulePlan, WidePlan
 from .primitives import PerMemberFallback, VectorisedFallback
 
@@ -123,15 +124,21 @@ def saved_dtype(folder: str | Path) -> str | None:
     return config.get("dtype", config.get("torch_dtype"))
 
 
-def model_class_for(config, name: str) -> type:
-    """The transformers class a config names in ``architectures``."""
+def model_class_for(config, name: str, folder: str | Path | None = None, trust_remote_code: bool = False,
+                    like: type | None = None) -> type:
+    """The transformers class a config names in ``architectures``; or, with ``trust_remote_code``, the checkpoint's
+    own class in ``folder`` (:func:`hf_wide.own_code.own_class`; ``like``: another member's class, taken where this one
+    is the same code)."""
     import transformers
 
     architectures = getattr(config, "architectures", None) or []
     for arch in architectures:
         if hasattr(transformers, arch):
             return getattr(transformers, arch)
-    remote = " (its own code, by the config's auto_map, which from_pretrained does not load)" if getattr(
+    klass = own_class(config, name, folder, trust_remote_code, like)
+    if klass is not None:
+        return klass
+    remote = " (its own code, by the config's auto_map, which names no class of these architectures)" if getattr(
         config, "auto_map", None) else ""
     raise ValueError(
         f"{name}: config.architectures is {architectures!r}, which names no transformers class{remote}; "
@@ -205,6 +212,7 @@ def save_wide(wide, save_directory: str | Path, *, max_shard_size: int | str = D
         (directory / WEIGHTS_INDEX_NAME).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
 
     _save_config(wide, directory, shared)
+    save_own_code(wide.model, directory)
     generation_config = (wide.member_generation_configs or [None])[0]
     if generation_config is not None:
         generation_config.save_pretrained(directory)

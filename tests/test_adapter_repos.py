@@ -135,6 +135,30 @@ def test_the_base_at_the_revision_the_adapters_pin(hub, tmp_path):
     WideModel.from_pretrained([adapters[0], later], base_revision=base_sha, token=TOKEN, cache_dir=tmp_path / "cache")
 
 
+def test_the_base_in_the_list_at_a_revision_of_its_own_is_a_member_of_its_own(hub, tmp_path):
+    """The base's id in the list, at another revision than the one the adapters pin, is that revision's checkpoint: it
+    was taken for the adapters' base, and member 0 came out the pinned base (0.54 off). An ensemble pinned to a branch
+    records the commit its base was loaded at, which a reload uses after the branch has moved on (0.62 off)."""
+    LLAMA.build(0).save_pretrained(tmp_path / "base")
+    base_sha = hub.publish("meta/moving", tmp_path / "base", revision="stable")
+    LLAMA.build(1).save_pretrained(tmp_path / "base-later")
+    hub.publish("meta/moving", tmp_path / "base-later")  # main: other weights
+    adapter = save_adapter(LLAMA, tmp_path / "base", tmp_path / "a0", 0, base_name="meta/moving", r=4,
+                           target_modules=["q_proj"], task_type="CAUSAL_LM", revision="stable")
+    options = dict(token=TOKEN, cache_dir=tmp_path / "cache")
+    wide = WideModel.from_pretrained(["meta/moving", adapter], **options)
+    references = [LLAMA.build(1), alone(LLAMA, tmp_path / "base", adapter)]  # main's weights, then the adapter's
+    inputs = LLAMA.inputs(2, padded=True)
+    assert max_member_error(wide, references, inputs) <= TOLERANCE
+    pinned = WideModel.from_pretrained([adapter, "meta/moving"], revision=[None, "stable"], **options)
+    assert max_member_error(pinned, [references[1], LLAMA.build(0)], inputs) <= TOLERANCE
+    assert pinned.adapter_sources.base_revision == base_sha  # the commit, not the branch
+    pinned.save_pretrained(tmp_path / "saved")
+    hub.publish("meta/moving", tmp_path / "base-later", revision="stable")  # the branch moves on
+    back = WideModel.from_pretrained(str(tmp_path / "saved"), **options)
+    assert max_member_error(back, [references[1], LLAMA.build(0)], inputs) <= TOLERANCE
+
+
 def test_an_ensemble_of_adapters_saved_and_loaded_back(llama_adapters, tmp_path):
     base, adapters = llama_adapters
     wide = WideModel.from_pretrained([str(base), *adapters])

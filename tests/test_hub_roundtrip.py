@@ -182,6 +182,33 @@ def test_push_members_back_as_ordinary_repos(hub, published):
     assert HfApi().file_exists("alice/out-2", "tokenizer.json")
 
 
+def test_a_repo_sharded_once_and_uploaded_whole_since_is_read_as_transformers_reads_it(hub, member_folders,
+                                                                                        tmp_path):
+    """Uploads delete nothing: a repo pushed sharded (seed 2), then whole (seed 0), holds the old index and shards
+    beside the new model.safetensors. transformers reads model.safetensors; hf-wide read the index's shards, and
+    member 0 was seed 2 (0.037 off, without a word)."""
+    members, paths, _ = member_folders
+    members[2].save_pretrained(tmp_path / "sharded", max_shard_size="20KB")
+    assert (tmp_path / "sharded" / "model.safetensors.index.json").exists()
+    hub.publish("alice/evolved", tmp_path / "sharded")
+    hub.publish("alice/evolved", paths[0])
+    wide = WideModel.from_pretrained(["alice/evolved", str(paths[1])])
+    assert max_member_error(wide, members[:2], CASE.inputs(2, padded=True)) <= TOLERANCE
+
+
+def test_push_members_over_sharded_repos_replaces_their_weights(hub, published, tmp_path):
+    """``push_members`` deletes the weights of an earlier upload that it does not replace: pushed over a sharded
+    member, the new model.safetensors stood beside the old index and shards, which hf-wide then read (0.39 off)."""
+    members, _ = published
+    members[1].save_pretrained(tmp_path / "old", max_shard_size="20KB")
+    hub.publish("alice/out-0", tmp_path / "old")
+    wide = fuse()
+    wide.push_members(["alice/out-0", "alice/out-1", "alice/out-2"], token=TOKEN)
+    assert not HfApi().file_exists("alice/out-0", "model.safetensors.index.json")
+    back = WideModel.from_pretrained(["alice/out-0", "alice/out-1"])
+    assert max_member_error(back, members[:2], CASE.inputs(2, padded=True)) <= TOLERANCE
+
+
 def test_a_member_with_a_corrupt_tensor_names_it(hub, published, member_folders, tmp_path):
     _, paths, _ = member_folders
     tensors = load_file(paths[1] / "model.safetensors")
