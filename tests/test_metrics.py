@@ -34,6 +34,24 @@ def test_vote_agreement():
     assert math.isclose(metrics.vote_agreement(votes, torch.tensor([1])).item(), 1 / 3, rel_tol=1e-6)
 
 
+def test_weighted_measures_are_those_of_the_weighted_mixture():
+    """With weights, the measures are the weighted ensemble's (its answer's): weights [0.25, 0.75] mix the members so,
+    and a member weighted 0 counts for nothing (it counted as a full member: disagreement where the answer had none)."""
+    w = torch.tensor([0.25, 0.75])
+    mix = [0.25 * a + 0.75 * b for a, b in zip([0.7, 0.2, 0.1], [0.1, 0.6, 0.3])]
+    expected = 0.25 * h([0.7, 0.2, 0.1]) + 0.75 * h([0.1, 0.6, 0.3])
+    assert math.isclose(metrics.predictive_entropy(P, w).item(), h(mix), rel_tol=1e-6)
+    assert math.isclose(metrics.expected_entropy(P, w).item(), expected, rel_tol=1e-6)
+    assert math.isclose(metrics.mutual_information(P, w).item(), h(mix) - expected, rel_tol=1e-5)
+    assert math.isclose(metrics.vote_agreement(P, weights=w).item(), 0.75, rel_tol=1e-6)  # the answer: class 1
+    only = metrics.uncertainty(P, torch.tensor([1]), torch.tensor([0.0, 1.0]))
+    assert only["mutual_information"].item() == 0.0 and only["member_std"].item() == 0.0
+    assert only["agreement"].item() == 1.0
+    assert math.isclose(only["predictive_entropy"].item(), h([0.1, 0.6, 0.3]), rel_tol=1e-6)
+    plain = metrics.uncertainty(P, torch.tensor([0]))
+    assert math.isclose(plain["member_std"].item(), 0.3, rel_tol=1e-6)  # 0.7 and 0.1: their spread as they are
+
+
 def test_nll_and_ece():
     probs = torch.tensor([[0.9, 0.1], [0.6, 0.4], [0.2, 0.8]])
     labels = torch.tensor([0, 1, 1])

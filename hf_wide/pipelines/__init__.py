@@ -19,7 +19,7 @@ from .calibration import calibrate
 from .classification import ImageClassificationPipeline, TextClassificationPipeline
 from .combine import Combine
 from .feature_extraction import FeatureExtractionPipeline
-from .loading import load_preprocessors, preprocessor_sources
+from .loading import HUB_OPTIONS, load_preprocessors, preprocessor_sources
 from .text_generation import TextGenerationPipeline
 from .token_classification import TokenClassificationPipeline
 
@@ -75,9 +75,10 @@ def pipeline(
     if (tokenizer if kind == "tokenizer" else image_processor) is None:
         # a fused repo by its id: its own files; else each member's own (an adapter's base's, where it has none)
         subfolder = (model_kwargs or {}).get("subfolder")  # (a fused repo in a folder of its repo)
+        hub = {k: v for k, v in (model_kwargs or {}).items() if k in HUB_OPTIONS}
         found = load_preprocessors([(sources[0], revision, subfolder if isinstance(subfolder, str) else None)]
                                    if isinstance(model, (str, os.PathLike)) else
-                                   preprocessor_sources(wide, kind, token=token), kind, token=token)
+                                   preprocessor_sources(wide, kind, token=token, **hub), kind, token=token, **hub)
         tokenizer, image_processor = (found, None) if kind == "tokenizer" else (None, found)
     return pipeline_class(wide, tokenizer=tokenizer, image_processor=image_processor, **kwargs)
 

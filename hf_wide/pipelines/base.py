@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import numbers
 import operator
 import weakref
 from collections.abc import Sequence
@@ -72,9 +73,7 @@ class WidePipeline:
         if self.weights is not None and self.combine != Combine.WEIGHTED:
             raise ValueError(f"weights= are read by combine='weighted' only, and combine is {self.combine.value!r}: "
                              "pass combine='weighted' to weigh the members.")
-        if temperature <= 0:
-            raise ValueError(f"temperature must be positive, got {temperature}.")
-        self.temperature = temperature
+        self.temperature = positive_temperature(temperature)
         # Every padded position costs compute, so batches are padded to their longest input. The wide model
         # compiles with dynamic shapes (one graph for every length), so only static-shape compiles (dynamic=False,
         # or CUDA graphs: mode="reduce-overhead"/"max-autotune") are given power-of-two buckets, which bound the
@@ -223,6 +222,14 @@ class WidePipeline:
     def __repr__(self) -> str:
         return (f"{type(self).__name__}(task={self.task!r}, members={self.model.num_members}, "
                 f"combine={self.combine.value!r}, device={self.device})")
+
+
+def positive_temperature(value) -> float:
+    """``temperature=``, refused unless a positive finite number (a NaN passed ``<= 0``, and every score came back
+    NaN; a string raised a bare TypeError)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0 < value < math.inf:
+        raise ValueError(f"temperature must be a positive finite number, got {value!r}.")
+    return float(value)
 
 
 def whole_number(name: str, value, least: int = 1) -> int:

@@ -37,8 +37,10 @@ def calibrate(pipe: ClassificationPipeline, inputs: Sequence, labels: Sequence[i
     if pipe._regressors():
         raise ValueError("calibrate fits a temperature to classifiers' probabilities; these members are regressors "
                          "(problem_type='regression').")
-    if pipe._multi_label(None):
-        raise ValueError("calibrate fits single-label classifiers; this pipeline is multi-label.")
+    if pipe._multi_label(pipe._defaults[1].get("multi_label")):  # the members' heads, or the pipeline's option
+        raise ValueError("calibrate fits single-label classifiers; this pipeline is multi-label (its members', or "
+                         "multi_label=True / function_to_apply='sigmoid'): a softmax temperature would squash its "
+                         "sigmoids.")
     inputs, labels = list(inputs), list(labels)
     if not inputs or len(inputs) != len(labels):
         raise ValueError(f"calibrate needs one label per input and at least one input: got {len(inputs)} inputs "
@@ -67,6 +69,8 @@ def _label_indices(pipe: ClassificationPipeline, labels: list) -> torch.Tensor:
             if label not in index:
                 raise ValueError(f"Unknown label {label!r}: the members' labels are {names}.")
             out.append(index[label])
+        elif isinstance(label, bool) or int(label) != label:  # 1.9 was read as 1
+            raise ValueError(f"Labels are label names or whole label indices, got {label!r}.")
         elif not 0 <= int(label) < len(names):
             raise ValueError(f"Label index {label} out of range for {len(names)} labels.")
         else:

@@ -30,6 +30,9 @@ class ClassificationPipeline(WidePipeline):
         if multi_label is not None:
             fwd["multi_label"] = post["multi_label"] = multi_label
         if top_k != "":  # None, as in transformers: every label, ranked
+            if self.combine == Combine.NONE:  # (which would answer without it)
+                raise ValueError("top_k ranks the ensemble's labels, and combine='none' has no ensemble answer: each "
+                                 "member gives its own label; use another combine rule to rank labels.")
             post["top_k"] = None if top_k is None else whole_number("top_k", top_k)
         return pre, fwd, post
 
@@ -59,25 +62,20 @@ class ClassificationPipeline(WidePipeline):
             if self.temperature != 1.0:
                 raise ValueError(f"temperature={self.temperature} scales probabilities, and these members are "
                                  "regressors (problem_type='regression'), whose values have none.")
-            return _values(logits.float(), combine_values(logits, self.combine, self.weights))
+            return _values(logits.float(), combine_values(logits, self.combine, self.weights), self.weights)
         member_probs = member_probabilities(logits, multi_label, self.temperature)  # (N, B, C)
         scores = combine(logits, self.combine, self.weights, multi_label, self.temperature)  # (B, C)
         out = {"per_member_probs": member_probs, "scores": scores, "ranking": ranking(scores, member_probs)}
         out["per_member_score"], out["per_member_label"] = member_probs.max(-1)  # (N, B) each
+        weights = self.weights  # (of a weighted ensemble: the measures weigh the members as its answer does)
         if multi_label:  # each label a yes/no question: measures averaged over labels
             binary = torch.stack([member_probs, 1 - member_probs], -1)  # (N, B, C, 2)
-            out["predictive_entropy"] = metrics.predictive_entropy(binary).mean(-1)
-            out["expected_entropy"] = metrics.expected_entropy(binary).mean(-1)
-            out["mutual_information"] = metrics.mutual_information(binary).mean(-1)
-            out["member_std"] = member_probs.std(0, unbiased=False).mean(-1)  # (B,): over labels, as the others
+            out["predictive_entropy"] = metrics.predictive_entropy(binary, weights).mean(-1)
+            out["expected_entropy"] = metrics.expected_entropy(binary, weights).mean(-1)
+            out["mutual_information"] = metrics.mutual_information(binary, weights).mean(-1)
+            out["member_std"] = metrics.member_std(member_probs, weights).mean(-1)  # (B,): over labels, as the others
         else:
-            chosen = out["ranking"].argmax(-1)  # (B,)
-            out["predictive_entropy"] = metrics.predictive_entropy(member_probs)
-            out["expected_entropy"] = metrics.expected_entropy(member_probs)
-            out["mutual_information"] = metrics.mutual_information(member_probs)
-            out["agreement"] = metrics.vote_agreement(member_probs, chosen)
-            index = chosen.view(1, -1, 1).expand(member_probs.shape[0], -1, 1)
-            out["member_std"] = member_probs.gather(-1, index).squeeze(-1).std(0, unbiased=False)  # (B,)
+            out.update(metrics.uncertainty(member_probs, out["ranking"].argmax(-1), weights))
         return out
 
     def postprocess(self, outputs: dict[str, Any], top_k: int | None | str = "", multi_label: bool | None = None):
@@ -99,10 +97,9 @@ class ClassificationPipeline(WidePipeline):
             return {"members": members}
         scores, order = outputs["scores"].tolist(), outputs["ranking"].argsort(descending=True).tolist()  # (C,) each
         result: dict[str, Any] = {}
-        if multi_label and not one:
+        result.update(label=labels[order[0]], score=scores[order[0]])  # the best label, as transformers gives it
+        if multi_label and not one:  # and every label the ensemble says yes to
             result["labels"] = [{"label": labels[i], "score": scores[i]} for i in order if scores[i] > 0.5]
-        else:
-            result.update(label=labels[order[0]], score=scores[order[0]])
         if top_k != "":
             result["top_k"] = [{"label": labels[i], "score": scores[i]} for i in order[:top_k]]
         result["members"] = members
@@ -111,12 +108,12 @@ class ClassificationPipeline(WidePipeline):
         return result
 
 
-def _values(values: torch.Tensor, scores: torch.Tensor) -> dict:
+def _values(values: torch.Tensor, scores: torch.Tensor, weights: torch.Tensor | None = None) -> dict:
     """Regressors' outputs: their values ``(N, B, C)`` and the ensemble's ``(B, C)``, whose largest is the answer,
     with the spread of the members' values of it (``member_std``) as its uncertainty."""
     chosen = scores.argmax(-1)  # (B,)
     mine = values.gather(-1, chosen.view(1, -1, 1).expand(values.shape[0], -1, 1)).squeeze(-1)  # (N, B)
-    out = {"scores": scores, "ranking": scores.double(), "member_std": mine.std(0, unbiased=False)}
+    out = {"scores": scores, "ranking": scores.double(), "member_std": metrics.member_std(mine, weights)}
     out["per_member_score"], out["per_member_label"] = values.max(-1)  # (N, B) each
     return out
 

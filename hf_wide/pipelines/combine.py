@@ -42,6 +42,8 @@ def check_weights(weights: Sequence[float] | torch.Tensor | None, num_members: i
     w = torch.as_tensor(weights, dtype=torch.float32)
     if w.dim() != 1 or w.numel() != num_members:
         raise ValueError(f"weights must hold one number per member: got {tuple(w.shape)} for {num_members} members.")
+    if not torch.isfinite(w).all():  # a NaN passed the checks below, and every score came back NaN
+        raise ValueError(f"weights must be finite numbers, got {w.tolist()}.")
     if (w < 0).any() or w.sum() <= 0:
         raise ValueError("weights must be non-negative and not all zero.")
     return w / w.sum()
@@ -103,6 +105,10 @@ def label_permutations(id2labels: Sequence[Mapping[int, str]]) -> list[torch.Ten
     permutations = []
     for i, mapping in enumerate(id2labels):
         by_name = {v: int(k) for k, v in mapping.items()}
+        if len(by_name) != len(mapping):  # one name twice: which of its classes is which cannot be told
+            twice = sorted({v for v in mapping.values() if list(mapping.values()).count(v) > 1})
+            raise ValueError(f"Member {i} names two classes {twice[0]!r} (id2label {dict(mapping)}): members whose "
+                             "label orders differ are realigned by name, which needs every name once.")
         if set(by_name) != set(names):
             raise ValueError(
                 f"Member {i}'s labels {sorted(by_name)} differ from member 0's {sorted(names)}: members must "

@@ -54,7 +54,11 @@ PREPROCESSOR_FILES = {"tokenizer": ("tokenizer_config.json", "tokenizer.json"),
                       "image_processor": ("preprocessor_config.json",)}
 
 
-def preprocessor_sources(wide, kind: str, token=None) -> list[tuple[str, str | None, str | None]]:
+# The options of from_pretrained that say where the members' files are, which their preprocessors are read with too
+HUB_OPTIONS = ("cache_dir", "local_files_only", "force_download")
+
+
+def preprocessor_sources(wide, kind: str, token=None, **hub) -> list[tuple[str, str | None, str | None]]:
     """(repo id or folder, revision, subfolder) to load each member's tokenizer or image processor from: the
     member's own, at the commit its weights came from (in its subfolder, where it was given one); for an adapter
     that ships none (PEFT saves the adapter alone), its base's, at the base's commit, which is what it was trained
@@ -65,24 +69,24 @@ def preprocessor_sources(wide, kind: str, token=None) -> list[tuple[str, str | N
     for i, (source, revision, sub) in enumerate(zip(wide.member_ids, wide.member_revisions, subfolders)):
         inside = f"{sub.strip('/')}/" if sub else ""
         if adapters is not None and adapters.configs[i] is not None and not any(
-                _has_file(source, inside + name, revision, token) is not False for name in PREPROCESSOR_FILES[kind]):
+                _has_file(source, inside + name, revision, token, **hub) is not False for name in PREPROCESSOR_FILES[kind]):
             source, revision, sub = adapters.base_model, adapters.base_revision, None
         sources.append((str(source), revision, sub))
     return sources
 
 
-def _has_file(source: str, filename: str, revision: str | None, token=None) -> bool | None:
+def _has_file(source: str, filename: str, revision: str | None, token=None, **hub) -> bool | None:
     """Whether the folder or Hub repo ``source`` holds ``filename`` at ``revision``: from the folder, the local
     cache, or the Hub; None where none of them can tell (offline, and not in the default cache). Asked of the Hub
     by downloading it, so that the client caches the answer either way (the file, or its absence at that commit)
     for offline use."""
     if os.path.isdir(source):
         return os.path.isfile(os.path.join(source, filename))
-    cached = try_to_load_from_cache(source, filename, revision=revision)
+    cached = try_to_load_from_cache(source, filename, revision=revision, cache_dir=hub.get("cache_dir"))
     if cached is not None:
         return cached is not _CACHED_NO_EXIST
     try:
-        hf_hub_download(source, filename, revision=revision, token=token)
+        hf_hub_download(source, filename, revision=revision, token=token, **hub)
         return True
     except EntryNotFoundError:
         return False
@@ -90,9 +94,11 @@ def _has_file(source: str, filename: str, revision: str | None, token=None) -> b
         return None
 
 
-def load_preprocessors(sources: Sequence[str | tuple], kind: str, token=None):
+def load_preprocessors(sources: Sequence[str | tuple], kind: str, token=None, **hub):
     """The one tokenizer (``kind="tokenizer"``) or image processor the members share, from ``sources`` (repo ids
-    or folders, or (id, revision) pairs, or (id, revision, subfolder) triples). Members whose vocabularies or
+    or folders, or (id, revision) pairs, or (id, revision, subfolder) triples); ``hub``: :data:`HUB_OPTIONS` as the
+    members were loaded with (a ``cache_dir``: the tokenizer was fetched into the default cache, and offline not
+    found). Members whose vocabularies or
     settings differ are refused with a message naming them: pass ``tokenizer=`` (or ``image_processor=``) yourself
     to use one for all. So is a tokenizer with no vocabulary (no tokenizer files)."""
     from transformers import AutoImageProcessor, AutoTokenizer
@@ -106,7 +112,7 @@ def load_preprocessors(sources: Sequence[str | tuple], kind: str, token=None):
         source, revision, sub = place
         try:
             if place not in once:
-                once[place] = auto.from_pretrained(source, revision=revision, token=token,
+                once[place] = auto.from_pretrained(source, revision=revision, token=token, **hub,
                                                    **({"subfolder": sub} if sub else {}))
             loaded.append(once[place])
         except (OSError, ValueError) as exc:

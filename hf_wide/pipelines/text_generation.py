@@ -18,6 +18,7 @@ penalty, ...), as its own generate would. Rows stop at an eos token. Per-member 
 from __future__ import annotations
 
 import inspect
+import numbers
 import threading
 from typing import Any
 
@@ -25,7 +26,7 @@ import torch
 
 from .. import metrics
 from ..verify_cache import cache_name as cache_name_of
-from .base import WidePipeline, _max_length, whole_number
+from .base import WidePipeline, _max_length, positive_temperature, whole_number
 from .combine import Combine, combine, member_probabilities, ranking
 from .generation_settings import GenerationSettings
 
@@ -60,10 +61,9 @@ class TextGenerationPipeline(GenerationSettings, WidePipeline):
         if max_new_tokens is not None:
             max_new_tokens = whole_number("max_new_tokens", max_new_tokens)
             pre["max_new_tokens"] = max_new_tokens  # each prompt's budget, in its features
-        if temperature is not None and temperature <= 0:
-            raise ValueError(f"temperature must be positive, got {temperature}.")
+        temperature = None if temperature is None else positive_temperature(temperature)
         top_k = None if top_k is None else whole_number("top_k", top_k)
-        if top_p is not None and not 0 < top_p <= 1:
+        if top_p is not None and (isinstance(top_p, bool) or not isinstance(top_p, numbers.Real) or not 0 < top_p <= 1):
             raise ValueError(f"top_p must be in (0, 1], got {top_p}.")
         options = dict(do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
                        generator=generator, return_members=return_members, eos_token_id=eos_token_id)
@@ -190,7 +190,7 @@ class TextGenerationPipeline(GenerationSettings, WidePipeline):
             else:
                 token = ranking(probs, member_probs).argmax(-1)  # (B,)
             token = token.masked_fill(done, self._pad_id())
-            steps.append({"tokens": token, "valid": ~done, **_measures(member_probs, token)})
+            steps.append({"tokens": token, "valid": ~done, **metrics.uncertainty(member_probs, token, self.weights)})
             done = done | torch.isin(token, eos) | (budgets <= step + 1)
             if done.all():
                 break
@@ -230,18 +230,6 @@ class TextGenerationPipeline(GenerationSettings, WidePipeline):
     def _keeps_logits(self) -> bool:
         """Whether the model can compute logits for the last position only (most causal LMs can)."""
         return "logits_to_keep" in inspect.signature(self.model.model.forward).parameters
-
-
-def _measures(member_probs: torch.Tensor, token: torch.Tensor) -> dict[str, torch.Tensor]:
-    """The classification measures of one step, (N, B, V) member probabilities -> (B,) each."""
-    chosen = member_probs.gather(-1, token.view(1, -1, 1).expand(member_probs.shape[0], -1, 1)).squeeze(-1)
-    return {
-        "predictive_entropy": metrics.predictive_entropy(member_probs),
-        "expected_entropy": metrics.expected_entropy(member_probs),
-        "mutual_information": metrics.mutual_information(member_probs),
-        "member_std": chosen.std(0, unbiased=False),
-        "agreement": metrics.vote_agreement(member_probs, token),
-    }
 
 
 def _filter(probs: torch.Tensor, top_k: int | None, top_p: float | None) -> torch.Tensor:

@@ -104,7 +104,7 @@ class TokenClassificationPipeline(WidePipeline):
         scores = outputs["scores"][:length].float().numpy()
         rank = outputs["ranking"][:length].numpy()  # float64: a vote tie's nudge rounds away in float32
         units = _units(tokens, scores, rank, member_probs, aggregation_strategy)
-        _add_uncertainty(units)
+        _add_uncertainty(units, self.weights)
         entities = _entities(units, labels, aggregation_strategy, ignore, self.tokenizer, with_uncertainty=True)
         return {"entities": entities, "members": members}
 
@@ -166,19 +166,14 @@ def _units(tokens: list[dict], scores: np.ndarray, rank: np.ndarray, member_prob
     return units
 
 
-def _add_uncertainty(units: list[dict]) -> None:
-    """Each unit's classification measures, from its member probabilities ``(N, C)``, all units at once."""
+def _add_uncertainty(units: list[dict], weights: torch.Tensor | None = None) -> None:
+    """Each unit's classification measures, from its member probabilities ``(N, C)``, all units at once (``weights``:
+    a weighted ensemble's, :func:`hf_wide.metrics.uncertainty`)."""
     if not units:
         return
     probs = torch.stack([u["probs"] for u in units], 1)  # (N, K, C)
-    chosen = torch.tensor([u["label"] for u in units])  # (K,)
-    measures = {
-        "predictive_entropy": metrics.predictive_entropy(probs),
-        "expected_entropy": metrics.expected_entropy(probs),
-        "mutual_information": metrics.mutual_information(probs),
-        "member_std": probs[:, torch.arange(len(units)), chosen].std(0, unbiased=False),
-        "agreement": metrics.vote_agreement(probs, chosen),
-    }
+    chosen = torch.tensor([u["label"] for u in units], device=probs.device)  # (K,)
+    measures = metrics.uncertainty(probs, chosen, weights)
     for k, unit in enumerate(units):
         unit["uncertainty"] = {key: float(measures[key][k]) for key in UNCERTAINTY_KEYS}
 

@@ -93,3 +93,21 @@ def test_only_classification_pipelines_are_calibrated(setup):
                     tokenizer=tokenizer)
     with pytest.raises(TypeError, match="classification pipelines"):
         calibrate(pipe, TEXTS, labels)
+
+
+def test_a_sigmoid_pipeline_is_refused_as_multi_label_members_are(setup):
+    """``function_to_apply="sigmoid"`` (or ``multi_label=True``) on single-label members: calibrate fitted a softmax
+    temperature (19.9) that squashed every sigmoid answer to 0.5."""
+    tokenizer, wide, _, labels = setup
+    for option in ({"function_to_apply": "sigmoid"}, {"multi_label": True}):
+        pipe = pipeline("text-classification", model=wide, tokenizer=tokenizer, **option)
+        with pytest.raises(ValueError, match="multi-label"):
+            calibrate(pipe, TEXTS, labels)
+        assert pipe.temperature == 1.0
+
+
+def test_labels_that_are_no_whole_index_are_refused(setup):
+    tokenizer, wide, _, labels = setup
+    pipe = pipeline("text-classification", model=wide, tokenizer=tokenizer)
+    with pytest.raises(ValueError, match="whole label indices, got 1.9"):  # it was read as 1
+        calibrate(pipe, TEXTS[:2], [1.9, 0])

@@ -118,6 +118,18 @@ def test_weighted_and_none(pipe, text_members):
     assert weighted["score"] == pytest.approx(float(alone.max()), abs=1e-5)
     none = pipeline("text-classification", model=pipe.model, tokenizer=tokenizer, combine="none")(TEXTS[1])
     assert set(none) == {"members"} and len(none["members"]) == N
+    entropy = float(-(alone * alone.log()).sum())  # the answer is member 2's, and so is its uncertainty
+    assert weighted["uncertainty"]["predictive_entropy"] == pytest.approx(entropy, abs=1e-5)
+    assert weighted["uncertainty"]["mutual_information"] == 0.0 and weighted["uncertainty"]["agreement"] == 1.0
+    with pytest.raises(ValueError, match="combine='none' has no ensemble answer"):
+        pipeline("text-classification", model=pipe.model, tokenizer=tokenizer, combine="none")(TEXTS[1], top_k=2)
+
+
+@pytest.mark.parametrize("temperature", [float("nan"), float("inf"), "2", 0])
+def test_a_temperature_that_is_no_positive_finite_number_is_refused(pipe, text_members, temperature):
+    models, tokenizer, _ = text_members  # (a NaN answered NaN scores; a string raised a bare TypeError)
+    with pytest.raises(ValueError, match="positive finite number"):
+        pipeline("text-classification", model=pipe.model, tokenizer=tokenizer, temperature=temperature)
 
 
 def test_top_k(pipe):
@@ -282,6 +294,8 @@ def test_function_to_apply_as_transformers_takes_it(pipe, text_members):
     for entry in ours:  # each label on its own: the members' sigmoids, averaged
         mean = sum(next(t["score"] for t in member if t["label"] == entry["label"]) for member in theirs) / len(models)
         assert entry["score"] == pytest.approx(mean, abs=1e-6)
+    best = max(ours, key=lambda entry: entry["score"])  # the best label and its score, as transformers answers
+    assert pipe(TEXTS[0], function_to_apply="sigmoid")["label"] == best["label"]
     assert pipe(TEXTS[0], function_to_apply="softmax") == pipe(TEXTS[0])
     assert pipe(TEXTS[0], function_to_apply="SIGMOID") == pipe(TEXTS[0], multi_label=True)
     with pytest.raises(ValueError, match="no meaning for an ensemble"):

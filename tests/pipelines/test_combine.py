@@ -63,6 +63,9 @@ def test_bad_options():
         check_weights([1, 2], 3)
     with pytest.raises(ValueError, match="non-negative"):
         check_weights([1, -1, 1], 3)
+    for bad in (float("nan"), float("inf")):  # both passed, and every score came back NaN
+        with pytest.raises(ValueError, match="finite"):
+            check_weights([bad, 1, 1], 3)
 
 
 def test_labels_realigned_by_name():
@@ -74,6 +77,12 @@ def test_labels_realigned_by_name():
     assert label_permutations([{0: "a", 1: "b"}] * 2) is None
     with pytest.raises(ValueError, match="Member 1's labels"):
         label_permutations([{0: "a", 1: "b"}, {0: "a", 1: "c"}])
+
+
+def test_a_label_named_twice_cannot_be_realigned_by_name():
+    """Realigned by name, member 1 below lost one class's logit and took another's twice (the same label set)."""
+    with pytest.raises(ValueError, match="Member 0 names two classes 'x'"):
+        label_permutations([{0: "x", 1: "x", 2: "y"}, {0: "y", 1: "x", 2: "x"}])
 
 
 def test_vote_ties_are_broken_by_the_mean_probability_in_float32():

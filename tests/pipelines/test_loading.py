@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 import transformers
+from huggingface_hub import constants
 from conftest import CASES
 from hub_server import hub  # noqa: F401
 from text_members import bert_tokenizer, build_members, decoder_tokenizer, save_members
@@ -43,6 +44,20 @@ def test_members_from_the_hub_and_from_folders_share_their_tokenizer(members, tm
     assert pipeline("text-classification", model=["alice/m0", paths[1]])(TEXTS) == pipeline(
         "text-classification", model=paths)(TEXTS) == pipeline(
         "text-classification", model=[Path(p) for p in paths])(TEXTS)  # folders as paths, as transformers takes them
+
+
+def test_the_tokenizer_is_read_from_the_cache_the_members_were(members, tmp_path, hub):  # noqa: F811
+    """``model_kwargs={"cache_dir": ...}`` held the members' files and not their tokenizer's, which went to the default
+    cache: offline, with the default cache empty, the pipeline could not load it."""
+    paths = save_members(tmp_path, members, bert_tokenizer(tmp_path / "tok"))
+    for i, path in enumerate(paths):
+        hub.publish(f"alice/cached-{i}", path)
+    ids, options = ["alice/cached-0", "alice/cached-1"], {"cache_dir": str(tmp_path / "mine")}
+    online = pipeline("text-classification", model=ids, model_kwargs=options)(TEXTS)
+    assert not list(Path(constants.HF_HUB_CACHE).glob("models--alice--cached-*"))  # nothing in the default cache
+    assert list((tmp_path / "mine").glob("models--alice--cached-0/snapshots/*/tokenizer.json"))
+    offline = pipeline("text-classification", model=ids, model_kwargs={**options, "local_files_only": True})(TEXTS)
+    assert offline == online
 
 
 def test_members_whose_tokenizers_differ_are_refused(members, tmp_path):
