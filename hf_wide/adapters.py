@@ -176,8 +176,11 @@ def load_adapter_base(ids, folders, configs, *, base_model=None, base_revision=N
     base_id = base_of(configs, names, base_model)
     base_revision = base_revision_of(configs, names, base_model, base_revision)
     try:
-        (base_folder,) = download_members([base_id], base_revision, allow_pickle=allow_pickle, **(hub_kwargs or {}))
-    except (MemberLoadError, OSError) as exc:
+        (base_folder,) = download_members([base_id], base_revision, allow_pickle=allow_pickle,
+                                          names=[f"The base model {base_id!r} of the adapters"], **(hub_kwargs or {}))
+    except MemberLoadError:  # naming the base (it was "member 0 (...)")
+        raise
+    except OSError as exc:
         raise MemberLoadError(f"The base model {base_id!r} of the adapters could not be loaded: {exc}") from exc
     base_name = f"the base model ({base_id})"
     base_config = transformers.AutoConfig.from_pretrained(base_folder, trust_remote_code=trust_remote_code)

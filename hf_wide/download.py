@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from huggingface_hub import is_offline_mode, list_repo_files, snapshot_download
+from huggingface_hub import HfApi, is_offline_mode, snapshot_download
 from huggingface_hub.errors import HFValidationError, RepositoryNotFoundError
 from huggingface_hub.utils import tqdm as hf_tqdm
 
@@ -64,6 +64,9 @@ REFUSED_OPTIONS = {
     "quantization_config": "quantized members are not supported: load them in float32, float16 or bfloat16 (dtype=).",
     "load_in_8bit": "quantized members are not supported: load them in float32, float16 or bfloat16 (dtype=).",
     "load_in_4bit": "quantized members are not supported: load them in float32, float16 or bfloat16 (dtype=).",
+    "variant": "hf-wide reads a checkpoint's model.safetensors (or its shards), not a variant's "
+               "(model.<variant>.safetensors): load the members with transformers (variant=) and fuse them with "
+               "WideModel.from_models.",
 }
 # Options transformers 5 takes and no longer uses: taken here alike (hf-wide's loading always holds little memory).
 IGNORED_OPTIONS = frozenset({"low_cpu_mem_usage", "_fast_init", "offload_state_dict", "mirror"})
@@ -95,12 +98,14 @@ def download_members(
     subfolder: str | Sequence[str | None] | None = None,
     allow_pickle: bool = False,
     max_workers: int = 8,
+    names: Sequence[str] | None = None,
     **hub_kwargs,
 ) -> list[Path]:
     """Local folders for every member: existing directories as they are, Hub repos via ``snapshot_download``
     (in parallel, one progress bar). ``subfolder``: where in the repo (or folder) the member is, as transformers'
     ``from_pretrained(..., subfolder=)`` takes it (one for all, or one per member: a training run's
-    ``checkpoint-N`` folders, say). ``hub_kwargs``: ``token``, ``cache_dir``, ``local_files_only``,
+    ``checkpoint-N`` folders, say). ``names``: how errors name them (``member i (id)`` by default).
+    ``hub_kwargs``: ``token``, ``cache_dir``, ``local_files_only``,
     ``force_download``."""
     hub_kwargs = check_hub_kwargs(hub_kwargs)
     revisions = per_member(revision, len(model_ids))
@@ -110,7 +115,7 @@ def download_members(
 
     def fetch(item: tuple[int, str, str | None, str | None]) -> Path:
         i, model_id, rev, sub = item
-        name = member_name(i, model_id, sub) + (f" at revision {rev!r}" if rev else "")
+        name = (names[i] if names else member_name(i, model_id, sub)) + (f" at revision {rev!r}" if rev else "")
         if os.path.isdir(model_id):
             return _inside(Path(model_id), sub, name)
         try:
@@ -123,8 +128,8 @@ def download_members(
                                       f"{model_id!r} is not a Hub repo id ('org/name') either.") from exc
             if isinstance(exc, RepositoryNotFoundError):
                 hint = "\nIf the repo is private or gated, pass token= (or log in with `hf auth login`)."
-            if "/" in model_id:  # 'models/seed-0' reads as a repo id, and may have been meant as a folder
-                hint += f"\nThere is no local folder {os.path.abspath(model_id)} either."
+            if isinstance(exc, RepositoryNotFoundError) and "/" in model_id:  # 'models/seed-0' reads as a repo id,
+                hint += f"\nThere is no local folder {os.path.abspath(model_id)} either."  # and may be meant as a folder
             raise MemberLoadError(f"{name}: {type(exc).__name__}: {exc}{hint}") from exc
         sha, folder = folder.name, _inside(folder, sub, name)
         if not allow_pickle and not any(folder.rglob("*.safetensors")):  # (a fused LoRA ensemble's: members/)
@@ -172,7 +177,8 @@ def _refuse_if_pickle_only(model_id: str, sha: str, name: str, hub_kwargs: dict,
     """The download skipped pickle files; ask the repo's file list whether that is all it has (online only)."""
     if hub_kwargs.get("local_files_only") or is_offline_mode():
         return
-    files = list_repo_files(model_id, revision=sha, token=hub_kwargs.get("token"))
+    api = HfApi(endpoint=hub_kwargs.get("endpoint"), token=hub_kwargs.get("token"), headers=hub_kwargs.get("headers"))
+    files = api.list_repo_files(model_id, revision=sha)  # (of the endpoint it was downloaded from)
     prefix = f"{subfolder.strip('/')}/" if subfolder else ""
     if any(f.endswith(".bin") and f.startswith(prefix) for f in files):
         raise ValueError(

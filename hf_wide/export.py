@@ -59,8 +59,8 @@ def save_members(wide, save_directory: str | Path, names: Sequence[str] | None =
 
 # ---------------------------------------------------------------- to the Hub
 def push_wide(wide, repo_id: str, *, private: bool | None = None, token: str | None = None,
-              commit_message: str | None = None, create_pr: bool = False, overwrite_readme: bool = False,
-              **save_kwargs):
+              commit_message: str | None = None, create_pr: bool = False, revision: str | None = None,
+              overwrite_readme: bool = False, **save_kwargs):
     """Save ``wide`` as a fused repo in a temporary folder and upload it to ``repo_id`` in one commit (the repo is
     created if needed). A README.md already in the repo is kept unless ``overwrite_readme``; weight files of an
     earlier upload that this one does not replace are deleted in the same commit, and so are the tokenizer and
@@ -76,32 +76,35 @@ def push_wide(wide, repo_id: str, *, private: bool | None = None, token: str | N
         return from_rank_zero(group, work, what)
 
     repo_id = on_hub(lambda: api.create_repo(repo_id, private=private, exist_ok=True).repo_id, "Creating the repo")
+    if revision is not None:  # a branch of its own, from main (it was a TypeError naming an inner function)
+        on_hub(lambda: api.create_branch(repo_id, branch=revision, exist_ok=True), f"Creating the branch {revision}")
     with tempfile.TemporaryDirectory(prefix="hf-wide-") as tmp:
         save_wide(wide, tmp, repo_id=repo_id, overwrite_readme=True, **save_kwargs)
 
         def upload():
-            if not overwrite_readme and api.file_exists(repo_id, "README.md"):
+            if not overwrite_readme and api.file_exists(repo_id, "README.md", revision=revision):
                 (Path(tmp) / "README.md").unlink()
             stale = ["model*.safetensors", WEIGHTS_INDEX_NAME]
-            if _holds_fused_repo(api, repo_id):  # its tokenizer is the earlier members' (as save_pretrained does),
+            if _holds_fused_repo(api, repo_id, revision):  # its tokenizer is the earlier members' (as save_pretrained does),
                 stale += [*TOKENIZER_PATTERNS, "members/*", "generation_config.json"]  # and so are its adapters
             return api.upload_folder(
                 repo_id=repo_id,
                 folder_path=tmp,
                 commit_message=commit_message or f"Upload a wide model of {wide.num_members} members with hf-wide",
                 create_pr=create_pr,
+                revision=revision,
                 delete_patterns=stale,
             )
 
         return on_hub(upload, f"Uploading to {repo_id}")
 
 
-def _holds_fused_repo(api: HfApi, repo_id: str) -> bool:
-    """Whether the repo's main branch holds a fused repo (a config.json with an ``hf_wide`` section)."""
-    if not api.file_exists(repo_id, "config.json"):
+def _holds_fused_repo(api: HfApi, repo_id: str, revision: str | None = None) -> bool:
+    """Whether the repo's branch (main by default) holds a fused repo (a config.json with an ``hf_wide`` section)."""
+    if not api.file_exists(repo_id, "config.json", revision=revision):
         return False
     try:
-        config = json.loads(Path(api.hf_hub_download(repo_id, "config.json")).read_text())
+        config = json.loads(Path(api.hf_hub_download(repo_id, "config.json", revision=revision)).read_text())
     except ValueError:  # not JSON: no fused repo's
         return False
     return isinstance(config, dict) and CONFIG_KEY in config

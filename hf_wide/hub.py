@@ -10,13 +10,15 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Sequence
+from pathlib import Path
 
 import torch
 
 from .adapter_repos import adapter_folders
 from .adapters import adapter_config, load_adapter_members
 from .compat import refuse_unfused_attention
-from .download import as_ids, check_hub_kwargs, commit_sha, download_members, member_name, per_member, subfolders_of
+from .download import (MemberLoadError, as_ids, check_hub_kwargs, commit_sha, download_members, member_name,
+                       per_member, subfolders_of)
 from .fuse import needs_verifying
 from .loading import load_models, load_streaming, resolve_device, resolve_dtype, verified, weights_format
 from .fused_load import load_fused
@@ -157,6 +159,10 @@ def _fuse_checkpoints(cls, ids, folders, names, load: dict, fuse: dict):
     safetensors files where it can be (:func:`~hf_wide.loading.load_streaming`, then verified), else the members
     loaded as models and fused (pickle weights, or tensor names that transformers converts on load)."""
     wide = None
+    for folder, name in zip(folders, names):  # (transformers' "Unrecognized model" named neither)
+        if not (Path(folder) / "config.json").is_file():
+            raise MemberLoadError(f"{name}: there is no config.json in {folder}: a member is a transformers "
+                                  "checkpoint (config.json and its weights) or a PEFT adapter (adapter_config.json).")
     if all(weights_format(folder, name, load["allow_pickle"]) for folder, name in zip(folders, names)):
         wide = load_streaming(cls, ids, folders, names, load["dtype"], load["device"], load["trust_remote_code"],
                               fuse["allow_label_mismatch"], fuse["share_identical"], load["model_kwargs"])

@@ -42,14 +42,17 @@ class WideHubMixin:
                          processor=processor, overwrite_readme=overwrite_readme)
 
     def push_to_hub(self, repo_id: str, *, private: bool | None = None, token: str | None = None,
-                    commit_message: str | None = None, create_pr: bool = False, overwrite_readme: bool = False,
-                    **save_kwargs):
-        """Upload the fused repo to ``repo_id`` in one commit; a README already there is kept unless
-        ``overwrite_readme``. See :func:`hf_wide.export.push_wide`."""
+                    commit_message: str | None = None, create_pr: bool = False, revision: str | None = None,
+                    overwrite_readme: bool = False, max_shard_size: int | str = "5GB", tokenizer=None,
+                    processor=None):
+        """Upload the fused repo to ``repo_id`` in one commit (to branch ``revision``, made from main if it is not
+        there, as transformers' ``push_to_hub`` does); a README already there is kept unless ``overwrite_readme``.
+        See :func:`hf_wide.export.push_wide`."""
         from .export import push_wide
 
         return push_wide(self, repo_id, private=private, token=token, commit_message=commit_message,
-                         create_pr=create_pr, overwrite_readme=overwrite_readme, **save_kwargs)
+                         create_pr=create_pr, revision=revision, overwrite_readme=overwrite_readme,
+                         max_shard_size=max_shard_size, tokenizer=tokenizer, processor=processor)
 
     def save_members(self, save_directory, names: Sequence[str] | None = None):
         """Every member as an ordinary transformers repo in ``save_directory/member-{i}``: the inverse of fusion

@@ -171,6 +171,8 @@ def save_wide(wide, save_directory: str | Path, *, max_shard_size: int | str = D
 
         section = {k: v for k, v in wide_config_section(wide, []).items() if k in (
             "format_version", "num_members", "member_ids", "member_revisions", "member_subfolders")}
+        if earlier:
+            _clear_earlier(directory)
         save_adapter_ensemble(wide, directory, section, repo_id, overwrite_readme)
         _save_preprocessors(wide, directory, tokenizer, processor, earlier)
         return directory
@@ -188,7 +190,9 @@ def save_wide(wide, save_directory: str | Path, *, max_shard_size: int | str = D
               for k, t in states[0].items()}
     split = split_torch_state_dict_into_shards(stored, filename_pattern="model{suffix}.safetensors",
                                                max_shard_size=max_shard_size)
-    if writes:
+    if writes and earlier:
+        _clear_earlier(directory)
+    elif writes:
         for old in chain(directory.glob("model*.safetensors"), directory.glob(WEIGHTS_INDEX_NAME)):
             old.unlink()
     for filename, keys in split.filename_to_tensors.items():
@@ -221,6 +225,18 @@ def save_wide(wide, save_directory: str | Path, *, max_shard_size: int | str = D
     if overwrite_readme or not readme.exists():
         readme.write_text(model_card(wide, repo_id))
     return directory
+
+
+def _clear_earlier(directory: Path) -> None:
+    """The files of an earlier fused repo in ``directory`` that the one saved now replaces: its weights, its adapters'
+    folders and its generation config (a fused repo of adapters saved over one of full members kept its
+    model.safetensors beside the adapters, and the other way round)."""
+    from .adapter_repos import MEMBERS_DIR
+
+    for old in chain(directory.glob("model*.safetensors"), directory.glob(WEIGHTS_INDEX_NAME),
+                     directory.glob("generation_config.json")):
+        old.unlink()
+    shutil.rmtree(directory / MEMBERS_DIR, ignore_errors=True)
 
 
 def _stacked(group, tensors: list[torch.Tensor]) -> torch.Tensor:

@@ -34,8 +34,9 @@ def test_adapters_of_different_bases_are_refused(llama_adapters, tmp_path):
 
 def test_a_base_that_cannot_be_found(llama_adapters):
     _, adapters = llama_adapters
-    with pytest.raises(MemberLoadError, match="base model 'nobody/nothing'"):
+    with pytest.raises(MemberLoadError, match="base model 'nobody/nothing'") as refused:
         WideModel.from_pretrained(adapters[:2], base_model="nobody/nothing", local_files_only=True)
+    assert "member 0" not in str(refused.value)  # (the base was called so)
 
 
 def test_unsupported_adapters_are_refused_and_merge_is_the_way_out(llama_adapters, tmp_path):
@@ -170,6 +171,11 @@ def test_an_ensemble_of_adapters_saved_and_loaded_back(llama_adapters, tmp_path)
     with torch.no_grad():
         assert torch.equal(back(**inputs).logits, wide(**inputs).logits)
     assert back.member_ids == wide.member_ids
+    full = WideModel.from_models([LLAMA.model_class.from_pretrained(base), LLAMA.build(5)])  # one kind over another
+    full.save_pretrained(tmp_path / "ensemble")
+    assert not (tmp_path / "ensemble" / "members").exists()  # (the adapters' folders were left beside it)
+    wide.save_pretrained(tmp_path / "ensemble")
+    assert not (tmp_path / "ensemble" / "model.safetensors").exists()  # (and its weights beside them)
     folders = wide.save_members(tmp_path / "members")
     # the base itself is no adapter: its own repo (there was no folder, and a gap in the members' numbers)
     saved_base = LLAMA.model_class.from_pretrained(folders[0]).eval()

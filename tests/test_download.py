@@ -7,7 +7,7 @@ from conftest import CASES
 from oracle import TOLERANCE, max_member_error
 
 from hf_wide import WideModel
-from hf_wide.download import check_hub_kwargs
+from hf_wide.download import MemberLoadError, check_hub_kwargs
 
 
 def test_hub_options_pass_through():
@@ -21,6 +21,7 @@ def test_hub_options_pass_through():
     ("load_in_8bit", True, "quantized members"),
     ("quantization_config", object(), "quantized members"),
     ("use_safetensors", False, "allow_pickle=True"),
+    ("variant", "fp16", "not a variant's"),
 ])
 def test_options_hf_wide_cannot_honour_say_why(name, value, match):
     with pytest.raises(ValueError, match=match):
@@ -47,3 +48,12 @@ def test_low_cpu_mem_usage_is_taken_as_transformers_takes_it(tmp_path):
     wide = WideModel.from_pretrained([str(tmp_path / f"m{i}") for i in range(2)], low_cpu_mem_usage=True)
     inputs = case.inputs(batch=2, padded=True)
     assert max_member_error(wide, members, inputs) <= TOLERANCE
+
+
+def test_a_member_folder_without_a_config_is_named(tmp_path):
+    """transformers' "Unrecognized model in <folder>" named neither the member nor the file missing."""
+    CASES["bert-seqcls"].build(0).save_pretrained(tmp_path / "m0")
+    (tmp_path / "m1").mkdir()
+    (tmp_path / "m1" / "model.safetensors").write_bytes((tmp_path / "m0" / "model.safetensors").read_bytes())
+    with pytest.raises(MemberLoadError, match=r"member 1 \(.*m1\): there is no config.json in"):
+        WideModel.from_pretrained([str(tmp_path / "m0"), str(tmp_path / "m1")])

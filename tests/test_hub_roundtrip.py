@@ -74,6 +74,18 @@ def test_members_to_fused_repo_and_back(hub, published, tmp_path):
     assert not any(p.endswith(".bin") for p in downloads)
 
 
+def test_a_fused_repo_pushed_to_a_branch_of_its_own(hub, published, tmp_path):
+    """``push_to_hub(..., revision="dev")``, as transformers takes it: the branch is made from main (it raised
+    "save_wide() got an unexpected keyword argument 'revision'"); main is left as it was."""
+    members, _ = published
+    wide = fuse()
+    main = hub.publish("alice/branched", {"README.md": "main's own"})
+    wide.push_to_hub("alice/branched", token=TOKEN, revision="dev")
+    assert hub.repos["alice/branched"].branches["main"] == main
+    back = WideModel.from_pretrained("alice/branched", revision="dev", token=TOKEN, cache_dir=tmp_path / "fresh")
+    assert max_member_error(back, members, CASE.inputs(2, padded=True)) <= TOLERANCE
+
+
 def test_pipeline_on_a_fused_repo_id(hub, published, member_folders):
     from hf_wide.pipelines import pipeline
 
