@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import numbers
-import operator
 import weakref
 from collections.abc import Sequence
 from typing import Any
@@ -24,6 +22,7 @@ from torch.nn.utils.rnn import pad_sequence
 from ..model import WideModel
 from ..packing import packed, worth_packing
 from .combine import Combine, check_weights, label_permutations
+from .options import positive_temperature, whole_number
 from .packing import enable_first_tokens, enable_packing
 
 PROGRESS_MIN_ITEMS = 256  # show a progress bar from this many inputs on
@@ -222,25 +221,6 @@ class WidePipeline:
     def __repr__(self) -> str:
         return (f"{type(self).__name__}(task={self.task!r}, members={self.model.num_members}, "
                 f"combine={self.combine.value!r}, device={self.device})")
-
-
-def positive_temperature(value) -> float:
-    """``temperature=``, refused unless a positive finite number (a NaN passed ``<= 0``, and every score came back
-    NaN; a string raised a bare TypeError)."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0 < value < math.inf:
-        raise ValueError(f"temperature must be a positive finite number, got {value!r}.")
-    return float(value)
-
-
-def whole_number(name: str, value, least: int = 1) -> int:
-    """``value`` of the option ``name``, refused unless it is a whole number of at least ``least``."""
-    try:
-        number = None if isinstance(value, bool) else operator.index(value)  # an int, or numpy's
-    except TypeError:
-        number = None
-    if number is None or number < least:
-        raise ValueError(f"{name} must be a whole number of at least {least}, got {value!r}.")
-    return number
 
 
 def _device(device: str | int | torch.device) -> torch.device:

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 import torch
 
 from .. import metrics
-from .base import whole_number
+from .options import whole_number
 from .classification import ClassificationPipeline
 from .combine import Combine, combine, realign
 

@@ -7,9 +7,10 @@ from typing import Any
 import torch
 
 from .. import metrics
-from .base import WidePipeline, whole_number
+from .base import WidePipeline
 from .combine import Combine, combine, combine_values, member_probabilities, ranking, realign
 from .inputs import load_image, text_and_pair, tokenize_many
+from .options import whole_number
 
 
 class ClassificationPipeline(WidePipeline):

@@ -26,9 +26,10 @@ import torch
 
 from .. import metrics
 from ..verify_cache import cache_name as cache_name_of
-from .base import WidePipeline, _max_length, positive_temperature, whole_number
+from .base import WidePipeline, _max_length
 from .combine import Combine, combine, member_probabilities, ranking
 from .generation_settings import GenerationSettings
+from .options import positive_temperature, whole_number
 
 # Held while members' own continuations draw from torch's global generator (transformers' sampling takes no other)
 GLOBAL_RNG = threading.Lock()
