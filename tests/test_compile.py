@@ -121,6 +121,31 @@ def test_a_compiled_vectorised_module_gives_each_member_its_own_output(dynamic):
                 assert (out[i] - main_output(member(**inputs))).abs().max() <= TOLERANCE
 
 
+def test_a_compiled_whole_model_takes_another_batch_of_images_than_of_texts():
+    """CLIP members whose ``logit_scale`` differs run whole, vectorised; compiled, member by member, where 3 texts
+    beside 2 images raised ("a tensor of shape (2, 3) for 3 rows: ... no batch dim"): its outputs have the images'
+    batch, which eager (vmap) and unfolding take."""
+    text = dict(vocab_size=100, hidden_size=32, num_hidden_layers=1, num_attention_heads=4, intermediate_size=64,
+                max_position_embeddings=64)
+    vision = dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=4, intermediate_size=64, image_size=32,
+                  patch_size=8)
+    members = []
+    for seed in range(2):
+        torch.manual_seed(seed)
+        member = tf.CLIPModel(tf.CLIPConfig(text_config=text, vision_config=vision, projection_dim=16)).eval()
+        with torch.no_grad():
+            member.logit_scale.fill_(2.0 + seed)
+        members.append(member)
+    wide = WideModel.from_models(members).compile(backend="eager")
+    torch.manual_seed(0)
+    inputs = {"input_ids": torch.randint(2, 100, (3, 7)), "pixel_values": torch.randn(2, 3, 32, 32)}
+    with torch.no_grad():
+        out = wide(**inputs)
+        for i, member in enumerate(members):
+            for key in ("logits_per_image", "text_embeds", "image_embeds"):
+                assert (out[key][i] - member(**inputs)[key]).abs().max() <= TOLERANCE, key
+
+
 def test_code_after_a_graph_break_still_knows_the_forwards_rows(monkeypatch):
     # The rows were set on a threading.local in compiled code, which dynamo dropped at a graph break: the embeddings
     # after it expanded BERT's (1, T) positions to N rows, not N*B, and the compile failed (XLM breaks at .item())

@@ -218,7 +218,9 @@ def _concat_members(outputs: list, batch: int, expand: bool = True):
         if isinstance(first, torch.Tensor) and first.dim() > 0:
             if first.shape[0] == 1 and batch != 1:  # a broadcast output, e.g. (1, T, D)
                 parts = [p.expand(batch, *p.shape[1:]) for p in parts] if expand else parts
-            elif first.shape[0] % batch or any(p.shape != first.shape for p in parts):
+            elif any(p.shape != first.shape for p in parts) or (expand and first.shape[0] % batch):
+                # (the whole model's outputs may have a batch of their own, as under vmap: CLIP's images beside its
+                # texts, which unfolding gives their member dim; compiled, a whole model runs here and raised)
                 raise RuntimeError(
                     f"A per-member module returned a tensor of shape {tuple(first.shape)} for {batch} rows: "
                     "its output has no batch dim, so the members' outputs cannot be folded."
