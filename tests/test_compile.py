@@ -51,6 +51,28 @@ def test_lengths_and_batch_sizes_share_one_graph(case_id):
     assert counter.frame_count == 1
 
 
+def test_t5s_decoder_over_its_cache_shares_one_graph_across_batch_sizes():
+    """T5 given ``decoder_input_ids`` makes a cache, which its first (vectorised) attention takes member by member:
+    the members' rows were taken by a ``slice`` object, which fixed the batch in the graph (a graph per batch size,
+    and past 8 of them, eager)."""
+    config = tf.T5Config(vocab_size=100, d_model=32, d_kv=8, d_ff=64, num_layers=1, num_decoder_layers=1, num_heads=4,
+                         decoder_start_token_id=0, pad_token_id=0)
+    members = []
+    for seed in range(2):
+        torch.manual_seed(seed)
+        members.append(tf.T5ForConditionalGeneration(config).eval())
+    counter = CompileCounter()
+    wide = WideModel.from_models(members).compile(backend=counter)
+    with torch.no_grad():
+        for batch in (2, 3, 4):
+            inputs = {"input_ids": torch.randint(2, 100, (batch, 7)),
+                      "decoder_input_ids": torch.randint(2, 100, (batch, 5))}
+            out = wide(**inputs).logits
+            for i, member in enumerate(members):
+                assert (out[i] - member(**inputs).logits).abs().max() <= TOLERANCE
+    assert counter.frame_count == 1
+
+
 def test_compiling_a_vectorised_module_warns_of_nothing_of_ours(monkeypatch):
     # Each compile of a model with a vectorised module warned that dynamo traced through an lru_cache of hf-wide's
     monkeypatch.setattr(torch._dynamo.utils, "warn_once_cache", set())  # (dynamo warns of each thing once a process)

@@ -58,9 +58,8 @@ def split(cache: Cache, num_members: int, batch: int) -> list[Cache]:
     _check_shareable(cache)
     views = []
     for m in range(num_members):
-        rows = slice(m * batch, (m + 1) * batch)
         view = copy.copy(cache)
-        view.layers = [_layer_rows(layer, rows) for layer in cache.layers]
+        view.layers = [_layer_rows(layer, m * batch, batch) for layer in cache.layers]
         views.append(view)
     return views
 
@@ -180,16 +179,19 @@ def merge(cache: Cache, views: list[Cache]) -> None:
             cache.layers.append(layer)
 
 
-def _layer_rows(layer, rows: slice):
+def _layer_rows(layer, start, batch):
+    """A copy of ``layer`` holding views of rows ``[start, start + batch)`` of its states. (Not a ``slice`` object:
+    compiled, one of the batch's symbolic size fixed the batch in the graph, and T5's decoder, whose first attention
+    runs member by member over the cache, compiled a graph for every batch size.)"""
     view = copy.copy(layer)
     for name in ROW_TENSORS:
         value = getattr(layer, name, None)
         if _has_rows(value):
-            setattr(view, name, value[rows])
+            setattr(view, name, value.narrow(0, start, batch))
     for name in ROW_STATES:
         states = getattr(layer, name, None)
         if states is not None:
-            setattr(view, name, {k: v[rows] if _has_rows(v) else v for k, v in states.items()})
+            setattr(view, name, {k: v.narrow(0, start, batch) if _has_rows(v) else v for k, v in states.items()})
     for name in MEMBER_DICTS:
         if hasattr(layer, name):
             setattr(view, name, dict(getattr(layer, name)))
