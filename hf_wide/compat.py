@@ -7,6 +7,7 @@ from collections.abc import Callable, Sequence
 
 from torch import nn
 
+from .own_code import same_code
 from .registry import find_block
 
 # Config fields that describe where a checkpoint came from, not the graph it builds.
@@ -73,7 +74,7 @@ def check_compatible(
     _check_devices(models, names)
     first = models[0]
     for name, model in zip(names[1:], models[1:]):
-        if type(model) is not type(first):
+        if type(model) is not type(first) and not same_code(type(model), type(first)):  # (of one code: one class)
             refuse_other_class(type(first), type(model), names[0], name, _task_types(first, model, names[0], name))
         if hasattr(first, "config"):
             check_configs(first.config, model.config, names[0], name, allow_label_mismatch)

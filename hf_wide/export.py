@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import fnmatch
 import json
 import tempfile
 from collections.abc import Sequence
@@ -14,6 +15,7 @@ from pathlib import Path
 
 import transformers
 from huggingface_hub import HfApi
+from huggingface_hub.errors import HfHubHTTPError, RepositoryNotFoundError
 from huggingface_hub.utils import tqdm as hf_tqdm
 
 from .checkpoints import WEIGHTS_INDEX_NAME
@@ -30,7 +32,7 @@ def save_member(wide, i: int, save_directory: str | Path) -> Path:
         raise TypeError(f"Member {i} is a {type(member).__name__}, not a transformers model: use torch.save.")
     directory = Path(save_directory)
     member.save_pretrained(directory)
-    save_own_code(member, directory)  # (a checkpoint's own code: its config's auto_map names the files)
+    save_own_code(type(member), directory)  # (a checkpoint's own code: its config's auto_map names the files)
     sources = getattr(wide, "_source_dirs", None) or []
     if sources:
         copy_tokenizer_files([sources[i] if len(sources) > 1 else sources[0]], directory)
@@ -76,8 +78,8 @@ def push_wide(wide, repo_id: str, *, private: bool | None = None, token: str | N
         return from_rank_zero(group, work, what)
 
     repo_id = on_hub(lambda: api.create_repo(repo_id, private=private, exist_ok=True).repo_id, "Creating the repo")
-    if revision is not None:  # a branch of its own, from main (it was a TypeError naming an inner function)
-        on_hub(lambda: api.create_branch(repo_id, branch=revision, exist_ok=True), f"Creating the branch {revision}")
+    if revision is not None and not revision.startswith("refs/pr"):  # a branch of its own, from main, as transformers
+        on_hub(lambda: _create_branch(api, repo_id, revision, create_pr), f"Creating the branch {revision}")
     with tempfile.TemporaryDirectory(prefix="hf-wide-") as tmp:
         save_wide(wide, tmp, repo_id=repo_id, overwrite_readme=True, **save_kwargs)
 
@@ -97,6 +99,26 @@ def push_wide(wide, repo_id: str, *, private: bool | None = None, token: str | N
             )
 
         return on_hub(upload, f"Uploading to {repo_id}")
+
+
+def _create_branch(api: HfApi, repo_id: str, branch: str, create_pr: bool) -> None:
+    """``branch`` made from main where it is not there yet; as transformers' ``push_to_hub``, a pull request may be
+    opened against it without the right to write it (a 403 then)."""
+    try:
+        api.create_branch(repo_id, branch=branch, exist_ok=True)
+    except HfHubHTTPError as exc:
+        if not (create_pr and exc.response is not None and exc.response.status_code == 403):
+            raise
+
+
+def _top_level(api: HfApi, repo_id: str, patterns: Sequence[str]) -> list[str]:
+    """The repo's files in its top folder that match ``patterns`` (huggingface_hub's ``*`` also crosses folders:
+    ``model*.safetensors`` matched ``models/old/model.safetensors``), by name; none where the repo is new."""
+    try:
+        files = api.list_repo_files(repo_id)
+    except RepositoryNotFoundError:
+        return []
+    return [f for f in files if "/" not in f and any(fnmatch.fnmatchcase(f, p) for p in patterns)]
 
 
 def _holds_fused_repo(api: HfApi, repo_id: str, revision: str | None = None) -> bool:
@@ -130,6 +152,7 @@ def push_members(wide, repo_ids: Sequence[str], *, private: bool | None = None, 
         with tempfile.TemporaryDirectory(prefix="hf-wide-") as tmp:
             save_member(wide, i, tmp)
             message = commit_message or f"Upload member {i} ({wide.member_ids[i]}) of a wide model with hf-wide"
+            stale = _top_level(api, repo_id, MEMBER_WEIGHTS) or None  # by name: nothing in its folders
             commits.append(api.upload_folder(repo_id=repo_id, folder_path=tmp, commit_message=message,
-                                             delete_patterns=MEMBER_WEIGHTS))
+                                             delete_patterns=stale))
     return commits

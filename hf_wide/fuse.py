@@ -159,7 +159,7 @@ class BufferSnapshot:
     def restore(self) -> None:
         for module, name, buffer, value in self.saved:
             if buffer.shape != value.shape:  # resized in place
-                module._buffers[name] = value
+                module._buffers[name] = value.clone()  # (the snapshot's own stays as it was, for the next restore)
                 continue
             if not torch.equal(buffer, value):
                 buffer.copy_(value)

@@ -2,7 +2,7 @@
 transformers runs only with ``trust_remote_code=True``.
 
     klass = own_class(config, name, folder, trust_remote_code=True)   # as transformers' from_pretrained loads it
-    save_own_code(model, directory)                                    # its files beside the saved weights
+    save_own_code(type(model), directory)                              # its files beside the saved weights
 
 transformers gives each folder's code a module of its own (``transformers_modules.<folder>.modeling_x``), so two
 members' classes are two objects even where their code is one: :func:`same_code` compares the files, and a member
@@ -55,10 +55,11 @@ def same_code(a: type, b: type) -> bool:
     return a.__qualname__ == b.__qualname__ and files is not None and files == own_code_files(b)
 
 
-def save_own_code(model, directory: Path) -> None:
-    """The files of ``model``'s own code (a checkpoint's, loaded with ``trust_remote_code``) into ``directory``, as
-    transformers saves them: its config's ``auto_map`` names them, and loading the folder back runs them."""
-    if own_code_files(type(model)) is not None:
+def save_own_code(klass: type, directory: Path) -> None:
+    """The files of the model class ``klass``'s own code (a checkpoint's, loaded with ``trust_remote_code``) into
+    ``directory``, as transformers saves them: its config's ``auto_map`` names them, and loading the folder back
+    runs them."""
+    if own_code_files(klass) is not None:
         from transformers.dynamic_module_utils import custom_object_save
 
-        custom_object_save(model, directory)
+        custom_object_save(klass, directory)  # (it reads the module of what it is given)

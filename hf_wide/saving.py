@@ -165,16 +165,16 @@ def save_wide(wide, save_directory: str | Path, *, max_shard_size: int | str = D
                                   "themselves (each rank's PeftModel members), or load them in one process.")
     directory = Path(save_directory)
     directory.mkdir(parents=True, exist_ok=True)
-    earlier = read_section(directory) is not None  # a fused repo saved here before: this one replaces it
+    earlier = read_section(directory)  # a fused repo saved here before (its section): this one replaces it
     if getattr(wide, "adapter_sources", None) is not None:  # adapters of one base: the base referenced
         from .adapter_repos import save_adapter_ensemble
 
         section = {k: v for k, v in wide_config_section(wide, []).items() if k in (
             "format_version", "num_members", "member_ids", "member_revisions", "member_subfolders")}
-        if earlier:
-            _clear_earlier(directory)
+        if earlier is not None:
+            _clear_earlier(directory, earlier)
         save_adapter_ensemble(wide, directory, section, repo_id, overwrite_readme)
-        _save_preprocessors(wide, directory, tokenizer, processor, earlier)
+        _save_preprocessors(wide, directory, tokenizer, processor, earlier is not None)
         return directory
     group = wide.members_group  # member-parallel: every rank stacks its members, rank 0 writes (hf_wide.parallel)
     local = range(wide.num_members) if group is None else group.local
@@ -190,8 +190,8 @@ def save_wide(wide, save_directory: str | Path, *, max_shard_size: int | str = D
               for k, t in states[0].items()}
     split = split_torch_state_dict_into_shards(stored, filename_pattern="model{suffix}.safetensors",
                                                max_shard_size=max_shard_size)
-    if writes and earlier:
-        _clear_earlier(directory)
+    if writes and earlier is not None:
+        _clear_earlier(directory, earlier)
     elif writes:
         for old in chain(directory.glob("model*.safetensors"), directory.glob(WEIGHTS_INDEX_NAME)):
             old.unlink()
@@ -216,27 +216,40 @@ def save_wide(wide, save_directory: str | Path, *, max_shard_size: int | str = D
         (directory / WEIGHTS_INDEX_NAME).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
 
     _save_config(wide, directory, shared)
-    save_own_code(wide.model, directory)
+    save_own_code(_member_class(wide.model), directory)
     generation_config = (wide.member_generation_configs or [None])[0]
     if generation_config is not None:
         generation_config.save_pretrained(directory)
-    _save_preprocessors(wide, directory, tokenizer, processor, earlier)
+    _save_preprocessors(wide, directory, tokenizer, processor, earlier is not None)
     readme = directory / "README.md"
     if overwrite_readme or not readme.exists():
         readme.write_text(model_card(wide, repo_id))
     return directory
 
 
-def _clear_earlier(directory: Path) -> None:
-    """The files of an earlier fused repo in ``directory`` that the one saved now replaces: its weights, its adapters'
-    folders and its generation config (a fused repo of adapters saved over one of full members kept its
-    model.safetensors beside the adapters, and the other way round)."""
+def _clear_earlier(directory: Path, section: dict) -> None:
+    """The files of the earlier fused repo in ``directory`` (its config's ``section``) that the one saved now
+    replaces: its weights, its generation config and, where it was an ensemble of adapters, the adapter folders it
+    wrote (a fused repo of adapters saved over one of full members kept its model.safetensors beside the adapters, and
+    the other way round). Nothing else: a folder of the user's own there (``save_members("./members")``) stays."""
     from .adapter_repos import MEMBERS_DIR
 
     for old in chain(directory.glob("model*.safetensors"), directory.glob(WEIGHTS_INDEX_NAME),
                      directory.glob("generation_config.json")):
         old.unlink()
-    shutil.rmtree(directory / MEMBERS_DIR, ignore_errors=True)
+    if "adapters" in section:
+        for i in range(section.get("num_members", 0)):
+            shutil.rmtree(directory / MEMBERS_DIR / f"member-{i}", ignore_errors=True)
+        if (directory / MEMBERS_DIR).is_dir() and not any((directory / MEMBERS_DIR).iterdir()):
+            (directory / MEMBERS_DIR).rmdir()
+
+
+def _member_class(root) -> type:
+    """The members' class, where the root is a fallback of hf-wide's (whose class is not the members')."""
+    if hasattr(root, "proto"):  # a vectorised fallback: the members' code, on the meta device
+        return type(root.proto)
+    members = getattr(root, "members", None)  # a per-member fallback: the members' own modules
+    return type(members[0]) if isinstance(members, torch.nn.ModuleList) else type(root)
 
 
 def _stacked(group, tensors: list[torch.Tensor]) -> torch.Tensor:

@@ -41,6 +41,7 @@ MODEL_CODE = textwrap.dedent('''
             self.layers = nn.ModuleList(nn.Linear(config.hidden_size, config.hidden_size) for _ in range(2))
             self.norm = nn.LayerNorm(config.hidden_size)
             self.classifier = nn.Linear(config.hidden_size, config.num_labels)
+            self.temperature = nn.Parameter(torch.ones(()))
             self.post_init()
 
         def forward(self, input_ids, attention_mask=None, **kwargs):
@@ -49,7 +50,7 @@ MODEL_CODE = textwrap.dedent('''
                 h = torch.relu(layer(h)) + h
             mask = (torch.ones_like(input_ids) if attention_mask is None else attention_mask)[..., None].to(h.dtype)
             pooled = (self.norm(h) * mask).sum(1) / mask.sum(1)
-            return SequenceClassifierOutput(logits=self.classifier(pooled) * SCALE)
+            return SequenceClassifierOutput(logits=self.classifier(pooled) * SCALE / self.temperature)
 ''')
 AUTO_MAP = {"AutoConfig": "configuration_tiny.TinyConfig",
             "AutoModelForSequenceClassification": "modeling_tiny.TinyForSequenceClassification"}
@@ -105,6 +106,33 @@ def test_members_of_their_own_code_are_fused_and_saved_with_it(members, tmp_path
     assert max(errors(back, members)) <= 1e-5
     saved = wide.save_members(tmp_path / "members")
     assert max(errors(wide, [str(folder) for folder in saved])) <= 1e-5  # each loads alone, with its code
+
+
+def test_members_of_their_own_code_run_whole_are_saved_with_it(tmp_path):
+    """Members whose model-level tensor differs (``temperature``, as CLIP's ``logit_scale``) run whole, vectorised:
+    the root is then hf-wide's own module, whose class was taken for the members', and the saved repo held no code
+    (loading it back raised "does not appear to have a file named configuration_tiny.py")."""
+    folders = []
+    for seed in range(2):
+        folder = write_member(tmp_path / f"m{seed}", seed)
+        model = alone(folder)
+        model.temperature.data.fill_(1.0 + seed)
+        model.save_pretrained(folder)
+        (tmp_path / f"m{seed}" / "modeling_tiny.py").write_text(MODEL_CODE.replace("SCALE", "1.0"))
+        folders.append(folder)
+    wide = WideModel.from_pretrained(folders, trust_remote_code=True)
+    assert "vectorised" in wide.plan.summary()
+    wide.save_pretrained(tmp_path / "fused")
+    back = WideModel.from_pretrained(str(tmp_path / "fused"), trust_remote_code=True)
+    assert max(errors(back, folders)) <= 1e-5
+
+
+def test_models_of_one_own_code_from_two_folders_fuse(members):
+    """Loaded by the user from two folders, their classes are two objects of one code: they were refused as code
+    that "differs"."""
+    models = [alone(folder) for folder in members]
+    assert type(models[0]) is not type(models[1])
+    assert max(errors(WideModel.from_models(models), members)) <= 1e-5
 
 
 def test_members_whose_own_code_differs_are_refused(tmp_path):

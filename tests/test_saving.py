@@ -383,6 +383,16 @@ def test_an_edited_fused_repo_is_refused_not_loaded_wrong(tmp_path):
             WideModel.from_pretrained(edited(tmp_path / "good", tmp_path, edit))
 
 
+def test_saving_over_a_fused_repo_keeps_a_members_folder_of_the_users(tmp_path):
+    """Saved again over itself, a fused repo of full members deleted any ``members/`` folder there (the user's
+    ``save_members("./members")``): only an ensemble of adapters writes one, and only its adapters' go."""
+    wide = WideModel.from_models([CASES["bert-seqcls"].build(seed) for seed in range(2)])
+    wide.save_pretrained(tmp_path)
+    wide.save_members(tmp_path / "members")
+    wide.save_pretrained(tmp_path)
+    assert (tmp_path / "members" / "member-1" / "model.safetensors").is_file()
+
+
 def test_a_tensor_the_model_has_no_place_for_is_logged(tmp_path, caplog):
     members = [CASES["bert-seqcls"].build(seed) for seed in range(2)]
     WideModel.from_models(members).save_pretrained(tmp_path)
