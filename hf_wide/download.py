@@ -128,8 +128,8 @@ def download_members(
                                       f"{model_id!r} is not a Hub repo id ('org/name') either.") from exc
             if isinstance(exc, RepositoryNotFoundError):
                 hint = "\nIf the repo is private or gated, pass token= (or log in with `hf auth login`)."
-            if isinstance(exc, RepositoryNotFoundError) and "/" in model_id:  # 'models/seed-0' reads as a repo id,
-                hint += f"\nThere is no local folder {os.path.abspath(model_id)} either."  # and may be meant as a folder
+            if isinstance(exc, RepositoryNotFoundError) and "/" in model_id:  # 'models/seed-0' reads as a repo id, and
+                hint += f"\nThere is no local folder {os.path.abspath(model_id)} either."  # may be meant as a folder
             raise MemberLoadError(f"{name}: {type(exc).__name__}: {exc}{hint}") from exc
         sha, folder = folder.name, _inside(folder, sub, name)
         if not allow_pickle and not any(folder.rglob("*.safetensors")):  # (a fused LoRA ensemble's: members/)

@@ -87,8 +87,8 @@ def push_wide(wide, repo_id: str, *, private: bool | None = None, token: str | N
             if not overwrite_readme and api.file_exists(repo_id, "README.md", revision=revision):
                 (Path(tmp) / "README.md").unlink()
             stale = ["model*.safetensors", WEIGHTS_INDEX_NAME]
-            if _holds_fused_repo(api, repo_id, revision):  # its tokenizer is the earlier members' (as save_pretrained does),
-                stale += [*TOKENIZER_PATTERNS, "members/*", "generation_config.json"]  # and so are its adapters
+            if _holds_fused_repo(api, repo_id, revision):  # its tokenizer is the earlier members' (as save_pretrained
+                stale += [*TOKENIZER_PATTERNS, "members/*", "generation_config.json"]  # does), and so are its adapters
             return api.upload_folder(
                 repo_id=repo_id,
                 folder_path=tmp,

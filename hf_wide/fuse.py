@@ -23,6 +23,7 @@ from .adapter_aligned import aligned_adapters
 from .compat import check_compatible
 from .cpu import release_freed_memory
 from .fold import Fold
+from .forward_state import StateSnapshot
 from .model import WideModel, WideValidationError
 from .plan import Demotions
 from .planner import make_plan, tensor_aliases
@@ -72,7 +73,7 @@ def fuse_models(cls: type[WideModel], models: Sequence[nn.Module], sample_inputs
     was_training = [m.training for m in models]
     for m in models:
         m.eval()
-    given = BufferSnapshot(models)  # the members as given: fusion runs them, and a forward may update a buffer
+    given = StateSnapshot(models)  # the members as given: fusion runs them (hf_wide.forward_state)
     try:
         opaque = opaque_modules(models)  # before the trace runs member 0
         if traced is not None:
@@ -80,6 +81,7 @@ def fuse_models(cls: type[WideModel], models: Sequence[nn.Module], sample_inputs
         else:
             trace = trace_members(template, args, kwargs, built=sample_inputs is None)
             release_freed_memory()  # after each phase, its temporaries: see hf_wide.cpu
+        _refuse_changed_parameters(given, ids)  # (the trace runs member 0)
         verify = verify or needs_verifying(trace[0].method, type(template).__name__)
         wide, demotions, recorded = None, Demotions(), None
         for _ in range(MAX_VERIFY_ROUNDS):
@@ -89,6 +91,7 @@ def fuse_models(cls: type[WideModel], models: Sequence[nn.Module], sample_inputs
                 given.restore()
                 recorded = record_members(models, (), args, kwargs, inputs=False)
                 release_freed_memory()
+                _refuse_changed_parameters(given, ids)  # (before any build, which shares tensors)
             given.restore()  # built from the members as given, not as the trace or the checks left them
             with contextlib.nullcontext() if copy_shared else keeping_storage():
                 folded = build_wide(models, plan, fold)
@@ -102,7 +105,7 @@ def fuse_models(cls: type[WideModel], models: Sequence[nn.Module], sample_inputs
                 [copy.deepcopy(m.config) for m in models] if hasattr(template, "config") else None,
                 [copy.deepcopy(getattr(m, "generation_config", None)) for m in models],
             ).eval()
-            built = BufferSnapshot([wide])
+            built = StateSnapshot([wide])
             if hasattr(template, "peft_config"):
                 wide.member_peft_configs = [copy.deepcopy(m.peft_config) for m in models]
             if not verify:
@@ -140,30 +143,24 @@ def fuse_models(cls: type[WideModel], models: Sequence[nn.Module], sample_inputs
     return wide
 
 
-class BufferSnapshot:
-    """The buffers of ``modules`` as they are now, put back by :meth:`restore` after forwards that change them (a call
-    counter, a statistic a forward updates even in eval mode): fusion runs the members and the wide model on the
-    sample, and leaves both as they were (the wide model as built from the members as given)."""
-
-    def __init__(self, modules: Sequence[nn.Module]):
-        seen = set()
-        self.saved = []  # (module, name, the buffer, a copy of its value)
-        for model in modules:
-            for module in model.modules():
-                for name, buffer in module._buffers.items():
-                    if buffer is not None and (id(module), name) not in seen:
-                        seen.add((id(module), name))
-                        self.saved.append((module, name, buffer, buffer.detach().clone()))
-
-    @torch.no_grad()
-    def restore(self) -> None:
-        for module, name, buffer, value in self.saved:
-            if buffer.shape != value.shape:  # resized in place
-                module._buffers[name] = value.clone()  # (the snapshot's own stays as it was, for the next restore)
-                continue
-            if not torch.equal(buffer, value):
-                buffer.copy_(value)
-            module._buffers[name] = buffer  # (a forward may rebind it: ``self.calls = self.calls + 1``)
+def _refuse_changed_parameters(given: StateSnapshot, ids: Sequence[str]) -> None:
+    """Refuse members whose forward on the sample swapped a submodule for another, or changed a parameter in place
+    (see :mod:`hf_wide.forward_state`)."""
+    swapped = given.swapped_module()
+    if swapped is not None:
+        index, path, before, now = swapped
+        raise WideValidationError(
+            f"{ids[index]}: its forward on the sample swapped its module {path!r} ({before}) for a {now} (BigBird "
+            "switches to full attention on sequences shorter than its block-sparse minimum), so the plan would be "
+            "traced through other modules than the checkpoint's. Fuse on a sample that keeps its modules (from_models("
+            "..., sample_inputs=...)), or load it in the mode the sample takes (BigBird: "
+            "attention_type='original_full').")
+    changed = given.changed_parameter()
+    if changed is not None:
+        raise WideValidationError(
+            f"{ids[changed[0]]}: its forward changes its parameter {changed[1]!r} in place (as RWKV rescales its "
+            "layers' weights in eval mode), so the wide model, member(i), a saved repo and training would hold other "
+            "weights than the checkpoint's. Turn that off in its config (RWKV: rescale_every=0) and fuse again.")
 
 
 def differently_trained(models: Sequence[nn.Module]) -> tuple[str, ...]:

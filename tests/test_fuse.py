@@ -1,8 +1,10 @@
-"""Fusion (:mod:`hf_wide.fuse`) leaves the members as they were given, even where their forward updates a buffer, and
-builds the wide model from them as given."""
+"""Fusion (:mod:`hf_wide.fuse`, :mod:`hf_wide.forward_state`) leaves the members as they were given, even where their
+forward updates a buffer or a setting, and builds the wide model from them as given; a forward that swaps a module or
+changes a parameter in place is refused."""
 
 import pytest
 import torch
+import transformers as tf
 from torch import nn
 
 from hf_wide import WideModel, WideValidationError
@@ -49,3 +51,55 @@ def test_a_refused_fusion_leaves_a_forward_updated_buffer_as_given():
     with pytest.raises(WideValidationError):  # a count in the output: the wide forward's is not each member's
         WideModel.from_models(models, torch.randn(2, 4))
     assert [m.seen.item() for m in models] == [0.0] * 3
+
+
+def test_a_setting_the_samples_forward_changes_is_put_back():
+    """Swin sets a layer's shift to 0 for good on an image no bigger than its window (the sample's, at the config's
+    size): the wide model (and the members given) then ran without the shift at 64x64, 6.9e-3 off checkpoints
+    never run."""
+    config = tf.SwinConfig(image_size=32, patch_size=4, embed_dim=16, depths=[2, 2], num_heads=[2, 2], window_size=4,
+                           num_labels=3)
+
+    def build(seed):
+        torch.manual_seed(seed)
+        return tf.SwinForImageClassification(config).eval()
+
+    models = [build(seed) for seed in range(2)]
+    wide = WideModel.from_models(models)
+    shifts = [layer.shift_size for layer in models[0].swin.encoder.layers[1].blocks]
+    assert shifts == [layer.shift_size for layer in build(0).swin.encoder.layers[1].blocks]  # as given: [0, 2]
+    images = torch.randn(2, 3, 64, 64)
+    with torch.no_grad():
+        out = wide(pixel_values=images).logits
+        for seed in range(2):
+            assert (out[seed] - build(seed)(pixel_values=images).logits).abs().max() <= 1e-5
+
+
+def test_a_module_the_samples_forward_swaps_is_refused_and_put_back():
+    """BigBird switches itself to full attention for good on a sequence shorter than its block-sparse minimum (the
+    built sample's 8 tokens): the plan followed full attention, and block-sparse checkpoints were 4.9e-3 off at 400
+    tokens."""
+    config = tf.BigBirdConfig(vocab_size=100, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
+                              intermediate_size=64, max_position_embeddings=128, attention_type="block_sparse",
+                              block_size=4, num_random_blocks=2, num_labels=3)
+    models = []
+    for seed in range(2):
+        torch.manual_seed(seed)
+        models.append(tf.BigBirdForSequenceClassification(config).eval())
+    with pytest.raises(WideValidationError, match=r"swapped its module .*attention.self.*'original_full'"):
+        WideModel.from_models(models)
+    assert {type(m.bert.encoder.layer[0].attention.self).__name__ for m in models} == {"BigBirdBlockSparseAttention"}
+    assert {m.bert.attention_type for m in models} == {"block_sparse"}
+
+
+def test_a_parameter_the_forward_changes_in_place_is_refused():
+    """RWKV rescales its layers' weights in place in eval mode: member(i) and a saved repo held the rescaled weights
+    (0.26-0.42 off the checkpoint's), and in training members past the first were 0.4 off."""
+    config = tf.RwkvConfig(vocab_size=100, hidden_size=32, num_hidden_layers=2, attention_hidden_size=32,
+                           intermediate_size=64, rescale_every=1, context_length=64)
+    models = []
+    for seed in range(2):
+        torch.manual_seed(seed)
+        models.append(tf.RwkvForCausalLM(config).eval())
+    with pytest.raises(WideValidationError, match=r"changes its parameter .* in place .*rescale_every=0"):
+        WideModel.from_models(models)
