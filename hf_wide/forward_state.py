@@ -92,3 +92,29 @@ def _norm(p: torch.Tensor) -> float:
     """The tensor's norm in its own dtype (another would copy it whole: twice a float32 tensor's memory in float64).
     A change a thousandth of it or more counts (RWKV halves its weights); its last bits do not."""
     return float(torch.linalg.vector_norm(p.detach())) if p.numel() and p.is_floating_point() else 0.0
+
+
+def refuse_changes(given: StateSnapshot, ids: Sequence[str]) -> None:
+    """Refuse members whose forward on the sample swapped a submodule for another, or changed a parameter in place
+    (see :mod:`hf_wide.forward_state`)."""
+    swapped = given.swapped_module()
+    if swapped is not None:
+        index, path, before, now = swapped
+        raise _refusal(
+            f"{ids[index]}: its forward on the sample swapped its module {path!r} ({before}) for a {now} (BigBird "
+            "switches to full attention on sequences shorter than its block-sparse minimum), so the plan would be "
+            "traced through other modules than the checkpoint's. Fuse on a sample that keeps its modules (from_models("
+            "..., sample_inputs=...)), or load it in the mode the sample takes (BigBird: "
+            "attention_type='original_full').")
+    changed = given.changed_parameter()
+    if changed is not None:
+        raise _refusal(
+            f"{ids[changed[0]]}: its forward changes its parameter {changed[1]!r} in place (as RWKV rescales its "
+            "layers' weights in eval mode), so the wide model, member(i), a saved repo and training would hold other "
+            "weights than the checkpoint's. Turn that off in its config (RWKV: rescale_every=0) and fuse again.")
+
+
+def _refusal(message: str) -> Exception:
+    from .model import WideValidationError
+
+    return WideValidationError(message)

@@ -23,7 +23,7 @@ from .adapter_aligned import aligned_adapters
 from .compat import check_compatible
 from .cpu import release_freed_memory
 from .fold import Fold
-from .forward_state import StateSnapshot
+from .forward_state import StateSnapshot, refuse_changes
 from .model import WideModel, WideValidationError
 from .plan import Demotions
 from .planner import make_plan, tensor_aliases
@@ -81,7 +81,7 @@ def fuse_models(cls: type[WideModel], models: Sequence[nn.Module], sample_inputs
         else:
             trace = trace_members(template, args, kwargs, built=sample_inputs is None)
             release_freed_memory()  # after each phase, its temporaries: see hf_wide.cpu
-        _refuse_changed_parameters(given, ids)  # (the trace runs member 0)
+        refuse_changes(given, ids)  # (the trace runs member 0)
         verify = verify or needs_verifying(trace[0].method, type(template).__name__)
         wide, demotions, recorded = None, Demotions(), None
         for _ in range(MAX_VERIFY_ROUNDS):
@@ -91,7 +91,7 @@ def fuse_models(cls: type[WideModel], models: Sequence[nn.Module], sample_inputs
                 given.restore()
                 recorded = record_members(models, (), args, kwargs, inputs=False)
                 release_freed_memory()
-                _refuse_changed_parameters(given, ids)  # (before any build, which shares tensors)
+                refuse_changes(given, ids)  # (before any build, which shares tensors)
             given.restore()  # built from the members as given, not as the trace or the checks left them
             with contextlib.nullcontext() if copy_shared else keeping_storage():
                 folded = build_wide(models, plan, fold)
@@ -141,26 +141,6 @@ def fuse_models(cls: type[WideModel], models: Sequence[nn.Module], sample_inputs
             given.restore()
             built.restore()
     return wide
-
-
-def _refuse_changed_parameters(given: StateSnapshot, ids: Sequence[str]) -> None:
-    """Refuse members whose forward on the sample swapped a submodule for another, or changed a parameter in place
-    (see :mod:`hf_wide.forward_state`)."""
-    swapped = given.swapped_module()
-    if swapped is not None:
-        index, path, before, now = swapped
-        raise WideValidationError(
-            f"{ids[index]}: its forward on the sample swapped its module {path!r} ({before}) for a {now} (BigBird "
-            "switches to full attention on sequences shorter than its block-sparse minimum), so the plan would be "
-            "traced through other modules than the checkpoint's. Fuse on a sample that keeps its modules (from_models("
-            "..., sample_inputs=...)), or load it in the mode the sample takes (BigBird: "
-            "attention_type='original_full').")
-    changed = given.changed_parameter()
-    if changed is not None:
-        raise WideValidationError(
-            f"{ids[changed[0]]}: its forward changes its parameter {changed[1]!r} in place (as RWKV rescales its "
-            "layers' weights in eval mode), so the wide model, member(i), a saved repo and training would hold other "
-            "weights than the checkpoint's. Turn that off in its config (RWKV: rescale_every=0) and fuse again.")
 
 
 def differently_trained(models: Sequence[nn.Module]) -> tuple[str, ...]:

@@ -26,6 +26,7 @@ from torch import nn
 from .checkpoints import Checkpoint, assemble, same_bytes, skeleton_like, state_tensors
 from .compat import IncompatibleMembersError, check_configs, refuse_other_class, require_one_dtype
 from .fallback_roots import STAND_IN
+from .forward_state import StateSnapshot, refuse_changes
 from .planner import plan_members, tensor_aliases
 from .samples import sample_inputs
 from .saving import member_config, model_class_for
@@ -147,7 +148,9 @@ def load_streaming(cls, ids, folders, names, dtype, device, trust_remote_code, a
         skeletons = [skeleton_like(template, c, g) for c, g in zip(configs, generation_configs)]
         identical = {k for k in keys[0] if share_identical and same_bytes(checkpoints, [ks[k] for ks in keys])}
         stand_ins = [_stand_in(template, identical) for _ in folders[1:]]
+        given = StateSnapshot([template])  # (the skeletons are copies of it as loaded; see hf_wide.forward_state)
         plan = plan_members([template, *stand_ins], share_identical=share_identical)
+        refuse_changes(given, names)
         names = tensor_aliases(template)
         del template, stand_ins  # free member 0 before the wide model takes its memory
         gc.collect()
@@ -171,10 +174,13 @@ def verified(wide, share_identical: bool):
     by :meth:`WideModel.from_models`, which moves each module that disagrees one strategy down."""
     members = [wide.member(i, share=True) for i in range(wide.num_members)]
     sample = sample_inputs(members[0])
+    given, built = StateSnapshot(members), StateSnapshot([wide])  # put back after the checks' forwards
     failures, _ = diagnose(wide, members, (), sample)
     if not failures:
         require_cache_agrees(wide, members, wide.member_ids, sample)
+        built.restore()
         return wide
+    given.restore()
     logger.warning("hf-wide: %s; fusing the members again with it moved down", "; ".join(
         f"{path or '(model)'} {reason}" for path, reason in failures.items()))
     fused = type(wide).from_models(members, member_ids=wide.member_ids, share_identical=share_identical)

@@ -75,7 +75,7 @@ def test_a_setting_the_samples_forward_changes_is_put_back():
             assert (out[seed] - build(seed)(pixel_values=images).logits).abs().max() <= 1e-5
 
 
-def test_a_module_the_samples_forward_swaps_is_refused_and_put_back():
+def test_a_module_the_samples_forward_swaps_is_refused_and_put_back(tmp_path):
     """BigBird switches itself to full attention for good on a sequence shorter than its block-sparse minimum (the
     built sample's 8 tokens): the plan followed full attention, and block-sparse checkpoints were 4.9e-3 off at 400
     tokens."""
@@ -90,6 +90,10 @@ def test_a_module_the_samples_forward_swaps_is_refused_and_put_back():
         WideModel.from_models(models)
     assert {type(m.bert.encoder.layer[0].attention.self).__name__ for m in models} == {"BigBirdBlockSparseAttention"}
     assert {m.bert.attention_type for m in models} == {"block_sparse"}
+    for i, model in enumerate(models):  # loaded from checkpoints (hf_wide.loading: member 0 traced alone)
+        model.save_pretrained(tmp_path / f"m{i}")
+    with pytest.raises(WideValidationError, match=r"member 0 .* swapped its module"):
+        WideModel.from_pretrained([str(tmp_path / "m0"), str(tmp_path / "m1")])
 
 
 def test_a_parameter_the_forward_changes_in_place_is_refused():
