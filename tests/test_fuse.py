@@ -23,12 +23,17 @@ class Counted(nn.Module):
         return self.linear(x) + (self.seen if self.add_count else 0)
 
 
-def members(add_count: bool) -> list[Counted]:
-    out = []
-    for seed in range(3):
+def seeded(make, n: int = 2) -> list[nn.Module]:
+    """``n`` models in eval mode, each made after seeding torch with its index."""
+    models = []
+    for seed in range(n):
         torch.manual_seed(seed)
-        out.append(Counted(add_count))
-    return out
+        models.append(make().eval())
+    return models
+
+
+def members(add_count: bool) -> list[Counted]:
+    return seeded(lambda: Counted(add_count), 3)
 
 
 def test_a_buffer_the_forward_updates_is_left_as_given():
@@ -60,19 +65,16 @@ def test_a_setting_the_samples_forward_changes_is_put_back():
     config = tf.SwinConfig(image_size=32, patch_size=4, embed_dim=16, depths=[2, 2], num_heads=[2, 2], window_size=4,
                            num_labels=3)
 
-    def build(seed):
-        torch.manual_seed(seed)
-        return tf.SwinForImageClassification(config).eval()
-
-    models = [build(seed) for seed in range(2)]
+    models = seeded(lambda: tf.SwinForImageClassification(config))
     wide = WideModel.from_models(models)
+    never_run = seeded(lambda: tf.SwinForImageClassification(config))
     shifts = [layer.shift_size for layer in models[0].swin.encoder.layers[1].blocks]
-    assert shifts == [layer.shift_size for layer in build(0).swin.encoder.layers[1].blocks]  # as given: [0, 2]
+    assert shifts == [layer.shift_size for layer in never_run[0].swin.encoder.layers[1].blocks]  # as given: [0, 2]
     images = torch.randn(2, 3, 64, 64)
     with torch.no_grad():
         out = wide(pixel_values=images).logits
-        for seed in range(2):
-            assert (out[seed] - build(seed)(pixel_values=images).logits).abs().max() <= 1e-5
+        for i, model in enumerate(never_run):
+            assert (out[i] - model(pixel_values=images).logits).abs().max() <= 1e-5
 
 
 def test_a_module_the_samples_forward_swaps_is_refused_and_put_back(tmp_path):
@@ -82,10 +84,7 @@ def test_a_module_the_samples_forward_swaps_is_refused_and_put_back(tmp_path):
     config = tf.BigBirdConfig(vocab_size=100, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
                               intermediate_size=64, max_position_embeddings=128, attention_type="block_sparse",
                               block_size=4, num_random_blocks=2, num_labels=3)
-    models = []
-    for seed in range(2):
-        torch.manual_seed(seed)
-        models.append(tf.BigBirdForSequenceClassification(config).eval())
+    models = seeded(lambda: tf.BigBirdForSequenceClassification(config))
     with pytest.raises(WideValidationError, match=r"swapped its module .*attention.self.*'original_full'"):
         WideModel.from_models(models)
     assert {type(m.bert.encoder.layer[0].attention.self).__name__ for m in models} == {"BigBirdBlockSparseAttention"}
@@ -101,9 +100,6 @@ def test_a_parameter_the_forward_changes_in_place_is_refused():
     (0.26-0.42 off the checkpoint's), and in training members past the first were 0.4 off."""
     config = tf.RwkvConfig(vocab_size=100, hidden_size=32, num_hidden_layers=2, attention_hidden_size=32,
                            intermediate_size=64, rescale_every=1, context_length=64)
-    models = []
-    for seed in range(2):
-        torch.manual_seed(seed)
-        models.append(tf.RwkvForCausalLM(config).eval())
+    models = seeded(lambda: tf.RwkvForCausalLM(config))
     with pytest.raises(WideValidationError, match=r"changes its parameter .* in place .*rescale_every=0"):
         WideModel.from_models(models)
