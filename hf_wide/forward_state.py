@@ -29,10 +29,10 @@ SCALARS = (str, int, float, bool, type(None))  # plain attributes a forward may 
 
 class StateSnapshot:
     """The buffers of ``modules``, the plain scalar attributes of their own submodules (hf-wide's are left alone: what
-    verification learns lives there), their children and their parameters' versions and norms, as they are now;
-    :meth:`restore` puts the buffers, attributes and children back."""
+    verification learns lives there), their children and (``parameters``) their parameters' versions and norms, as
+    they are now; :meth:`restore` puts the buffers, attributes and children back."""
 
-    def __init__(self, modules: Sequence[nn.Module]):
+    def __init__(self, modules: Sequence[nn.Module], parameters: bool = True):
         seen = set()
         self.buffers = []  # (module, name, the buffer, a copy of its value)
         self.attributes = []  # (module, name, value)
@@ -50,7 +50,8 @@ class StateSnapshot:
                     self.attributes += [(module, k, v) for k, v in vars(module).items()
                                         if not k.startswith("_") and k != "training" and isinstance(v, SCALARS)]
                     self.children.append((index, path, module, dict(module._modules)))
-            self.versions += [(index, name, p, p._version, _norm(p)) for name, p in model.named_parameters()]
+            if parameters:  # (a norm per parameter: only where :meth:`changed_parameter` will be asked)
+                self.versions += [(index, name, p, p._version, _norm(p)) for name, p in model.named_parameters()]
 
     @torch.no_grad()
     def restore(self) -> None:

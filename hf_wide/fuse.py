@@ -105,7 +105,7 @@ def fuse_models(cls: type[WideModel], models: Sequence[nn.Module], sample_inputs
                 [copy.deepcopy(m.config) for m in models] if hasattr(template, "config") else None,
                 [copy.deepcopy(getattr(m, "generation_config", None)) for m in models],
             ).eval()
-            built = StateSnapshot([wide])
+            built = StateSnapshot([wide], parameters=False)
             if hasattr(template, "peft_config"):
                 wide.member_peft_configs = [copy.deepcopy(m.peft_config) for m in models]
             if not verify:
