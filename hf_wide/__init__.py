@@ -7,7 +7,7 @@ require_supported_transformers()  # before anything builds on transformers: see 
 from . import blocks, primitives, rewrites  # noqa: F401  (fill the registries)
 from .compat import IncompatibleMembersError
 from .cpu import tune_cpu_allocator
-from .fold import PerMember
+from .inputs import PerMember
 from .model import WideModel, WideValidationError
 from .pipelines import calibrate, pipeline
 from .plan import Kind, WidePlan

@@ -8,7 +8,7 @@ import shutil
 import sys
 from pathlib import Path
 
-from .loading import DTYPES
+from .placement import DTYPES
 
 
 def register_cli(sub) -> None:

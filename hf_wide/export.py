@@ -21,7 +21,8 @@ from huggingface_hub.utils import tqdm as hf_tqdm
 from .checkpoints import WEIGHTS_INDEX_NAME
 from .loading import quiet_transformers_bars
 from .own_code import save_own_code
-from .saving import CONFIG_KEY, TOKENIZER_PATTERNS, copy_tokenizer_files, refuse_peft_without_sources, save_wide
+from .preprocessor_files import TOKENIZER_PATTERNS, copy_tokenizer_files
+from .saving import CONFIG_KEY, refuse_peft_without_sources, save_wide
 
 
 # ---------------------------------------------------------------- members as ordinary repos

@@ -12,7 +12,8 @@ from transformers.utils import ModelOutput
 
 from .adapters import PEFT_FORWARD_ARGS, without_peft_args
 from .capture import asks_for_capture, require_recorded
-from .fold import Fold, fold_inputs, other_batches
+from .fold import Fold
+from .inputs import fold_inputs, other_batches
 from .losses import LABEL_ARGUMENTS, member_loss_outputs, member_losses, replace_loss
 from .parallel import gather_members, gather_outputs, local_inputs
 from .primitives import PerMemberFallback, VectorisedFallback

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from .capture import asks_for_capture, require_recorded
-from .fold import fold_inputs
+from .inputs import fold_inputs
 from .parallel import gather_members, local_inputs
 from .unfold import unfold_generated
 

@@ -20,7 +20,8 @@ from .compat import refuse_unfused_attention
 from .download import (MemberLoadError, as_ids, check_hub_kwargs, commit_sha, download_members, member_name,
                        per_member, subfolders_of)
 from .fuse import needs_verifying
-from .loading import load_models, load_streaming, resolve_device, resolve_dtype, verified, weights_format
+from .loading import load_models, load_streaming, verified, weights_format
+from .placement import resolve_device, resolve_dtype
 from .fused_load import load_fused
 from .saving import read_section, saved_dtype
 from .samples import sample_inputs

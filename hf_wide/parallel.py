@@ -26,7 +26,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .fold import PerMember
+from .inputs import PerMember
 
 
 class MemberParallelError(RuntimeError):

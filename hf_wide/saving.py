@@ -22,7 +22,6 @@ import copy
 import dataclasses
 import json
 import shutil
-import warnings
 from collections.abc import Sequence
 from itertools import chain
 from pathlib import Path
@@ -32,14 +31,12 @@ import torch
 from .checkpoints import WEIGHTS_INDEX_NAME, state_tensors
 from .own_code import own_class, save_own_code
 from .plan import Kind, ModulePlan, WidePlan
+from .preprocessor_files import save_preprocessors
 from .primitives import PerMemberFallback, VectorisedFallback
 
 FORMAT_VERSION = 1
 CONFIG_KEY = "hf_wide"
 DEFAULT_MAX_SHARD_SIZE = "5GB"
-# Tokenizer, processor and chat-template files: copied into a fused repo from the members' folders.
-TOKENIZER_PATTERNS = ["tokenizer*.json", "special_tokens_map.json", "added_tokens.json", "vocab.*", "merges.txt",
-                      "*.model", "*.tiktoken", "chat_template.*", "*preprocessor_config.json", "processor_config.json"]
 # Config fields kept out of a fused repo's per-member overrides: where a checkpoint came from (not carried
 # over), and the labels (stored in ``hf_wide.labels``).
 NOT_OVERRIDDEN = {"_name_or_path", "_commit_hash", "transformers_version", "id2label", "label2id"}
@@ -174,7 +171,7 @@ def save_wide(wide, save_directory: str | Path, *, max_shard_size: int | str = D
         if earlier is not None:
             _clear_earlier(directory, earlier)
         save_adapter_ensemble(wide, directory, section, repo_id, overwrite_readme)
-        _save_preprocessors(wide, directory, tokenizer, processor, earlier is not None)
+        save_preprocessors(wide, directory, tokenizer, processor, earlier is not None)
         return directory
     group = wide.members_group  # member-parallel: every rank stacks its members, rank 0 writes (hf_wide.parallel)
     local = range(wide.num_members) if group is None else group.local
@@ -220,7 +217,7 @@ def save_wide(wide, save_directory: str | Path, *, max_shard_size: int | str = D
     generation_config = (wide.member_generation_configs or [None])[0]
     if generation_config is not None:
         generation_config.save_pretrained(directory)
-    _save_preprocessors(wide, directory, tokenizer, processor, earlier is not None)
+    save_preprocessors(wide, directory, tokenizer, processor, earlier is not None)
     readme = directory / "README.md"
     if overwrite_readme or not readme.exists():
         readme.write_text(model_card(wide, repo_id))
@@ -278,48 +275,6 @@ def _save_config(wide, directory: Path, shared: Sequence[str]) -> None:
     data = json.loads(path.read_text())
     data[CONFIG_KEY] = wide_config_section(wide, shared)
     path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
-
-
-def _save_preprocessors(wide, directory: Path, tokenizer, processor, earlier: bool) -> None:
-    """The members' tokenizer and processor files (where they all hold the same), then ``tokenizer`` and ``processor``
-    where given. Over an ``earlier`` fused repo, its own such files go first: left, they were the new repo's
-    tokenizer where the members' differ and none is saved."""
-    sources = getattr(wide, "_source_dirs", None) or []
-    if earlier and not any(_same_folder(source, directory) for source in sources):
-        for path in _preprocessor_files(directory):
-            path.unlink()
-    copy_tokenizer_files(sources, directory)
-    for preprocessor in (tokenizer, processor):
-        if preprocessor is not None:
-            preprocessor.save_pretrained(directory)
-
-
-def _preprocessor_files(folder: Path) -> list[Path]:
-    return sorted({p for pattern in TOKENIZER_PATTERNS for p in folder.glob(pattern) if p.is_file()})
-
-
-def _same_folder(a: str | Path, b: str | Path) -> bool:
-    return Path(a).exists() and Path(b).exists() and Path(a).samefile(b)
-
-
-def copy_tokenizer_files(source_dirs: Sequence[str | Path], directory: Path) -> list[str]:
-    """Copy the tokenizer and processor files of ``source_dirs[0]`` into ``directory`` if every folder holds the
-    same ones (byte for byte); warn and copy nothing if they differ. Returns the names copied."""
-    if not source_dirs:
-        return []
-    first = Path(source_dirs[0])
-    names = [p.name for p in _preprocessor_files(first)]
-    for other in map(Path, source_dirs[1:]):
-        other_names = [p.name for p in _preprocessor_files(other)]
-        if other_names != names or any((first / n).read_bytes() != (other / n).read_bytes() for n in names):
-            warnings.warn(f"The members' tokenizer or processor files differ ({first} and {other}): none were "
-                          "saved. Pass tokenizer= (or processor=) to save the one to use.")
-            return []
-    if _same_folder(first, directory):  # saved where it was loaded from: the files are there
-        return names
-    for name in names:
-        shutil.copyfile(first / name, directory / name)
-    return names
 
 
 def refuse_peft_without_sources(wide) -> None:

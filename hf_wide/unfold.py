@@ -29,7 +29,7 @@ def unfold_outputs(outputs: Any, n: int, batch: int, keep: tuple[torch.Tensor, .
                    others: tuple[int, ...] = (), unfolded: list | None = None) -> Any:
     """Give every output tensor with ``N*B`` rows a leading member dim: ``(N*B, ...) -> (N, B, ...)``; the tensors
     in ``keep`` (the members' losses, ``(N,)``, which have N rows when B is 1) stay as they are. ``others``: the
-    batch sizes of other inputs (:func:`hf_wide.fold.other_batches`), whose outputs' ``N*B'`` rows become ``(N, B', ...)`` too.
+    batch sizes of other inputs (:func:`hf_wide.inputs.other_batches`), whose outputs' ``N*B'`` rows become ``(N, B', ...)`` too.
 
     Works through tuples, lists, dicts and transformers ``ModelOutput``s (updated in place, so their
     attributes follow); caches and scalars pass unchanged. A ModelOutput's per-layer hidden states and attentions

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from .fold import CacheRowsError
+from .inputs import CacheRowsError
 from .model import WideValidationError, first_tensor
 from .compare import tf32_possible, tolerance
 from .versions import CACHE_NAMES

@@ -14,7 +14,7 @@ from oracle import TOLERANCE, max_member_error
 from safetensors.torch import load_file, save_file
 
 from hf_wide import IncompatibleMembersError, WideModel
-from hf_wide.loading import resolve_dtype
+from hf_wide.placement import resolve_dtype
 from hf_wide.planner import tensor_aliases
 
 

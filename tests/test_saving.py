@@ -11,7 +11,6 @@ from safetensors import safe_open
 
 from hf_wide import IncompatibleMembersError, Kind, WideModel
 from hf_wide.checkpoints import WEIGHTS_INDEX_NAME, Checkpoint
-from hf_wide.loading import resolve_device
 from hf_wide.saving import CONFIG_KEY, FusedRepoError, model_class_for
 
 ROUND_TRIP_CASES = [
@@ -404,24 +403,6 @@ def test_a_tensor_the_model_has_no_place_for_is_logged(tmp_path, caplog):
         wide = WideModel.from_pretrained(str(tmp_path))
     assert "['bogus.weight'] that BertForSequenceClassification has no place for" in caplog.text
     assert max_member_error(wide, members, CASES["bert-seqcls"].inputs(2, padded=True)) <= TOLERANCE
-
-
-def test_device_and_device_map():
-    assert resolve_device() is None
-    assert resolve_device("cpu") == torch.device("cpu")
-    assert resolve_device(device_map={"": "cpu"}) == torch.device("cpu")
-    expected = "cuda" if torch.cuda.is_available() else "cpu"
-    assert resolve_device(device_map="auto").type == expected
-    with pytest.raises(NotImplementedError, match="one device"):
-        resolve_device(device_map={"bert": "cpu", "classifier": "cpu"})
-    for spread in ("balanced", "balanced_low_0", "sequential"):  # (read as device types: torch's error)
-        with pytest.raises(NotImplementedError, match=f"device_map='{spread}' spreads the model over devices"):
-            resolve_device(device_map=spread)
-    with pytest.raises(ValueError, match="not both"):
-        resolve_device("cpu", "auto")
-    if not torch.backends.mps.is_available():  # refused at once (it failed after the members were read and traced)
-        with pytest.raises(ValueError, match="device 'mps' cannot be used here"):
-            resolve_device(device_map="mps")
 
 
 def test_a_class_of_the_checkpoints_own_code_is_named_as_such():

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import metrics
-from ..fold import PerMember
+from ..inputs import PerMember
 from ..model import WideModel
 
 DEMO_VERSION = "digits-vit-v1"

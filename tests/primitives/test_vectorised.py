@@ -12,7 +12,8 @@ from oracle import TOLERANCE, max_member_error, member_gradients
 from torch import nn
 
 from hf_wide import Kind, PerMember, WideModel
-from hf_wide.fold import Fold, fold_inputs
+from hf_wide.fold import Fold
+from hf_wide.inputs import fold_inputs
 from hf_wide.primitives import VectorisedFallback
 
 

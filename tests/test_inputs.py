@@ -1,4 +1,4 @@
-"""hf_wide/fold.py: the user's inputs folded into the members' rows, whatever the order of the keyword arguments, and
+"""hf_wide/inputs.py: the user's inputs folded into the members' rows, whatever the order of the keyword arguments, and
 what is no batch left whole."""
 
 import pytest
@@ -121,7 +121,7 @@ def test_encoder_outputs_given_by_the_user_are_folded_as_inputs():
 
 def test_a_per_member_input_of_another_batch_is_named_with_the_batch_it_misses():
     from hf_wide import PerMember
-    from hf_wide.fold import fold_inputs
+    from hf_wide.inputs import fold_inputs
 
     ids, images = torch.zeros(2, 5, dtype=torch.long), PerMember(torch.zeros(3, 4, 3, 8, 8))  # 4 images, 2 texts
     with pytest.raises(ValueError, match="pixel_values gives each member 4 rows, but the batch of input_ids has 2"):
