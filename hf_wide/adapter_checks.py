@@ -6,6 +6,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import torch
+from torch import nn
+
 from .compat import IncompatibleMembersError
 
 
@@ -34,6 +37,47 @@ def lora_refusal(config: dict) -> str | None:
         if config.get(option) not in (None, False):
             return f"uses {option}, a LoRA variant hf-wide does not fuse"
     return None
+
+
+def mergeable(config: dict) -> bool:
+    """Whether PEFT can merge an adapter of this config into its base (``merge_and_unload``): not prompt learning
+    (prompt tuning, prefix tuning, ...) nor adaption prompts, whose tuners hold no update of the base's weights."""
+    from peft.mapping import PEFT_TYPE_TO_TUNER_MAPPING
+
+    peft_type = config.get("peft_type")
+    tuner = PEFT_TYPE_TO_TUNER_MAPPING.get(peft_type)
+    return tuner is not None and hasattr(tuner, "merge_and_unload")
+
+
+def merged(member: nn.Module, name: str) -> nn.Module:
+    """``member`` (a ``PeftModel`` over its own copy of the base) merged into that copy, checked against itself
+    unmerged on the sample the fusion checks with. PEFT's ``merge_and_unload`` writes each update into the tensor it
+    adapts, and where that tensor is tied to another (the input embeddings and the output head of GPT-2, or of a Llama
+    with tied embeddings), the other took the update too: the merged member was 34.8 off its PeftModel, and the
+    fusion, checked against the merged members, said nothing."""
+    from .compare import compare_outputs, first_line
+    from .samples import sample_inputs, sample_kwargs
+
+    member.eval()
+    sample = sample_kwargs(member, sample_inputs(member))  # (no cache: a DynamicCache is no pytree to compare)
+    with torch.no_grad():
+        unmerged = member(**sample)
+    try:
+        model = member.merge_and_unload().eval()
+    except Exception as exc:
+        raise IncompatibleMembersError(f"{name} cannot be merged into its base: {first_line(exc, 300)}") from exc
+    with torch.no_grad():
+        why = compare_outputs(model(**sample), [unmerged], rows=next(
+            v for v in sample.values() if isinstance(v, torch.Tensor)).shape[0])
+    if why is not None:
+        tied = " (its base ties its input and output embeddings)" if getattr(
+            model.config, "tie_word_embeddings", False) else ""
+        raise IncompatibleMembersError(
+            f"{name} merged into its base is not the adapter{tied}: on the sample, the merged model {why}. PEFT's "
+            "merge writes each update into the tensor it adapts, and a tensor the base shares between two modules "
+            "takes it for both. Load the adapter without merge=True where hf-wide fuses it as LoRA, or run it "
+            "with PEFT alone.")
+    return model
 
 
 def check_layer_replication(replications: list, names: list[str]) -> None:

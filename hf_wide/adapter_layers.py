@@ -22,7 +22,7 @@ from .cpu import release_freed_memory
 
 # The way out of a refusal that follows from the members sharing one base.
 MERGE_INSTEAD = ("Merge each adapter into its own copy of the base instead (from_pretrained(..., merge=True), or each "
-                 "PeftModel's merge_and_unload()): exact, N full weight sets.")
+                 "PeftModel's merge_and_unload()): each checked against its adapter unmerged, N full weight sets.")
 
 
 def lora_paths(model: nn.Module) -> set[str]:

@@ -70,7 +70,8 @@ def reshare(view: nn.Module, copies: dict[str, tuple[torch.Tensor, torch.Tensor]
         shown = ", ".join(differ[:3]) + (f" and {len(differ) - 3} more" if len(differ) > 3 else "")
         raise IncompatibleMembersError(
             f"{name} holds values of the base's own tensors ({shown}) that differ from the base's, which its members "
-            "share. Pass merge=True to merge each adapter into its own copy of the base (exact, N full weight sets).")
+            "share. Pass merge=True to merge each adapter into its own copy of the base (each checked against its "
+            "adapter unmerged; N full weight sets).")
     base_of_copy = {id(loaded): ours for ours, loaded in copies.values()}
     for module in view.modules():
         for table in (module._parameters, module._buffers):
@@ -97,7 +98,8 @@ def base_untouched(base: nn.Module, name: str) -> Iterator[None]:
         shown = ", ".join(written[:3]) + (f" and {len(written) - 3} more" if len(written) > 3 else "")
         raise IncompatibleMembersError(
             f"{name} writes into the base's own tensors as it loads ({shown}), which its members share. Pass "
-            "merge=True to merge each adapter into its own copy of the base (exact, N full weight sets).")
+            "merge=True to merge each adapter into its own copy of the base (each checked against its adapter "
+            "unmerged; N full weight sets).")
 
 
 def _written(t: torch.Tensor) -> tuple:

@@ -17,8 +17,9 @@ Eight adapters or more that build the same modules are loaded and fused a group 
 
 LoRA is fused as such, DoRA (``use_dora``) too (:mod:`hf_wide.blocks.lora_dora`). Any other PEFT type (IA3, LoHa,
 prompt tuning, ...) or LoRA variant (``lora_bias``, aLoRA, ...) is refused with the member and the option named,
-unless ``merge=True``: then each adapter is merged into its own copy of the base (N full weight sets) and the members
-are fused as full checkpoints.
+unless ``merge=True``: then each adapter is merged into its own copy of the base (N full weight sets), checked against
+itself unmerged (:func:`~hf_wide.adapter_checks.merged`: a merge into tied embeddings is not the adapter), and the
+members are fused as full checkpoints. Prompt learning, which PEFT cannot merge, is refused either way.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ from torch import nn
 from .adapter_aligned import as_adapter
 from .adapter_base import (adapter_keys, base_class, base_of, base_revision_of, embedding_tables, grown_tables,
                            head_labels, held_by_every_adapter)
-from .adapter_checks import check_adapter_weights, check_layer_replication, lora_refusal
+from .adapter_checks import check_adapter_weights, check_layer_replication, lora_refusal, mergeable, merged
 from .adapter_layers import adapter_structure, dora_paths, pad_saved_modules, pad_targets, stack_adapters
 from .adapter_repos import AdapterSources
 from .adapter_trace import alike_structure, module_structure, trace_ahead
@@ -168,9 +169,12 @@ def load_adapter_base(ids, folders, configs, *, base_model=None, base_revision=N
             continue
         check_adapter_weights(Path(folder), name, allow_pickle)
         why = lora_refusal(config)
+        if why is not None and not mergeable(config):  # (prompt tuning: merge_and_unload raised an AttributeError)
+            raise NotImplementedError(f"{name} {why}, and PEFT cannot merge it into its base (merge=True): run it "
+                                      "with PEFT alone.")
         if why is not None and not merge:
             raise NotImplementedError(f"{name} {why}. Pass merge=True to merge each adapter into its own copy of the "
-                                      "base (exact, N full weight sets).")
+                                      "base (checked against the adapter unmerged; N full weight sets).")
     if any(c and c.get("layer_replication") for c in configs):
         check_layer_replication([c.get("layer_replication") if c else None for c in configs], names)
     base_id = base_of(configs, names, base_model)
@@ -246,7 +250,7 @@ def load_adapter_members(ids, folders, configs, *, base_model=None, base_revisio
                 raise IncompatibleMembersError(
                     f"{name} does not load over {base_name}: {type(exc).__name__}: {exc}") from exc
             reshare(target, copies, name)
-        models.append(member.merge_and_unload().eval() if merge else member.eval())
+        models.append(merged(member, name) if merge else member.eval())
         if trace_first and len(models) == 1 and not merge and alike_structure(configs):
             ahead = trace_ahead(models[0])
     if merge:

@@ -10,7 +10,8 @@ would train alone (:mod:`hf_wide.losses`: each member's loss), with these except
   ``bias="lora_only"`` beside ``bias="none"``, or ``requires_grad`` set apart), and members given no-ops where the
   others have adapters (zero LoRA updates for ``target_modules`` they lack, the base's module for ``modules_to_save``
   they lack) that would train, cannot each train as alone: a forward that computes gradients in training mode is
-  refused (:func:`check_training`). One in training mode without gradients (dropout at inference) runs.
+  refused (:func:`check_training`), in training mode or in eval mode. One without gradients (dropout at inference)
+  runs.
 
 :class:`TrainingMixin` gives a wide model what transformers' ``Trainer`` and training code read of a model: its
 members' ``loss_type`` and ``accepts_loss_kwargs``, and activation checkpointing (:mod:`hf_wide.trainer`).
@@ -59,7 +60,7 @@ def training_refusal(wide) -> str | None:
 
 @torch.compiler.disable  # (a walk over the model, on this rare path only)
 def check_training(wide) -> None:
-    """Refuse a forward that computes gradients in training mode where :func:`training_refusal` says why."""
+    """Refuse a forward that computes gradients where :func:`training_refusal` says why."""
     reason = training_refusal(wide)
     if reason is not None:
         raise RuntimeError(
@@ -70,9 +71,11 @@ def check_training(wide) -> None:
 
 
 def needs_check(wide) -> bool:
-    """Whether a forward must ask :func:`check_training` first: in training mode, computing gradients, over members
-    that train different tensors or hold no-ops (cheap: no walk over the parameters otherwise)."""
-    return wide.training and torch.is_grad_enabled() and bool(wide.differently_trained or wide.padded_targets)
+    """Whether a forward must ask :func:`check_training` first: computing gradients, in training mode or in eval mode
+    (training without dropout), over members that train different tensors or hold no-ops (cheap: no walk over the
+    parameters otherwise). Eval mode was let through, and a step trained member 1's embeddings as member 0 froze
+    them: 0.21 off."""
+    return torch.is_grad_enabled() and bool(wide.differently_trained or wide.padded_targets)
 
 
 class TrainingMixin:

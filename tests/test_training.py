@@ -28,6 +28,11 @@ def test_members_that_train_different_tensors_are_refused_training():
         wide(**inputs, labels=labels)
     with torch.no_grad():  # training mode for its dropout, computing no gradients: it runs
         wide(**inputs)
+    wide.eval()  # training without dropout: refused too (it ran, and member 1's bias stayed as member 0 keeps it)
+    with pytest.raises(RuntimeError, match=r"train different tensors"):
+        wide(**inputs, labels=labels)
+    with torch.no_grad():
+        wide(**inputs)
     wide.requires_grad_(False)
     wide(**inputs, labels=labels)  # frozen: nothing would train
     same = WideModel.from_models([adapted(base, seed, r=4, target_modules=["query"]) for seed in range(2)],
