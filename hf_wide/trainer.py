@@ -17,14 +17,21 @@ What it changes in ``Trainer``, and why:
   whose name says nothing of a norm (GPT-2's ``ln_1``) were decayed.
 - the predictions gathered for ``compute_metrics`` are ``(B, N, ...)``, the member dim after the batch's, since
   ``Trainer`` concatenates batches along their first dim.
+- ``save_model`` and the checkpoints write one fused repo (``WideModel.save_pretrained``), which
+  ``WideModel.from_pretrained`` loads back, and ``resume_from_checkpoint`` and ``load_best_model_at_end`` copy a
+  checkpoint's back into the model being trained. ``Trainer`` saves a model that is not a ``PreTrainedModel`` as a
+  bare state dict: safetensors refused the members' tied embeddings (GPT-2's), and no loader read what it wrote.
 - what would mix the members is refused: gradient clipping (``max_grad_norm > 0``: one norm over every member's
   gradients), optimizers that are not element-wise (Adafactor's factored moments, 8-bit blocks, GaLore's
-  projections) and label smoothing (``Trainer``'s smoother reads all members' logits as one batch).
+  projections) and label smoothing (``Trainer``'s smoother reads all members' logits as one batch). NEFTune
+  (``neftune_noise_alpha``) is refused too: ``Trainer`` hooks the model's ``get_input_embeddings()``, which a wide
+  model does not give (it raised an AttributeError from inside ``train()``).
 """
 
 from __future__ import annotations
 
 import inspect
+import os
 import warnings
 
 import torch
@@ -32,11 +39,13 @@ from torch import nn
 from torch.utils import _pytree as pytree
 from transformers import Trainer
 from transformers.pytorch_utils import ALL_LAYERNORM_LAYERS
+from transformers.trainer import TRAINING_ARGS_NAME
 from transformers.utils.generic import can_return_loss, find_labels
 
 from .capture import source_class
 from .model import WideModel
 from .primitives import PerMemberFallback, VectorisedFallback
+from .saving import read_section
 
 # Trainer's optimizers that update every element from its own gradient and state alone
 ELEMENTWISE_OPTIMIZERS = frozenset({"adamw_torch", "adamw_torch_fused", "adamw_torch_xla", "adamw_torch_npu_fused",
@@ -86,6 +95,48 @@ class WideTrainer(Trainer):
         norms = norm_parameters(model)
         return [name for name in super().get_decay_parameter_names(model) if name not in norms]
 
+    def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
+        """The model as one fused repo, with the processing class and the training arguments, as ``Trainer`` saves a
+        ``PreTrainedModel``: ``Trainer``'s own wrote a bare state dict, which safetensors refuses for tied tensors."""
+        if state_dict is not None:  # (DeepSpeed, FSDP and SageMaker gather one; a fused repo is written of the model)
+            raise NotImplementedError("WideTrainer saves the wide model as a fused repo; it cannot save a state dict "
+                                      "gathered by DeepSpeed, FSDP or SageMaker.")
+        if not self.args.should_save:
+            return
+        output_dir = self.args.output_dir if output_dir is None else output_dir
+        preprocessor = self.processing_class
+        if preprocessor is None:
+            preprocessor = getattr(self.data_collator, "tokenizer", None)
+        self.model.save_pretrained(output_dir, processor=preprocessor)
+        torch.save(self.args, os.path.join(output_dir, TRAINING_ARGS_NAME))
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model: nn.Module | None = None) -> None:
+        """The checkpoint's fused repo copied into the model being trained (``resume_from_checkpoint``)."""
+        load_checkpoint(self.model if model is None else model, resume_from_checkpoint)
+
+    def _load_best_model(self) -> None:
+        """The best checkpoint's fused repo copied into the model trained (``load_best_model_at_end``)."""
+        load_checkpoint(self.model, self.state.best_model_checkpoint)
+
+
+def load_checkpoint(model: WideModel, folder: str) -> None:
+    """Copy the fused repo in ``folder`` into ``model``, in place (its optimizer holds its parameters), refusing one
+    whose tensors are not ``model``'s: other members, another number of them, or another plan."""
+    if read_section(folder) is None:
+        raise ValueError(f"{folder} holds no fused repo (a config.json with an hf_wide section): it was not saved by "
+                         "WideTrainer.")
+    saved = WideModel.from_pretrained(folder).state_dict()
+    own = model.state_dict()
+    differ = sorted(k for k in own.keys() | saved.keys()
+                    if k not in own or k not in saved or own[k].shape != saved[k].shape)
+    if differ:
+        shown = ", ".join(f"{k} {tuple(own[k].shape) if k in own else 'absent'} here, "
+                          f"{tuple(saved[k].shape) if k in saved else 'absent'} there" for k in differ[:3])
+        raise ValueError(f"{folder} holds another wide model than the one trained ({len(differ)} tensors differ: "
+                         f"{shown}{', ...' if len(differ) > 3 else ''}): resume a checkpoint with the members, and the "
+                         "fusion, it was saved from.")
+    model.load_state_dict(saved, strict=True)
+
 
 def norm_parameters(model: nn.Module) -> set[str]:
     """The names of ``model``'s parameters that stand for a member's ``nn.LayerNorm`` (``ALL_LAYERNORM_LAYERS``), which
@@ -119,6 +170,10 @@ def _refuse_mixing(args, optimizer: torch.optim.Optimizer | type | None) -> None
         raise ValueError(f"label_smoothing_factor={args.label_smoothing_factor}: Trainer's label smoother reads the "
                          "logits of all members as one batch. Smooth the labels in the members' loss instead, or "
                          "pass label_smoothing_factor=0.")
+    if args.neftune_noise_alpha is not None:
+        raise ValueError(f"neftune_noise_alpha={args.neftune_noise_alpha}: WideTrainer does not run NEFTune, whose "
+                         "hook Trainer puts on the model's get_input_embeddings(), which a wide model does not give. "
+                         "Pass neftune_noise_alpha=None.")
     if optimizer is not None:
         kind = optimizer if isinstance(optimizer, type) else type(optimizer)
         if not issubclass(kind, ELEMENTWISE_CLASSES):
