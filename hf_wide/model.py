@@ -176,7 +176,7 @@ class WideModel(WideHubMixin, TrainingMixin, nn.Module):
 
     def __call__(self, *args, **kwargs):
         # Past the process's gate (hf_wide.concurrency): compiled, a call shares transformers' output collector
-        compiled = self._compiled_call_impl is not None
+        compiled = self._compiled_call_impl is not None or torch.compiler.is_compiling()
         if compiled and not getattr(self._thread, "code", False):
             copy_code_for_thread(self.model)
             self._thread.code = True
