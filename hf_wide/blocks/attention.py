@@ -127,8 +127,18 @@ class WideAttention(WideBlock):
             self.out_dropout = copy.deepcopy(getattr(mods[0], dropout))
             self.post_norm = WideLayerNorm.from_modules([getattr(m, norm) for m in mods], self.fold)
         self._head_dim = getattr(mods[0], layout.head_dim)
+        # The attention's dropout as the members hold it: a float (Llama's), or an nn.Dropout whose p their forward
+        # reads (BERT's dropout.p), held here as such, so that what sets every nn.Dropout's p after fusion (TRL's
+        # disable_dropout_in_model) sets this one's too: copied as a float, it stayed on
         owner, _, attr = layout.dropout.rpartition(".")
-        self._dropout_p = getattr(mods[0].get_submodule(owner), attr)
+        if owner:
+            setattr(self, owner, copy.deepcopy(mods[0].get_submodule(owner)))
+        else:
+            self._dropout_p = getattr(mods[0], attr)
+
+    def _attention_dropout(self) -> float:
+        owner, _, attr = self.layout.dropout.rpartition(".")
+        return getattr(getattr(self, owner), attr) if owner else self._dropout_p
 
     def member_state_dict(self, i: int) -> dict[str, torch.Tensor]:
         if "lora_qkv" in self._modules:
@@ -190,7 +200,7 @@ class WideAttention(WideBlock):
             kwargs["sliding_window"] = getattr(self.config, "sliding_window", None)
         attn_output, attn_weights = interface(
             self, query, key, value, attention_mask,
-            dropout=0.0 if not self.training else self._dropout_p, scaling=self.scaling, **kwargs,
+            dropout=0.0 if not self.training else self._attention_dropout(), scaling=self.scaling, **kwargs,
         )
         attn_output = attn_output.reshape(*input_shape, -1).contiguous()  # (N*B, T, H*hd)
         if every_token is not None:

@@ -124,7 +124,7 @@ class WideModule(nn.Module):
     takes_stacked_inputs: bool = False  # see WideBlock's
 
     def __init__(self, fold: Fold, proto: nn.Module):
-        super().__init__()
+        nn.Module.__init__(self)  # (not the next class's: WideBatchNorm is a _BatchNorm too, built as a WideModule)
         self.fold = fold
         # The source module on the meta device: hyper-parameters for setup() and a mould for to_module().
         # Kept out of _modules so it is neither a child nor in the state dict.

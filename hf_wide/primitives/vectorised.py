@@ -28,6 +28,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import nn
 from torch.autograd.graph import saved_tensors_hooks
+from torch.nn.modules.dropout import _DropoutNd
 from torch.func import functional_call, vmap
 from torch.utils import _pytree as pytree
 from transformers.cache_utils import Cache
@@ -76,6 +77,16 @@ def _autocasting(leaves: list) -> bool:
     another dtype than its queries), so the members' code runs member by member."""
     device = next((t.device.type for t in leaves if isinstance(t, torch.Tensor)), "cpu")
     return torch.is_autocast_enabled(device)
+
+
+def _module_pairs(code: nn.Module, structure: nn.Module) -> list[tuple[nn.Module, nn.Module]]:
+    """Each module of a thread's code copy beside its place in ``stacked`` (the registered copy of the source's
+    structure), whose training flags and dropout probabilities the code copy takes at every call: ``train()``,
+    ``eval()`` and what users set on a model's dropout modules reach ``stacked`` only. The copy kept its dropout on
+    after TRL's ``disable_dropout_in_model`` set every ``nn.Dropout``'s p to 0 (BERT's embeddings: 0.43 off the
+    members so trained), and off for Monte Carlo dropout (the dropout modules alone put back in training mode)."""
+    modules = dict(structure.named_modules())
+    return [(module, modules[name]) for name, module in code.named_modules() if name in modules]
 
 
 def refused_by_vmap(exc: RuntimeError) -> bool:
@@ -198,8 +209,12 @@ class VectorisedFallback(nn.Module):
         if not hasattr(calls, "proto"):
             calls.proto = copy_module(self.proto)
             calls.fresh = FreshState(calls.proto)  # what a call leaves in its attributes is taken back
-        if calls.proto.training != self.training:  # not a child, which train() and eval() would reach: its dropout
-            calls.proto.train(self.training)  # stayed off in training, as fusion left it
+            calls.pairs = _module_pairs(calls.proto, self.stacked)
+        for code, structure in calls.pairs:  # (no child: what reaches the model's modules reaches stacked)
+            if code.training != structure.training:
+                code.training = structure.training
+            if isinstance(code, _DropoutNd) and code.p != structure.p:
+                code.p = structure.p
         return calls.proto
 
     def _after_call(self, output=None):

@@ -1,10 +1,13 @@
 """Fused blocks: chosen by the plan for the families they know, exact end to end (tests/test_model.py),
 and each block's member i is the source module i again."""
 
+import copy
+
 import pytest
 import torch
 from transformers.cache_utils import DynamicCache
 from conftest import CASES
+from oracle import TOLERANCE, max_member_error
 
 from hf_wide import Kind, WideModel
 from hf_wide.blocks import (
@@ -93,3 +96,22 @@ def test_attention_takes_the_cache_under_either_releases_name(fused, name):
     torch.testing.assert_close(step, whole[:, 3:])
     with pytest.raises(TypeError, match="two names"):
         attention(hidden, rotary, None, cache=cache, past_key_values=DynamicCache())
+
+
+@pytest.mark.parametrize("case_id", ["bert-seqcls", "distilbert-seqcls", "electra-seqcls"])
+def test_dropout_set_off_after_fusion_is_off_in_the_fused_attention_too(case_id):
+    # TRL's disable_dropout_in_model sets every nn.Dropout's p to 0: the members then train without dropout, and the
+    # fused attention, which had copied its members' p as a number, kept dropping out (as did the vectorised
+    # embeddings: tests/primitives/test_vectorised.py)
+    case = CASES[case_id]
+    members = [case.build(seed) for seed in range(2)]
+    assert all(m.p > 0 for m in members[0].modules() if isinstance(m, torch.nn.Dropout))
+    wide = WideModel.from_models([copy.deepcopy(m) for m in members], share_identical=False)
+    assert any(isinstance(m, WideAttention) for m in wide.modules())
+    for model in (wide, *members):
+        for module in model.modules():
+            if isinstance(module, torch.nn.Dropout):
+                module.p = 0.0
+    inputs = case.inputs(2, padded=True)
+    with torch.no_grad():
+        assert max_member_error(wide.train(), [m.train() for m in members], inputs) <= TOLERANCE

@@ -1,6 +1,8 @@
 """Every wide primitive: member i of the wide module equals module i, from_modules/to_modules round
 trip, and broadcast inputs with a leading dim of 1 yield all N*B rows."""
 
+import copy
+
 import pytest
 import torch
 from torch import nn
@@ -193,3 +195,33 @@ def test_each_members_gradient_is_its_own_with_none_at_the_padding_row(name, bro
         mod(x).backward(rows[i] if not broadcast else rows[i].sum(0, keepdim=True))
         assert torch.allclose(wide.weight.grad[i], mod.weight.grad, atol=1e-5)
         assert mod.padding_idx is None or not mod.weight.grad[mod.padding_idx].any()
+
+
+def test_what_finds_a_models_batchnorms_by_class_finds_the_wide_ones():
+    # Training with BatchNorms frozen (model.train(), then eval() on each _BatchNorm) and SWA's update_bn find them by
+    # class: they found none in a wide model, whose BatchNorms went on updating in training (1.48 off the members)
+    from conftest import CASES
+    from oracle import TOLERANCE, max_member_error
+
+    from hf_wide import WideModel
+
+    case = CASES["resnet-imgcls"]
+    members = [case.build(seed) for seed in range(2)]
+    wide = WideModel.from_models([copy.deepcopy(m) for m in members], share_identical=False)
+    norms = [m for m in wide.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+    assert norms and len(norms) == sum(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in members[0].modules())
+    inputs = case.inputs(2, padded=False)
+    for model in (wide, *members):
+        model.train()
+        for module in model.modules():
+            if isinstance(module, nn.modules.batchnorm._BatchNorm):
+                module.eval()
+    with torch.no_grad():
+        assert max_member_error(wide, members, inputs) <= TOLERANCE
+    assert all(m.num_batches_tracked.eq(0).all() for m in norms)  # frozen: nothing updated
+    loader = [inputs["pixel_values"], case.inputs(3, padded=False, seed=1)["pixel_values"]]
+    for model in (wide, *members):  # statistics gathered anew over the loader, each member's over its own rows
+        torch.optim.swa_utils.update_bn(loader, model)
+    with torch.no_grad():
+        assert max_member_error(wide.eval(), [m.eval() for m in members], inputs) <= TOLERANCE
+    assert all(m.num_batches_tracked.eq(2).all() for m in norms)

@@ -208,6 +208,26 @@ def test_a_vectorised_module_drops_out_in_training_as_its_members_do():
         assert (wide(x) != 0).all()
 
 
+def test_dropout_set_on_the_models_modules_reaches_a_vectorised_modules_code():
+    # What sets the model's dropout modules (TRL's disable_dropout_in_model: every nn.Dropout's p to 0; Monte Carlo
+    # dropout: the dropout modules alone back in training mode) reached the registered copy of the structure, and
+    # not the code that runs: it kept dropping out, and stayed off for Monte Carlo dropout
+    wide = WideModel.from_models([Dropped() for _ in range(3)], (torch.randn(2, 64),))
+    dropouts = [m for m in wide.modules() if isinstance(m, nn.Dropout)]
+    assert dropouts
+    x = torch.randn(4, 64)
+    with torch.no_grad():
+        wide.train()
+        for module in dropouts:
+            module.p = 0.0
+        assert (wide(x) != 0).all()
+        wide.eval()
+        for module in dropouts:
+            module.p = 0.5
+            module.train()
+        assert 0.3 < (wide(x) == 0).float().mean().item() < 0.7
+
+
 @pytest.mark.parametrize("verify", [True, False])
 def test_jetmoes_experts_count_their_tokens_in_a_loop_and_return_token_rows(verify):
     # JetMoe's routers call .tolist() on the tokens per expert: under vmap a batched tensor has no storage, which was
