@@ -29,7 +29,7 @@ from ..verify_cache import cache_name as cache_name_of
 from .base import WidePipeline, _max_length
 from .combine import Combine, combine, member_probabilities, ranking
 from .generation_settings import GenerationSettings
-from .options import positive_temperature, whole_number
+from .options import positive_temperature, sampling_seed, whole_number
 
 # Held while members' own continuations draw from torch's global generator (transformers' sampling takes no other)
 GLOBAL_RNG = threading.Lock()
@@ -63,6 +63,7 @@ class TextGenerationPipeline(GenerationSettings, WidePipeline):
             max_new_tokens = whole_number("max_new_tokens", max_new_tokens)
             pre["max_new_tokens"] = max_new_tokens  # each prompt's budget, in its features
         temperature = None if temperature is None else positive_temperature(temperature)
+        seed = None if seed is None else sampling_seed(seed)  # (2**64 raised "Overflow when unpacking long long")
         top_k = None if top_k is None else whole_number("top_k", top_k)
         if top_p is not None and (isinstance(top_p, bool) or not isinstance(top_p, numbers.Real) or not 0 < top_p <= 1):
             raise ValueError(f"top_p must be in (0, 1], got {top_p}.")

@@ -11,6 +11,8 @@ to ``max_batch_size``, run as one call of :func:`hf_wide.pipelines.requests.run_
 as the pipeline would alone.
 """
 
+import math
+import numbers
 from collections.abc import Sequence
 
 from ray import serve
@@ -114,10 +116,7 @@ def build_app(model_ids: Sequence[str] | str, task: str = "text-classification",
     ids = as_ids(model_ids)
     if not ids:
         raise ValueError("build_app needs the members: repo ids or folders, a fused repo, or adapters; got none.")
-    if max_batch_size < 1 or replicas < 1:
-        raise ValueError(f"max_batch_size and replicas must be at least 1, got {max_batch_size} and {replicas}.")
-    if not batch_wait_ms >= 0:  # (NaN too)
-        raise ValueError(f"batch_wait_ms must be 0 or more, got {batch_wait_ms}.")
+    _check_numbers(replicas, max_batch_size, batch_wait_ms, num_cpus, pipeline_options.get("batch_size"))
     combine = Combine.parse(pipeline_options.get("combine", Combine.MEAN))
     if combine == Combine.NONE:
         raise ValueError("hf-wide serve answers with the ensemble's answer, and combine='none' has none: choose a "
@@ -135,6 +134,27 @@ def build_app(model_ids: Sequence[str] | str, task: str = "text-classification",
         options["max_constructor_retry_count"] = max_constructor_retry_count
     return WideServer.options(**options).bind(
         model_ids, task, pipeline_options, max_batch_size, batch_wait_ms)
+
+
+def _check_numbers(replicas, max_batch_size, batch_wait_ms, num_cpus, batch_size) -> None:
+    """The counts and times of :func:`build_app`, checked before Ray starts: a fractional or NaN ``max_batch_size``
+    and a ``batch_size`` (the pipeline's) below 1 were taken, and failed in every replica once Ray had started it;
+    an endless ``batch_wait_ms`` would keep a lone request waiting for company; Ray's refusal of a NaN ``num_cpus``
+    ("cannot convert float NaN to integer") named no argument."""
+    from ..pipelines.options import whole_number
+
+    whole_number("replicas", replicas)
+    whole_number("max_batch_size", max_batch_size)
+    if batch_size is not None:  # the pipeline's forward size (default: max_batch_size)
+        whole_number("batch_size", batch_size)
+    if not _finite_non_negative(batch_wait_ms):
+        raise ValueError(f"batch_wait_ms must be a finite number of 0 or more, got {batch_wait_ms!r}.")
+    if num_cpus is not None and not _finite_non_negative(num_cpus):
+        raise ValueError(f"num_cpus must be a finite number of 0 or more, got {num_cpus!r}.")
+
+
+def _finite_non_negative(value) -> bool:
+    return not isinstance(value, bool) and isinstance(value, numbers.Real) and 0 <= value < math.inf  # (NaN: False)
 
 
 def app_builder(args: dict) -> serve.Application:

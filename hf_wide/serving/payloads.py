@@ -16,6 +16,8 @@ import json
 import re
 from typing import Any
 
+from ..pipelines.options import sampling_seed
+
 MAX_INPUTS = 256  # texts in one request
 
 
@@ -44,6 +46,8 @@ def read_json(body: bytes) -> dict:
         payload = json.loads(body)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise BadRequest(f"The request body is not valid JSON: {exc}.", 400) from exc
+    except RecursionError as exc:  # the decoder's stack, on arrays or objects nested thousands deep
+        raise BadRequest("The request body is JSON nested too deeply to read.", 400) from exc
     if not isinstance(payload, dict):
         raise BadRequest(f'The request body must be a JSON object {{"inputs": ...}}, got a {_kind(payload)}.', 400)
     return payload
@@ -86,7 +90,9 @@ class TaskFormat:
                              "optionally, \"parameters\".")
         if "inputs" not in payload:
             raise BadRequest('The request has no "inputs".')
-        parameters = payload.get("parameters") or {}
+        parameters = payload.get("parameters")
+        if parameters is None:  # null or absent, as InferenceClient sends "no parameters"; [], 0, "" are mistakes
+            parameters = {}
         if not isinstance(parameters, dict):
             raise BadRequest(f'"parameters" must be an object, got a {_kind(parameters)}.')
         parameters = {**{k: payload[k] for k in self.top_level if k in payload}, **parameters}
@@ -150,10 +156,13 @@ def boolean(name: str, value) -> bool:
     return value
 
 
-def non_negative_int(name: str, value) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise BadRequest(f"Parameter {name!r} must be an integer of 0 or more, got {value!r}.")
-    return value
+def seed(name: str, value) -> int:
+    """A sampling seed, checked as the pipeline checks one (torch's generators take 0 to 2**64 - 1): a larger one
+    reached torch, whose refusal named no parameter."""
+    try:
+        return sampling_seed(value)
+    except ValueError as exc:
+        raise BadRequest(f"Parameter {name!r}: {exc}") from exc
 
 
 def positive_number(name: str, value) -> float:

@@ -22,8 +22,8 @@ import base64
 import binascii
 import io
 
-from .payloads import (BadRequest, Request, TaskFormat, _kind, boolean, list_of_texts, non_negative_int,
-                       one_of, positive_int, positive_number, probability, read_json, texts)
+from .payloads import (BadRequest, Request, TaskFormat, _kind, boolean, list_of_texts, one_of, positive_int,
+                       positive_number, probability, read_json, seed, texts)
 
 MAX_IMAGE_BYTES = 20 * 1024 * 1024
 
@@ -229,7 +229,7 @@ class TextGeneration(TaskFormat):
 
     task = "text-generation"
     parameters = {"max_new_tokens": positive_int, "do_sample": boolean, "temperature": positive_number,
-                  "top_k": positive_int, "top_p": probability, "seed": non_negative_int,
+                  "top_k": positive_int, "top_p": probability, "seed": seed,
                   "return_full_text": boolean, "return_members": boolean}
     refused = dict.fromkeys(TGI_ONLY, "")
 

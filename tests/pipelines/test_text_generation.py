@@ -179,6 +179,9 @@ def test_sampling_is_seeded_and_top_k_1_is_greedy(setup):
     others = {pipe(PROMPTS[0], max_new_tokens=NEW, do_sample=True, temperature=2.0, seed=s)["generated_text"]
               for s in range(4)}
     assert len(others) > 1
+    pipe(PROMPTS[0], max_new_tokens=NEW, do_sample=True, seed=2**64 - 1)  # the largest seed torch takes
+    with pytest.raises(ValueError, match=r"seed must be a whole number from 0 to 2\*\*64 - 1"):  # (torch's overflow)
+        pipe(PROMPTS[0], max_new_tokens=NEW, do_sample=True, seed=2**64)
 
 
 def test_each_members_draws_are_the_calls_own_whatever_other_threads_do(setup):

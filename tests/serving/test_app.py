@@ -49,13 +49,28 @@ def test_route_below_the_prefix(path, root, route):
     ({"models": " , "}, "app_builder needs models=: .* got none"),
     ({"models": "a,b", "combine": "weighted", "weights": "1,2,3"}, r"one number per member: got \(3,\) for 2 members"),
     ({"models": "a,b", "combine": "weighted", "weights": [1, -1]}, "non-negative"),
-    ({"models": "a,b", "batch_wait_ms": "-3"}, "batch_wait_ms must be 0 or more, got -3.0"),
+    ({"models": "a,b", "batch_wait_ms": "-3"}, "batch_wait_ms must be a finite number of 0 or more, got -3.0"),
+    ({"models": "a,b", "batch_wait_ms": "inf"}, "batch_wait_ms must be a finite number"),  # a lone request: no answer
+    ({"models": "a,b", "batch_size": "0"}, "batch_size must be a whole number of at least 1, got 0"),
+    ({"models": "a,b", "batch_size": "-3"}, "batch_size must be a whole number of at least 1, got -3"),
+    ({"models": "a,b", "max_batch_size": "0"}, "max_batch_size must be a whole number of at least 1, got 0"),
+    ({"models": "a,b", "replicas": "0"}, "replicas must be a whole number of at least 1, got 0"),
+    ({"models": "a,b", "num_cpus": "nan"}, "num_cpus must be a finite number of 0 or more, got nan"),
+    ({"models": "a,b", "num_cpus": "-1"}, "num_cpus must be a finite number of 0 or more, got -1.0"),
     ({"models": "a", "subfolder": "x,y"}, "Got 2 subfolders for 1 members"),
 ])
 def test_app_builder_refuses_what_the_replicas_would(args, says):
     # each was accepted, and failed in every replica once Ray had started it (or, for batch_wait_ms, in Ray Serve)
     with pytest.raises(ValueError, match=says):
         app_builder(args)
+
+
+@pytest.mark.parametrize("option, value", [("max_batch_size", 2.5), ("max_batch_size", float("nan")),
+                                           ("batch_size", 2.5), ("max_batch_size", True)])
+def test_build_app_refuses_counts_that_are_not_whole_numbers(option, value):
+    # Ray Serve took them, and each replica refused them once Ray had started it
+    with pytest.raises(ValueError, match=f"{option} must be a"):
+        build_app(["a", "b"], **{option: value})
 
 
 def test_build_app_refuses_no_members_and_leaves_a_fused_repos_count_to_the_replica():

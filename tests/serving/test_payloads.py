@@ -1,11 +1,11 @@
 """hf_wide/serving/payloads.py: the request's envelope and the parameter checks (through text classification's
-format), without a server or a model."""
+format, and text generation's for the seed), without a server or a model."""
 
 import pytest
 
 from hf_wide.pipelines import Combine
 from hf_wide.serving.payloads import MAX_INPUTS, BadRequest, read_json
-from hf_wide.serving.tasks import TextClassification
+from hf_wide.serving.tasks import TextClassification, TextGeneration
 
 
 class Pipe:  # what TextClassification.setup reads of a pipeline
@@ -54,6 +54,7 @@ def test_the_answer_ranks_every_label_and_the_best_carries_the_extras(fmt):
 @pytest.mark.parametrize("body, status, says", [
     (b"{not json", 400, "not valid JSON"),
     (b'["a list"]', 400, "JSON object"),
+    (b'{"inputs": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", 400, "nested too deeply"),  # was a RecursionError: 500
 ])
 def test_bodies_that_are_not_a_json_object(body, status, says):
     with pytest.raises(BadRequest, match=says) as info:
@@ -77,10 +78,32 @@ def test_bodies_that_are_not_a_json_object(body, status, says):
     ({"inputs": "x", "parameters": {"top_k": True}}, "'top_k' must be a positive integer"),
     ({"inputs": "x", "parameters": {"function_to_apply": "relu"}}, "must be one of"),
     ({"inputs": "x", "parameters": [1]}, '"parameters" must be an object'),
+    # falsy ones were taken for "no parameters"
+    ({"inputs": "x", "parameters": []}, '"parameters" must be an object, got a list'),
+    ({"inputs": "x", "parameters": 0}, '"parameters" must be an object, got a number'),
+    ({"inputs": "x", "parameters": ""}, '"parameters" must be an object, got a text'),
+    ({"inputs": "x", "parameters": False}, '"parameters" must be an object, got a boolean'),
 ])
 def test_bad_requests_say_what_is_wrong(fmt, payload, says):
     with pytest.raises(BadRequest, match=says) as info:
         fmt.parse(payload)
+    assert info.value.status == 422
+
+
+def test_null_parameters_are_none(fmt):
+    assert fmt.parse({"inputs": "x", "parameters": None}).options == fmt.parse({"inputs": "x"}).options
+
+
+@pytest.mark.parametrize("seed, takes", [(0, True), (2**64 - 1, True), (2**64, False), (2**70, False), (-1, False),
+                                         (1.5, False), (True, False), ("3", False)])
+def test_a_seed_is_one_torch_takes(seed, takes):
+    # 2**64 passed, and torch's "Overflow when unpacking long long" came back as the 422, naming no parameter
+    payload = {"inputs": "x", "parameters": {"seed": seed, "do_sample": True}}
+    if takes:
+        assert TextGeneration().parse(payload).options["seed"] == seed
+        return
+    with pytest.raises(BadRequest, match=r"'seed'.* from 0 to 2\*\*64 - 1") as info:
+        TextGeneration().parse(payload)
     assert info.value.status == 422
 
 
