@@ -138,21 +138,35 @@ def held_by_every_adapter(folders: Sequence[Path], configs: Sequence[dict | None
     return frozenset(key.removeprefix("base_model.model.") for key in held)
 
 
-def head_labels(folders: Sequence[Path], configs: Sequence[dict | None]) -> int | None:
-    """The number of labels the adapters' saved heads (``modules_to_save``) were trained with, if they hold one."""
+def head_labels(folders: Sequence[Path], configs: Sequence[dict | None], names: Sequence[str]) -> int | None:
+    """The number of labels the adapters' saved heads (``modules_to_save``) were trained with, if they hold one;
+    adapters whose heads have different numbers are refused, naming two (only the first adapter's was read, and a
+    5-label and a 3-label adapter failed in transformers' load of the base)."""
+    found = {}
+    for name, folder, config in zip(names, folders, configs):
+        labels = _saved_head_labels(Path(folder), config)
+        if labels is not None:
+            found.setdefault(labels, name)
+    if len(found) > 1:
+        (a, first), (b, second) = list(found.items())[:2]
+        raise IncompatibleMembersError(f"The adapters' saved heads have different numbers of labels: {first} {a}, "
+                                       f"{second} {b}. Fuse adapters of one head.")
+    return next(iter(found), None)
+
+
+def _saved_head_labels(folder: Path, config: dict | None) -> int | None:
     from safetensors import safe_open
 
-    for folder, config in zip(folders, configs):
-        if config is None or not config.get("modules_to_save") or config.get("task_type") not in (
-                "SEQ_CLS", "TOKEN_CLS", None):
-            continue
-        path = folder / "adapter_model.safetensors"
-        if not path.is_file():
-            continue
-        with safe_open(path, "pt") as f:
-            for key in f.keys():
-                head = key.split(".")
-                if key.endswith(".weight") and any(m in head for m in config["modules_to_save"]) and (
-                        "out_proj" in head or head[-2] in config["modules_to_save"]):
-                    return f.get_slice(key).get_shape()[0]
+    if config is None or not config.get("modules_to_save") or config.get("task_type") not in (
+            "SEQ_CLS", "TOKEN_CLS", None):
+        return None
+    path = folder / "adapter_model.safetensors"
+    if not path.is_file():
+        return None
+    with safe_open(path, "pt") as f:
+        for key in f.keys():
+            head = key.split(".")
+            if key.endswith(".weight") and any(m in head for m in config["modules_to_save"]) and (
+                    "out_proj" in head or head[-2] in config["modules_to_save"]):
+                return f.get_slice(key).get_shape()[0]
     return None

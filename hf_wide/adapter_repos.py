@@ -10,8 +10,9 @@ loaded at) and each member's adapter config. ``save_pretrained`` then writes::
     README.md                         the model card
 
 and ``from_pretrained`` of that folder or repo loads the base (at its revision) and the adapters, as when they
-were first loaded. ``save_members`` writes the same adapter folders: ``PeftModel.from_pretrained(base, folder)``
-loads each. The zero updates that gave members without an adapter on a module the same structure are not saved.
+were first loaded. ``save_members`` writes the same adapter folders, each naming the base it was loaded over
+(:func:`loaded_over`): ``PeftModel.from_pretrained(base, folder)`` loads each. The zero updates that gave members
+without an adapter on a module the same structure are not saved.
 """
 
 from __future__ import annotations
@@ -56,9 +57,18 @@ def save_adapter(wide, i: int, folder: Path) -> Path | None:
         state[k] = v.clone() if view in seen else v
         seen.add(view)
     folder.mkdir(parents=True, exist_ok=True)
-    (folder / "adapter_config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    (folder / "adapter_config.json").write_text(json.dumps(loaded_over(config, sources), indent=2, sort_keys=True)
+                                                + "\n")
     save_file(state, str(folder / "adapter_model.safetensors"), metadata={"format": "pt"})
     return folder
+
+
+def loaded_over(config: dict, sources: AdapterSources) -> dict:
+    """An adapter's config naming the base it was loaded over (PEFT's ``base_model_name_or_path`` and ``revision``,
+    which ``AutoPeftModel`` loads the base at): after ``base_model=`` (or ``base_revision=``), the config still named
+    the base it had named, and its folder, loaded over that one, was another model than the wide model's member
+    (2.7 off)."""
+    return {**config, "base_model_name_or_path": sources.base_model, "revision": sources.base_revision}
 
 
 def save_adapter_ensemble(wide, save_directory: str | Path, section: dict, repo_id: str | None = None,

@@ -189,8 +189,18 @@ def load_adapter_base(ids, folders, configs, *, base_model=None, base_revision=N
     base_name = f"the base model ({base_id})"
     base_config = transformers.AutoConfig.from_pretrained(base_folder, trust_remote_code=trust_remote_code)
     klass = base_class(configs, base_config, base_name, base_folder, trust_remote_code)
-    labels = head_labels([Path(f) for f in folders], configs)
-    extra = {"num_labels": labels} if labels is not None and labels != base_config.num_labels else {}
+    labels = head_labels([Path(f) for f in folders], configs, names)
+    extra = {}
+    if labels is not None and labels != base_config.num_labels:  # the adapters' heads replace the base's
+        full = next((n for n, c in zip(names, configs) if c is None), None)
+        if full is not None:
+            raise IncompatibleMembersError(
+                f"The adapters' saved heads have {labels} labels and {base_name}'s has {base_config.num_labels}: "
+                f"{full}, a full checkpoint, cannot be a member beside them (over a head of {labels} labels, its own "
+                "would be drawn at random).")
+        # As PEFT's users load such a base (from_pretrained(base, num_labels=..., ignore_mismatched_sizes=True)): its
+        # head drawn anew, and replaced in every member by the one its adapter saves (checked by load_member)
+        extra = {"num_labels": labels, "ignore_mismatched_sizes": True}
     base = load_member(base_folder, base_name, dtype, device=device, klass=klass, trust_remote_code=trust_remote_code,
                        use_safetensors=weights_format(Path(base_folder), base_name, allow_pickle),
                        may_miss=held_by_every_adapter(folders, configs), **extra, **(model_kwargs or {}))

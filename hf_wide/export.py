@@ -21,7 +21,7 @@ from huggingface_hub.utils import tqdm as hf_tqdm
 from .checkpoints import WEIGHTS_INDEX_NAME
 from .loading import quiet_transformers_bars
 from .own_code import save_own_code
-from .preprocessor_files import TOKENIZER_PATTERNS, copy_tokenizer_files
+from .preprocessor_files import TOKENIZER_PATTERNS, copy_tokenizer_files, tokenizer_folders
 from .saving import CONFIG_KEY, refuse_peft_without_sources, save_wide
 
 
@@ -34,7 +34,7 @@ def save_member(wide, i: int, save_directory: str | Path) -> Path:
     directory = Path(save_directory)
     member.save_pretrained(directory)
     save_own_code(type(member), directory)  # (a checkpoint's own code: its config's auto_map names the files)
-    sources = getattr(wide, "_source_dirs", None) or []
+    sources = tokenizer_folders(wide)  # (a merged adapter's: its base's)
     if sources:
         copy_tokenizer_files([sources[i] if len(sources) > 1 else sources[0]], directory)
     return directory
@@ -47,17 +47,28 @@ def save_members(wide, save_directory: str | Path, names: Sequence[str] | None =
     if len(names) != wide.num_members:
         raise ValueError(f"Got {len(names)} names for {wide.num_members} members.")
     refuse_peft_without_sources(wide)
-    adapters = getattr(wide, "adapter_sources", None) is not None
-    if adapters:
-        from .adapter_repos import save_adapter
     show_bar = len(names) > 1 and transformers.utils.logging.is_progress_bar_enabled()
     directories = []
     for i, name in enumerate(hf_tqdm(names, desc="Saving members", unit="member", disable=not show_bar)):
-        directory = Path(save_directory) / name
         with quiet_transformers_bars():  # the members share one bar, not transformers' own for each
-            # a PEFT adapter folder, where it was loaded as an adapter; else (the base among them too) its own repo
-            directories.append((adapters and save_adapter(wide, i, directory)) or save_member(wide, i, directory))
+            directories.append(_save_as_loaded(wide, i, Path(save_directory) / name))
     return directories
+
+
+def _save_as_loaded(wide, i: int, directory: Path) -> Path:
+    """Member i as it was loaded: a PEFT adapter folder where it was loaded as an adapter, with the tokenizer files
+    it shipped (:func:`~hf_wide.adapter_repos.save_adapter`: its config names the base it was loaded over, which
+    PEFT's own save of ``member(i)`` did not after ``base_model=``); else (the base among them too) its own repo."""
+    if getattr(wide, "adapter_sources", None) is not None:
+        from .adapter_repos import save_adapter
+
+        if save_adapter(wide, i, directory) is not None:
+            sources = getattr(wide, "_source_dirs", None) or []
+            own = Path(sources[i]) if len(sources) == wide.num_members else None  # (else a saved ensemble's folder)
+            if own is not None and (own / "adapter_config.json").is_file():
+                copy_tokenizer_files([own], directory)
+            return directory
+    return save_member(wide, i, directory)
 
 
 # ---------------------------------------------------------------- to the Hub
@@ -141,8 +152,9 @@ MEMBER_WEIGHTS = ["model*.safetensors", WEIGHTS_INDEX_NAME, "pytorch_model*.bin"
 
 def push_members(wide, repo_ids: Sequence[str], *, private: bool | None = None, token: str | None = None,
                  commit_message: str | None = None) -> list:
-    """Upload every member as an ordinary transformers repo, member i to ``repo_ids[i]`` (one commit each; weights of
-    an earlier upload there are deleted in it, :data:`MEMBER_WEIGHTS`)."""
+    """Upload every member as ``save_members`` saves it (an ordinary transformers repo, or a PEFT adapter folder),
+    member i to ``repo_ids[i]`` (one commit each; weights of an earlier upload there are deleted in it,
+    :data:`MEMBER_WEIGHTS`)."""
     repo_ids = list(repo_ids)
     if len(repo_ids) != wide.num_members:
         raise ValueError(f"Got {len(repo_ids)} repo ids for {wide.num_members} members.")
@@ -151,7 +163,7 @@ def push_members(wide, repo_ids: Sequence[str], *, private: bool | None = None, 
     for i, repo_id in enumerate(repo_ids):
         repo_id = api.create_repo(repo_id, private=private, exist_ok=True).repo_id
         with tempfile.TemporaryDirectory(prefix="hf-wide-") as tmp:
-            save_member(wide, i, tmp)
+            _save_as_loaded(wide, i, Path(tmp))
             message = commit_message or f"Upload member {i} ({wide.member_ids[i]}) of a wide model with hf-wide"
             stale = _top_level(api, repo_id, MEMBER_WEIGHTS) or None  # by name: nothing in its folders
             commits.append(api.upload_folder(repo_id=repo_id, folder_path=tmp, commit_message=message,

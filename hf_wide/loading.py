@@ -229,7 +229,8 @@ def load_member(folder, name, torch_dtype, *, device, use_safetensors, trust_rem
                                                 **model_kwargs)
         except SafetensorError as exc:  # a file cut short, say: safetensors names neither the member nor the file
             raise OSError(f"{name}: its weights in {folder} cannot be read: {exc}") from exc
-        reported_missing = set(info.get("missing_keys") or ())
+        # (a head of another size, ignore_mismatched_sizes: drawn anew, as a missing one)
+        reported_missing = set(info.get("missing_keys") or ()) | {k[0] for k in info.get("mismatched_keys") or ()}
         missing = sorted(reported_missing - (may_miss or set()))
         if may_miss and reported_missing and not missing:
             report.drop()  # every tensor it calls newly initialized is one each adapter holds

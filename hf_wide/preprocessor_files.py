@@ -1,5 +1,6 @@
 """The tokenizer, processor and chat-template files of a fused repo: copied from the members' folders where they
-all hold the same, or saved from the ``tokenizer`` and ``processor`` the caller gives (:func:`save_preprocessors`)."""
+all hold the same (an adapter's base's, where it ships none: :func:`tokenizer_folders`), or saved from the
+``tokenizer`` and ``processor`` the caller gives (:func:`save_preprocessors`)."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ def save_preprocessors(wide, directory: Path, tokenizer, processor, earlier: boo
     """The members' tokenizer and processor files (where they all hold the same), then ``tokenizer`` and ``processor``
     where given. Over an ``earlier`` fused repo, its own such files go first: left, they were the new repo's
     tokenizer where the members' differ and none is saved."""
-    sources = getattr(wide, "_source_dirs", None) or []
+    sources = tokenizer_folders(wide)
     if earlier and not any(same_folder(source, directory) for source in sources):
         for path in preprocessor_files(directory):
             path.unlink()
@@ -25,6 +26,26 @@ def save_preprocessors(wide, directory: Path, tokenizer, processor, earlier: boo
     for preprocessor in (tokenizer, processor):
         if preprocessor is not None:
             preprocessor.save_pretrained(directory)
+
+
+def tokenizer_folders(wide) -> list[Path]:
+    """The folders that hold the tokenizer and processor files of ``wide``'s sources (``wide._source_dirs``: the
+    members' folders, or the one fused repo's): each source's own; or, for a PEFT adapter that ships none, and for
+    an ensemble of adapters saved without, its base's (the folder its model config was loaded from). PEFT saves an
+    adapter alone, and it reads text with its base's tokenizer, as a pipeline over the adapters does
+    (:func:`hf_wide.pipelines.loading.preprocessor_sources`): without its base's files, a fused repo of adapters
+    held no tokenizer, and the base in the list beside its adapters was taken to differ from them."""
+    sources = [Path(s) for s in getattr(wide, "_source_dirs", None) or []]
+    configs = wide.member_configs or [wide.config]
+    of_adapters = getattr(wide, "adapter_sources", None) is not None
+    folders = []
+    for i, source in enumerate(sources):
+        base = getattr(configs[min(i, len(configs) - 1)], "_name_or_path", None)  # (one source: the fused repo's)
+        if (base and Path(base).is_dir() and not preprocessor_files(source)
+                and (of_adapters or (source / "adapter_config.json").is_file())):  # (merged adapters: full members)
+            source = Path(base)
+        folders.append(source)
+    return folders
 
 
 def preprocessor_files(folder: Path) -> list[Path]:

@@ -1,19 +1,23 @@
 """Adapter repos (hf_wide/adapter_repos.py): adapters of one base found and loaded from folders and the test Hub at
 pinned revisions, the base once; what is refused, and how (other bases, a missing base, other PEFT types, inits that
-change the base, pickles, unknown options); an ensemble of adapters saved, pushed and loaded back."""
+change the base, pickles, unknown options); an ensemble of adapters saved (with its base's tokenizer), pushed and
+loaded back; its members saved as adapters of the base they were loaded over."""
 
 import json
+import warnings
 
 import peft
 import pytest
 import torch
-from huggingface_hub import constants
+from huggingface_hub import constants, hf_hub_download
 from hub_server import TOKEN, hub  # noqa: F401  (the fixture)
 from lora_members import LLAMA, alone, lora_keys, save_adapter, save_llama_adapters
 from oracle import TOLERANCE, max_member_error
+from pipelines.text_members import decoder_tokenizer
 
-from hf_wide import IncompatibleMembersError, WideModel
+from hf_wide import IncompatibleMembersError, WideModel, pipeline
 from hf_wide.download import MemberLoadError
+from hf_wide.preprocessor_files import preprocessor_files
 
 
 @pytest.fixture(scope="module")
@@ -213,3 +217,65 @@ def test_an_ensemble_of_adapters_pushed_and_loaded_in_a_fresh_cache(hub, tmp_pat
     offline = WideModel.from_pretrained("alice/lora-xensemble", cache_dir=tmp_path / "fresh")
     with torch.no_grad():
         assert torch.equal(offline(**inputs).logits, wide(**inputs).logits)
+
+
+def test_adapters_without_tokenizer_files_are_saved_with_their_bases(tmp_path):
+    """PEFT saves an adapter alone, and it reads text with its base's tokenizer (as a pipeline over the adapters
+    does): a fused repo of adapters held no tokenizer files, and a pipeline over it failed ("Couldn't instantiate the
+    backend tokenizer"); with the base in the list beside them, their none were taken to differ from its files, and
+    none were saved (warned). Merged, each member saved held none either. Adapters that ship tokenizer files of their
+    own are read by them, as before: where theirs differ, none are saved."""
+    base = tmp_path / "base"
+    LLAMA.build(0).save_pretrained(base)
+    decoder_tokenizer(base).save_pretrained(base)
+    adapters = [save_adapter(LLAMA, base, tmp_path / f"a{seed}", seed, r=4, lora_alpha=8, target_modules=["q_proj"],
+                             task_type="CAUSAL_LM") for seed in range(2)]
+    files = {p.name: p.read_bytes() for p in preprocessor_files(base)}
+    assert files and not preprocessor_files(tmp_path / "a0")
+    for name, members in (("adapters", adapters), ("with-base", [str(base), *adapters])):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            WideModel.from_pretrained(members).save_pretrained(tmp_path / name)
+        assert not [w for w in caught if "files differ" in str(w.message)]
+        assert {p.name: p.read_bytes() for p in preprocessor_files(tmp_path / name)} == files
+    generate = pipeline("text-generation", model=str(tmp_path / "adapters"))
+    assert generate(["good movie"], max_new_tokens=2, do_sample=False)[0]["generated_text"].startswith("good movie")
+    for folder in WideModel.from_pretrained(adapters, merge=True).save_members(tmp_path / "merged"):
+        assert {p.name: p.read_bytes() for p in preprocessor_files(folder)} == files
+    own = save_adapter(LLAMA, base, tmp_path / "own", 2, r=4, target_modules=["q_proj"], task_type="CAUSAL_LM")
+    decoder_tokenizer(own).save_pretrained(own)  # an adapter's own tokenizer files, which differ from the base's
+    (tmp_path / "own" / "tokenizer_config.json").write_text(json.dumps({**json.loads(files["tokenizer_config.json"]),
+                                                                      "model_max_length": 16}))
+    mixed = WideModel.from_pretrained([adapters[0], own])
+    with pytest.warns(UserWarning, match="tokenizer or processor files differ"):
+        mixed.save_pretrained(tmp_path / "differ")
+    assert not preprocessor_files(tmp_path / "differ")
+    saved = mixed.save_members(tmp_path / "mixed")  # each adapter as it shipped: the second with its own files
+    assert not preprocessor_files(saved[0]) and [p.name for p in preprocessor_files(saved[1])] == sorted(files)
+
+
+def test_members_saved_after_base_model_name_the_base_they_were_loaded_over(llama_adapters, hub, tmp_path):
+    """``save_members`` after ``base_model=``: each adapter's config still named the base it had named, and its
+    folder, loaded over that one (by ``AutoPeftModel``, or anyone who reads the config), was 2.7 off the wide model's
+    member; ``push_members`` pushed PEFT's own save of ``member(i)``, which named it too. The revision the adapters pin
+    is their own base's: over another base, the one ``base_revision=`` gives (PEFT's ``revision``), or none."""
+    base, _ = llama_adapters
+    other = tmp_path / "other"
+    LLAMA.build(1).save_pretrained(other)
+    pinned = [save_adapter(LLAMA, base, tmp_path / f"p{seed}", seed, r=4, lora_alpha=8,
+                           target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM", revision="v1")
+              for seed in range(2)]
+    inputs = LLAMA.inputs(2, padded=True)
+    for revision in (None, "v2"):
+        wide = WideModel.from_pretrained(pinned, base_model=str(other), base_revision=revision)
+        with torch.no_grad():
+            logits = wide(**inputs).logits
+        for i, folder in enumerate(wide.save_members(tmp_path / f"members-{revision}")):
+            config = json.loads((folder / "adapter_config.json").read_text())
+            assert (config["base_model_name_or_path"], config["revision"]) == (str(other), revision)
+            again = alone(LLAMA, config["base_model_name_or_path"], str(folder))
+            with torch.no_grad():
+                assert (again(**inputs).logits - logits[i]).abs().max().item() <= TOLERANCE
+    wide.push_members(["alice/over-0", "alice/over-1"], token=TOKEN)
+    pushed = json.loads(open(hf_hub_download("alice/over-1", "adapter_config.json", token=TOKEN)).read())
+    assert (pushed["base_model_name_or_path"], pushed["revision"]) == (str(other), "v2")
