@@ -73,7 +73,8 @@ def merged(member: nn.Module, name: str) -> nn.Module:
         tied = " (its base ties its input and output embeddings)" if getattr(
             model.config, "tie_word_embeddings", False) else ""
         raise IncompatibleMembersError(
-            f"{name} merged into its base is not the adapter{tied}: on the sample, the merged model {why}. PEFT's "
+            f"{name} merged into its base is not the adapter{tied}: on the sample, the merged model "
+            f"{why.replace('with its members', 'with the adapter unmerged')}. PEFT's "
             "merge writes each update into the tensor it adapts, and a tensor the base shares between two modules "
             "takes it for both. Load the adapter without merge=True where hf-wide fuses it as LoRA, or run it "
             "with PEFT alone.")

@@ -118,10 +118,15 @@ def check_configs(a, b, name_a: str, name_b: str, allow_label_mismatch: bool) ->
     for key in sorted(set(da) | set(db)):
         if da.get(key) != db.get(key):
             path, va, vb = _difference(key, da.get(key), db.get(key))  # (in a sub-config: its field, not the whole)
+            advice = (f"If config.{path} does not, set it alike on every member before fusing." if not
+                      path.endswith("tie_word_embeddings") else  # (set alike, it would change a member's numbers)
+                      "Members that tie their input and output embeddings and members that do not compute "
+                      "differently and cannot be fused together (PEFT's merge unties them in an adapter that saves or "
+                      "adapts one of them: fuse such an adapter unmerged, or beside adapters merged alike).")
             raise IncompatibleMembersError(
                 f"{name_b} has config.{path} = {vb!r}, but {name_a} has {va!r}: members must share "
                 "their configs, labels and provenance aside (the wide model runs one config, and any field may change "
-                f"what the code computes). If config.{path} does not, set it alike on every member before fusing."
+                f"what the code computes). {advice}"
             )
     attention_a, attention_b = getattr(a, "_attn_implementation", None), getattr(b, "_attn_implementation", None)
     if attention_a != attention_b:

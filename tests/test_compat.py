@@ -42,6 +42,18 @@ def test_different_hidden_sizes_name_the_field_and_both_values():
 
 
 
+def test_tied_beside_untied_embeddings_are_refused_without_advice_to_set_them_alike():
+    # The advice to set the field alike would change a member's numbers (PEFT's merge unties an adapter's embeddings)
+    case = CASES["gpt2-causallm"]
+    config = case.make_config()
+    config.tie_word_embeddings = False
+    untied = case.model_class(config).eval()
+    with pytest.raises(IncompatibleMembersError, match=r"tie_word_embeddings = False, but member 0 has True.*cannot "
+                                                       r"be fused together") as refused:
+        WideModel.from_models([case.build(0), untied])
+    assert "set it alike" not in str(refused.value)
+
+
 def test_a_sub_config_field_that_differs_is_named_not_the_whole_sub_config():
     from test_architectures import MIXED
 
