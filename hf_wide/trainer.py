@@ -18,7 +18,8 @@ What it changes in ``Trainer``, and why:
 - the predictions gathered for ``compute_metrics`` are ``(B, N, ...)``, the member dim after the batch's, since
   ``Trainer`` concatenates batches along their first dim.
 - ``save_model`` and the checkpoints write one fused repo (``WideModel.save_pretrained``), which
-  ``WideModel.from_pretrained`` loads back, and ``resume_from_checkpoint`` and ``load_best_model_at_end`` copy a
+  ``WideModel.from_pretrained`` loads back (a wide model that has none, of plain modules or of PeftModels given to
+  ``from_models``: its state dict), and ``resume_from_checkpoint`` and ``load_best_model_at_end`` copy a
   checkpoint's back into the model being trained. ``Trainer`` saves a model that is not a ``PreTrainedModel`` as a
   bare state dict: safetensors refused the members' tied embeddings (GPT-2's), and no loader read what it wrote.
 - what would mix the members is refused: gradient clipping (``max_grad_norm > 0``: one norm over every member's
@@ -34,12 +35,14 @@ import inspect
 import os
 import warnings
 
+import safetensors.torch
 import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 from transformers import Trainer
 from transformers.pytorch_utils import ALL_LAYERNORM_LAYERS
 from transformers.trainer import TRAINING_ARGS_NAME
+from transformers.utils import SAFE_WEIGHTS_NAME
 from transformers.utils.generic import can_return_loss, find_labels
 
 from .capture import source_class
@@ -97,7 +100,9 @@ class WideTrainer(Trainer):
 
     def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
         """The model as one fused repo, with the processing class and the training arguments, as ``Trainer`` saves a
-        ``PreTrainedModel``: ``Trainer``'s own wrote a bare state dict, which safetensors refuses for tied tensors."""
+        ``PreTrainedModel``: ``Trainer``'s own wrote a bare state dict, which safetensors refuses for tied tensors. A
+        wide model that has no fused repo (of plain modules, or of PeftModels given to ``from_models``) is saved as its
+        state dict still, its tied tensors once (``safetensors.torch.save_model``)."""
         if state_dict is not None:  # (DeepSpeed, FSDP and SageMaker gather one; a fused repo is written of the model)
             raise NotImplementedError("WideTrainer saves the wide model as a fused repo; it cannot save a state dict "
                                       "gathered by DeepSpeed, FSDP or SageMaker.")
@@ -107,7 +112,14 @@ class WideTrainer(Trainer):
         preprocessor = self.processing_class
         if preprocessor is None:
             preprocessor = getattr(self.data_collator, "tokenizer", None)
-        self.model.save_pretrained(output_dir, processor=preprocessor)
+        if saves_fused(self.model):
+            self.model.save_pretrained(output_dir, processor=preprocessor)
+        else:
+            os.makedirs(output_dir, exist_ok=True)
+            safetensors.torch.save_model(self.model, os.path.join(output_dir, SAFE_WEIGHTS_NAME),
+                                         metadata={"format": "pt"})
+            if preprocessor is not None:
+                preprocessor.save_pretrained(output_dir)
         torch.save(self.args, os.path.join(output_dir, TRAINING_ARGS_NAME))
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: nn.Module | None = None) -> None:
@@ -119,12 +131,28 @@ class WideTrainer(Trainer):
         load_checkpoint(self.model, self.state.best_model_checkpoint)
 
 
+def saves_fused(model: WideModel) -> bool:
+    """Whether ``model`` saves as a fused repo: its members are transformers models, not PeftModels given to
+    ``from_models`` (which :func:`~hf_wide.saving.refuse_peft_without_sources` refuses)."""
+    if getattr(model, "config", None) is None:
+        return False
+    return getattr(model.model, "peft_config", None) is None or getattr(model, "adapter_sources", None) is not None
+
+
 def load_checkpoint(model: WideModel, folder: str) -> None:
-    """Copy the fused repo in ``folder`` into ``model``, in place (its optimizer holds its parameters), refusing one
-    whose tensors are not ``model``'s: other members, another number of them, or another plan."""
+    """Copy the checkpoint in ``folder`` into ``model``, in place (its optimizer holds its parameters): a fused repo
+    (refused where its tensors' names or shapes are not ``model``'s: another number of members, another plan), or
+    the state dict :meth:`WideTrainer._save` writes of a model that has none."""
     if read_section(folder) is None:
-        raise ValueError(f"{folder} holds no fused repo (a config.json with an hf_wide section): it was not saved by "
-                         "WideTrainer.")
+        weights = os.path.join(folder, SAFE_WEIGHTS_NAME)
+        if saves_fused(model) or not os.path.isfile(weights):
+            raise ValueError(f"{folder} holds no fused repo (a config.json with an hf_wide section): it was not saved "
+                             "by WideTrainer.")
+        missing, unexpected = safetensors.torch.load_model(model, weights, strict=False)
+        if missing or unexpected:
+            raise ValueError(f"{folder} holds another wide model than the one trained (missing here: "
+                             f"{sorted(missing)[:3]}, unexpected: {sorted(unexpected)[:3]}).")
+        return
     saved = WideModel.from_pretrained(folder).state_dict()
     own = model.state_dict()
     differ = sorted(k for k in own.keys() | saved.keys()

@@ -1,6 +1,8 @@
 """WideTrainer: a wide model trained by transformers' Trainer equals each member trained alone by Trainer with the
 same arguments (hf_wide/trainer.py); what would mix the members is refused."""
 
+import copy
+
 import peft
 import pytest
 import torch
@@ -181,3 +183,27 @@ def test_the_best_checkpoint_is_loaded_back_at_the_end(tmp_path):
     assert trainer.state.global_step == 4 and trainer.state.best_model_checkpoint.endswith("checkpoint-2")
     assert parameters_apart(wide, WideModel.from_pretrained(tmp_path / "checkpoint-2")) == 0
     assert parameters_apart(wide, WideModel.from_pretrained(tmp_path / "checkpoint-4")) > 1e-4
+
+
+def test_a_wide_model_without_a_fused_repo_checkpoints_its_state_dict_and_resumes(tmp_path):
+    # PeftModels given to from_models have no fused repo: saving one raised at the first checkpoint (step 2 here, step
+    # 500 by default), where Trainer had saved the state dict
+    base = members("bert-seqcls", 1)[0]
+    config = dict(r=4, lora_alpha=8, target_modules=["query", "value"], task_type="SEQ_CLS")
+
+    def adapted():
+        with torch.random.fork_rng():
+            torch.manual_seed(0)
+            return [peft.get_peft_model(copy.deepcopy(base), peft.LoraConfig(init_lora_weights=False, **config))
+                    for _ in range(2)]
+
+    data = rows("bert-seqcls")
+    options = dict(gradient_accumulation_steps=1, save_strategy="steps", save_steps=2)
+    whole = WideModel.from_models(adapted(), share_identical=False)
+    WideTrainer(model=whole, args=arguments(tmp_path / "whole", **options), train_dataset=data).train()
+    checkpoint = tmp_path / "whole" / "checkpoint-2"
+    assert (checkpoint / "model.safetensors").is_file()
+    resumed = WideModel.from_models(adapted(), share_identical=False)
+    WideTrainer(model=resumed, args=arguments(tmp_path / "resumed", **options),
+                train_dataset=data).train(resume_from_checkpoint=str(checkpoint))
+    assert parameters_apart(resumed, whole) <= 1e-6
