@@ -94,6 +94,11 @@ def test_a_forward_with_gradients_computes_the_norms_of_weights_stepped_through_
     with torch.no_grad():
         for i in range(2):
             assert (got[i] - wide.member(i)(**x).logits).abs().max().item() <= TOLERANCE
+        for block in blocks(wide):  # a step through .data after that training forward, then an evaluation
+            block.lora_A.data.mul_(0.5)
+        got = wide(**x).logits
+        for i in range(2):
+            assert (got[i] - wide.member(i)(**x).logits).abs().max().item() <= TOLERANCE
 
 
 def test_dropouts_in_training():
