@@ -162,8 +162,9 @@ PRIMARY_INPUTS = ("input_ids", "inputs_embeds", "input_values", "input_features"
 MODALITIES = {"input_ids": "text", "attention_mask": "text", "token_type_ids": "text", "inputs_embeds": "text",
               "pixel_values": "image", "pixel_mask": "image", "input_features": "audio", "input_values": "audio"}
 # Inputs that never hold the batch, whatever their length: indices of the positions to compute logits for, the
-# cache's positions (a logits_to_keep of B indices was repeated N times, as the batch)
-NOT_BATCHED = frozenset({"logits_to_keep", "num_logits_to_keep", "cache_position"})
+# cache's positions (a logits_to_keep of B indices was repeated N times, as the batch), Whisper's prompt for every row
+# (prompt_ids of B tokens were repeated N times, and every member continued another prompt)
+NOT_BATCHED = frozenset({"logits_to_keep", "num_logits_to_keep", "cache_position", "prompt_ids"})
 
 
 # Inputs that each hold a batch of their own in multimodal models (CLIP's texts and images), batch first

@@ -155,6 +155,11 @@ def test_whisper_takes_a_language_per_input_and_refuses_what_drops_rows():
     out = wide.generate(input_features=features, **settings)
     for i, member in enumerate(members):
         assert torch.equal(out[i], member.generate(input_features=features, **settings))
+    for length in (2, 3):  # a prompt as long as the batch was folded as its rows: each member continued another
+        prompted = dict(prompt_ids=torch.arange(11, 11 + length), max_new_tokens=4)
+        out = wide.generate(input_features=features, **prompted)
+        for i, member in enumerate(members):
+            assert torch.equal(out[i], member.generate(input_features=features, **prompted))
     long = torch.randn(1, 8, 80, generator=torch.Generator().manual_seed(0))  # two and a half windows of 32 frames
     with pytest.raises(ValueError, match="long-form transcription"):  # (it raised inside, or ran a row as another
         wide.generate(input_features=long, attention_mask=torch.ones(1, 80, dtype=torch.long), language="en",
