@@ -228,6 +228,35 @@ def test_dropout_set_on_the_models_modules_reaches_a_vectorised_modules_code():
         assert 0.3 < (wide(x) == 0).float().mean().item() < 0.7
 
 
+class Normed(nn.Module):
+    """A raw parameter (vectorised) before a BatchNorm."""
+
+    def __init__(self, seed: int):
+        super().__init__()
+        self.scale = nn.Parameter(torch.rand(8, generator=torch.Generator().manual_seed(seed)) + 1)
+        self.bn = nn.BatchNorm1d(8)
+
+    def forward(self, x):
+        return self.bn(x * self.scale)
+
+
+def test_a_batchnorms_statistics_gathered_anew_in_a_vectorised_module_are_each_members():
+    # SWA's update_bn sets momentum to None on the BatchNorms it finds, which reached the registered structure and not
+    # the code that runs (gathered with 0.1: 1.7 off); and vmap, which refuses the count's .item() that momentum None
+    # reads, had counted each batch before it raised, the loop that ran instead counted it again
+    members = [Normed(seed) for seed in range(2)]
+    wide = WideModel.from_models([copy.deepcopy(m) for m in members], (torch.randn(4, 8),), share_identical=False)
+    assert wide.plan.entries[""].kind == Kind.VECTORISED
+    generator = torch.Generator().manual_seed(0)
+    loader = [torch.randn(4, 8, generator=generator) * scale + shift for scale, shift in ((3, 1), (0.5, -2), (1, 0))]
+    for model in (wide, *members):
+        torch.optim.swa_utils.update_bn(loader, model)
+    x = torch.randn(4, 8, generator=generator)
+    with torch.no_grad():
+        out = wide.eval()(x)  # (N, B, 8)
+        assert max((out[i] - m.eval()(x)).abs().max().item() for i, m in enumerate(members)) <= TOLERANCE
+
+
 @pytest.mark.parametrize("verify", [True, False])
 def test_jetmoes_experts_count_their_tokens_in_a_loop_and_return_token_rows(verify):
     # JetMoe's routers call .tolist() on the tokens per expert: under vmap a batched tensor has no storage, which was
