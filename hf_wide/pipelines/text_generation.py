@@ -179,9 +179,12 @@ class TextGenerationPipeline(GenerationSettings, WidePipeline):
         cache_name = cache_name_of(self.model.model) or "past_key_values"  # Mamba: cache_params
         processors = self._member_processors(ids, mask, max_new_tokens, eos_token_id)
         cache, step_ids, steps, generated = None, ids, [], ids  # generated: (B, T + s), what the processors read
+        masks_steps = True  # whether the members' generate passes the mask with each new token (below)
         for step in range(max_new_tokens):
-            out = self.model(input_ids=step_ids, attention_mask=mask, position_ids=positions,
-                             use_cache=True, **{cache_name: cache}, **keep)
+            if step == 1:
+                masks_steps = self._masks_steps(step_ids, mask, cache_name, cache)
+            out = self.model(input_ids=step_ids, attention_mask=mask if masks_steps else None,
+                             position_ids=positions, use_cache=True, **{cache_name: cache}, **keep)
             cache, logits = getattr(out, cache_name), out.logits[:, :, -1]  # (N, B, V)
             if processors is not None:  # each member's scores as its own generate would draw from them
                 logits = torch.stack([process(generated, logits[i].float()) for i, process in enumerate(processors)])
@@ -201,6 +204,18 @@ class TextGenerationPipeline(GenerationSettings, WidePipeline):
             mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], -1)
             positions = positions[:, -1:] + 1
         return {key: torch.stack([s[key] for s in steps], -1) for key in steps[0]}  # each (B, S)
+
+    def _masks_steps(self, step_ids: torch.Tensor, mask: torch.Tensor, cache_name: str, cache) -> bool:
+        """Whether the members' own ``generate`` passes the attention mask with each new token after the prompt, as
+        their ``prepare_inputs_for_generation`` says: Mamba's drops it (its mixer multiplies the states by the mask,
+        and one mask over the whole sequence beside one new token moved its logits by up to 2e-2, and the tokens of
+        one-hot weights from the member's own). Where it cannot say, the mask is passed, as transformers' default."""
+        try:
+            prepared = self.model.model.prepare_inputs_for_generation(
+                step_ids, attention_mask=mask, use_cache=True, is_first_iteration=False, **{cache_name: cache})
+        except Exception:  # (a model's own preparation may want what a wide model's call does not give it)
+            return True
+        return not ("attention_mask" in prepared and prepared["attention_mask"] is None)
 
     def _member_continuations(self, batch, max_new_tokens: int, seed: int | None, generator: torch.Generator | None,
                               do_sample: bool, temperature: float | None, top_k: int | None, top_p: float | None,

@@ -94,10 +94,13 @@ def test_ensemble_decoding_equals_stepping_the_members_without_cache(setup):
 @torch.no_grad()
 def test_ensemble_decoding_of_a_state_space_model_steps_each_members_own_cache(tmp_path):
     # Mamba's cache (cache_params: conv and recurrent states) is stepped one token at a time, which rounds
-    # differently from reading the whole sequence again: the reference steps each member's own cache.
+    # differently from reading the whole sequence again: the reference steps each member's own cache, with the mask
+    # on the prompt only, as Mamba's own generate (the mask passed with each new token moved the logits by up to
+    # 2e-2, and one-hot weights decoded other tokens than the member's generate)
     tokenizer = decoder_tokenizer(tmp_path)
     members = [mamba_member(seed) for seed in range(3)]
-    pipe = pipeline("text-generation", model=WideModel.from_models(members), tokenizer=tokenizer)
+    wide = WideModel.from_models(members)
+    pipe = pipeline("text-generation", model=wide, tokenizer=tokenizer)
     results = pipe(PROMPTS, max_new_tokens=NEW, return_full_text=False, batch_size=2)
     encoded = tokenizer(PROMPTS, return_tensors="pt", padding=True)
     step, mask, caches, new, entropies = encoded["input_ids"], encoded["attention_mask"], [None] * 3, [], []
@@ -108,13 +111,19 @@ def test_ensemble_decoding_of_a_state_space_model_steps_each_members_own_cache(t
         probs = torch.stack([out.logits[:, -1].softmax(-1) for out in outs]).mean(0)  # (B, V)
         new.append(probs.argmax(-1))
         entropies.append(entropy(probs))
-        step, mask = new[-1][:, None], torch.cat([mask, torch.ones_like(mask[:, :1])], -1)
+        step, mask = new[-1][:, None], None
     for b, result in enumerate(results):
         row = torch.stack(new, -1)[b].tolist()
         row = row[: row.index(1) + 1] if 1 in row else row  # up to eos
         assert result["generated_text"] == tokenizer.decode(row, skip_special_tokens=True)
         want = float(torch.stack(entropies, -1)[b, : len(row)].mean())
         assert result["uncertainty"]["predictive_entropy"] == pytest.approx(want, abs=1e-5)
+    one_hot = pipeline("text-generation", model=wide, tokenizer=tokenizer, combine="weighted", weights=[0, 1, 0])
+    for prompt in PROMPTS:
+        encoded = tokenizer(prompt, return_tensors="pt")
+        alone = members[1].generate(**encoded, max_new_tokens=NEW, do_sample=False, pad_token_id=0)
+        got = one_hot(prompt, max_new_tokens=NEW, return_full_text=False)["generated_text"]
+        assert got == tokenizer.decode(alone[0, encoded["input_ids"].shape[1]:], skip_special_tokens=True)
 
 
 def test_per_member_continuations_equal_each_members_generate(setup):
