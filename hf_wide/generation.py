@@ -18,7 +18,7 @@ from torch import nn
 
 from .capture import asks_for_capture, require_recorded
 from .inputs import fold_inputs
-from .parallel import gather_members, local_inputs
+from .parallel import agree_on_inputs, gather_members, local_inputs
 from .unfold import unfold_generated
 
 
@@ -29,6 +29,7 @@ def generate_wide(wide, args: tuple, kwargs: dict):
     check_generation_configs(wide.member_generation_configs, kwargs)
     group = wide.members_group
     if group is not None:
+        agree_on_inputs(group, (args, kwargs))  # (each rank continued its own prompt, and the members were mixed)
         args, kwargs = local_inputs(group, args, kwargs)
     n = wide.fold.num_members
     refuse_one_sequence_options(kwargs, wide.model)
@@ -57,13 +58,25 @@ def generate_wide(wide, args: tuple, kwargs: dict):
                                   "rank stops when its own members are done, so their steps' scores differ in "
                                   "number. Call it without return_dict_in_generate.")
     # Each rank stops when its own members are done; padded as one process pads members done early.
-    pad = kwargs.get("pad_token_id", getattr(getattr(wide.model, "generation_config", None), "pad_token_id", None))
-    return gather_members(group, sequences, 0 if pad is None else pad)
+    return gather_members(group, sequences, pad_token(kwargs, wide.model))
 
 
 # Ways of generating that transformers runs on one sequence at a time, where a wide model generates N*B rows
 ONE_SEQUENCE = {"assistant_model": "assisted generation", "prompt_lookup_num_tokens": "prompt lookup decoding",
                 "streamer": "a streamer", "assistant_early_exit": "self-speculative decoding"}
+
+
+def pad_token(kwargs: dict, model: nn.Module) -> int:
+    """The token ``generate`` pads sequences done early with: the pad token of the config it runs with (a
+    ``generation_config=`` passed, or the model's, with ``kwargs`` on it), else its first end-of-sequence token, as
+    transformers falls back (the ranks of a member-parallel model padded with 0 where one process pads with it)."""
+    config = _effective_config(kwargs, model)
+    pad = getattr(config, "pad_token_id", None)
+    if pad is None:
+        eos = getattr(config, "eos_token_id", None)
+        eos = eos.reshape(-1).tolist() if isinstance(eos, torch.Tensor) else eos
+        pad = eos[0] if isinstance(eos, (list, tuple)) and eos else eos
+    return 0 if pad is None else int(pad)
 
 
 def _effective_config(kwargs: dict, model: nn.Module):

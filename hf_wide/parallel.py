@@ -217,6 +217,18 @@ def gather_outputs(members: MemberGroup, outputs: Any, unfolded: list[torch.Tens
     return _walk(outputs, lambda t: next(gathered) if id(t) in made else t, rebuild=True)
 
 
+def agree_on_inputs(members: MemberGroup, inputs: tuple[tuple, dict]) -> None:
+    """Raise on every rank unless every rank was given the same inputs and options (:func:`_fingerprint`): before a
+    ``generate``, which gathers only the tokens (each rank's members continued its own prompt, and the ranks
+    returned them mixed)."""
+    fingerprints = [None] * members.world_size
+    dist.all_gather_object(fingerprints, _fingerprint(inputs), members.group)
+    differ = [rank for rank, found in enumerate(fingerprints) if found != fingerprints[0]]
+    if differ:
+        raise MemberParallelError(f"The ranks of a member-parallel model were given different inputs (rank "
+                                  f"{differ[0]} differs from rank 0): every rank must run the same inputs.")
+
+
 def gather_members(members: MemberGroup, local: torch.Tensor, pad_value: float = 0) -> torch.Tensor:
     """``(n_local, ...)`` on each rank -> ``(N, ...)`` on every rank. Dims after the first may differ across
     ranks (generated lengths): each rank's part is padded to the largest with ``pad_value``."""

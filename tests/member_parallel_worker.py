@@ -75,6 +75,11 @@ def run(llama_dirs: str, bert_dirs: str, fused_dir: str, moe_dirs: str, xlnet_di
         result["mismatch"] = None
     except Exception as exc:
         result["mismatch"] = f"{type(exc).__name__}: {exc}"
+    try:  # generate gathers the tokens alone: each rank's members continued its own prompt, returned mixed
+        wide.generate(**inputs(seed=10 + dist.get_rank()), max_new_tokens=2, do_sample=False)
+        result["generate_mismatch"] = None
+    except Exception as exc:
+        result["generate_mismatch"] = f"{type(exc).__name__}: {exc}"
     bert = WideModel.from_pretrained(bert_dirs.split(","), member_parallel=True)
     result["classified"] = pipeline("text-classification", model=bert)(["the cat sat on the mat", "a bad movie"])
     moe = WideModel.from_pretrained(moe_dirs.split(","), member_parallel=True)

@@ -14,6 +14,7 @@ import transformers
 sys.path.insert(0, str(Path(__file__).resolve().parent / "pipelines"))  # the text members
 
 from answers import close  # noqa: E402
+from conftest import CASES  # noqa: E402
 from hub_server import running_hub  # noqa: E402
 from member_parallel_worker import choices, inputs, per_member_ids  # noqa: E402
 from text_members import bert_tokenizer, build_members, decoder_tokenizer, save_members  # noqa: E402
@@ -144,6 +145,20 @@ def test_each_rank_holds_its_share_of_the_parameters(members, ranks):
 def test_ranks_given_different_inputs_all_raise(ranks):
     for rank in ranks:
         assert rank["mismatch"] is not None and "different inputs" in rank["mismatch"]
+        assert rank["generate_mismatch"] is not None and "different inputs" in rank["generate_mismatch"]
+
+
+def test_members_done_early_are_padded_as_one_process_pads_them():
+    # with no pad token, transformers pads with the first end-of-sequence token: the ranks padded with 0
+    from transformers import GenerationConfig
+
+    from hf_wide.generation import pad_token
+
+    model = CASES["llama-causallm"].build(0)
+    model.generation_config.pad_token_id, model.generation_config.eos_token_id = None, [5, 75]
+    assert pad_token({}, model) == 5
+    assert pad_token({"eos_token_id": 9}, model) == 9 and pad_token({"pad_token_id": 3}, model) == 3
+    assert pad_token({"generation_config": GenerationConfig(eos_token_id=[7, 8])}, model) == 7
 
 
 def test_a_member_that_cannot_be_loaded_fails_every_rank(members, tmp_path):
