@@ -50,17 +50,18 @@ def stacked_magnitudes(mods: Sequence[nn.Module], adapter: str, device: torch.de
 
 def weight_norms(layer: nn.Module) -> torch.Tensor:
     """(N, D_out): each member's ``||W + s * B @ A||`` by rows, as PEFT's ``DoraLinearLayer.get_weight_norm``, in the
-    adapters' dtype. Computed at every forward that computes gradients, as PEFT does, and the kept ones dropped (a
-    training loop that steps through ``p.data``, which no version counter sees, read norms of the weights before its
-    steps: 2.6% off after three, and its evaluations between steps too); kept for inference on ``layer`` with what
-    it was computed from (``layer._dora_norms``: the tensors and their versions, which every in-place write but one
-    through ``.data`` moves on: such a write between two forwards without gradients is not seen)."""
-    if torch.is_grad_enabled() and not torch.compiler.is_compiling():
-        layer.__dict__.pop("_dora_norms", None)
-    if (torch.compiler.is_compiling() or torch.is_grad_enabled()
-            or any(t.is_inference() for t in (layer.lora_A, layer.lora_B))):
-        return _norms(layer)  # (an inference tensor keeps no version: nothing would tell a write)
+    adapters' dtype. Computed at every forward that trains them (gradients on, one of their tensors trainable), as
+    PEFT does, and the kept ones dropped (a training loop that steps through ``p.data``, which no version counter
+    sees, read norms of the weights before its steps: 2.6% off after three, and its evaluations between steps too);
+    kept for inference on ``layer`` with what it was computed from (``layer._dora_norms``: the tensors and their
+    versions, which every in-place write but one through ``.data`` moves on: such a write between two forwards that
+    train nothing is not seen)."""
     tensors = (layer.base_layer.weight, layer.lora_A, layer.lora_B, layer.scaling, layer.rank)
+    trains = torch.is_grad_enabled() and any(t.requires_grad for t in (*tensors, layer.magnitude))
+    if trains and not torch.compiler.is_compiling():
+        layer.__dict__.pop("_dora_norms", None)
+    if torch.compiler.is_compiling() or trains or any(t.is_inference() for t in (layer.lora_A, layer.lora_B)):
+        return _norms(layer)  # (an inference tensor keeps no version: nothing would tell a write)
     key = tuple((id(t), t.untyped_storage().data_ptr(), t.storage_offset(), t._version) for t in tensors)
     kept = layer.__dict__.get("_dora_norms")
     if kept is None or kept[0] != key:
