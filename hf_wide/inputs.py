@@ -84,6 +84,10 @@ def fold_inputs(n: int, args: tuple, kwargs: dict, own_batches: bool = False,
             "A wide model cannot take `mems` (XLNet's memory of earlier segments, time-major (T, B, D) per layer): "
             "the members' memories would not be told apart. Run each member's segments on wide.member(i).")
     leaves = [v for v in (*args, *kwargs.values()) if isinstance(v, (torch.Tensor, PerMember))]
+    encoder = kwargs.get("encoder_outputs")  # its first states hold the batch too (generate given them alone raised)
+    states = list(encoder.values()) if isinstance(encoder, dict) else encoder if isinstance(encoder, (tuple, list)) \
+        else []
+    leaves += [v for v in states[:1] if isinstance(v, (torch.Tensor, PerMember))]
     batches = [_batch_of(v, n) for v in leaves]
     batches = [b for b in batches if b is not None]
     if not batches:

@@ -117,6 +117,12 @@ def test_encoder_outputs_given_by_the_user_are_folded_as_inputs():
         full = wide(input_ids=ids, decoder_input_ids=decoder_ids)
         again = wide(encoder_outputs=(PerMember(full.encoder_last_hidden_state),), decoder_input_ids=decoder_ids)
         assert (again.logits - full.logits).abs().max() <= TOLERANCE
+    # generate given the encoder states alone: their rows are the batch (it raised, finding no batched input)
+    settings = dict(max_new_tokens=4, do_sample=False)
+    out = wide.generate(encoder_outputs=BaseModelOutput(last_hidden_state=states), **settings)
+    for i, member in enumerate(members):
+        assert torch.equal(out[i], member.generate(encoder_outputs=BaseModelOutput(last_hidden_state=states),
+                                                   **settings))
 
 
 def test_a_per_member_input_of_another_batch_is_named_with_the_batch_it_misses():
