@@ -42,10 +42,11 @@ def lora_refusal(config: dict) -> str | None:
 def mergeable(config: dict) -> bool:
     """Whether PEFT can merge an adapter of this config into its base (``merge_and_unload``): not prompt learning
     (prompt tuning, prefix tuning, ...) nor adaption prompts, whose tuners hold no update of the base's weights."""
-    from peft.mapping import PEFT_TYPE_TO_TUNER_MAPPING
-
-    peft_type = config.get("peft_type")
-    tuner = PEFT_TYPE_TO_TUNER_MAPPING.get(peft_type)
+    try:
+        from peft.mapping import PEFT_TYPE_TO_TUNER_MAPPING
+    except ImportError:  # (a PEFT that keeps it elsewhere: the merge is tried, and its error named by merged())
+        return True
+    tuner = PEFT_TYPE_TO_TUNER_MAPPING.get(config.get("peft_type"))
     return tuner is not None and hasattr(tuner, "merge_and_unload")
 
 

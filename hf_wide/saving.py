@@ -277,10 +277,16 @@ def _save_config(wide, directory: Path, shared: Sequence[str]) -> None:
     path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
 
 
+def peft_without_sources(wide) -> bool:
+    """Whether ``wide``'s members are PEFT models not all loaded as adapters of one base (``from_models``, or full
+    checkpoints among the adapters), which have no repo layout to save to: neither a transformers class nor an
+    adapter each."""
+    return getattr(wide.model, "peft_config", None) is not None and getattr(wide, "adapter_sources", None) is None
+
+
 def refuse_peft_without_sources(wide) -> None:
-    """PEFT members that were not all loaded as adapters of one base (``from_models``, or full checkpoints among
-    the adapters) have no repo layout to save to: neither a transformers class nor an adapter each."""
-    if getattr(wide.model, "peft_config", None) is not None and getattr(wide, "adapter_sources", None) is None:
+    """Refuse to save members of :func:`peft_without_sources`."""
+    if peft_without_sources(wide):
         raise NotImplementedError(
             "hf-wide cannot save this wide model: its members are PEFT models not all loaded as adapters of one base "
             "(from_models, or full checkpoints among the adapters). Save each member with wide.member(i).")

@@ -48,7 +48,7 @@ from transformers.utils.generic import can_return_loss, find_labels
 from .capture import source_class
 from .model import WideModel
 from .primitives import PerMemberFallback, VectorisedFallback
-from .saving import read_section
+from .saving import peft_without_sources, read_section
 
 # Trainer's optimizers that update every element from its own gradient and state alone
 ELEMENTWISE_OPTIMIZERS = frozenset({"adamw_torch", "adamw_torch_fused", "adamw_torch_xla", "adamw_torch_npu_fused",
@@ -134,9 +134,7 @@ class WideTrainer(Trainer):
 def saves_fused(model: WideModel) -> bool:
     """Whether ``model`` saves as a fused repo: its members are transformers models, not PeftModels given to
     ``from_models`` (which :func:`~hf_wide.saving.refuse_peft_without_sources` refuses)."""
-    if getattr(model, "config", None) is None:
-        return False
-    return getattr(model.model, "peft_config", None) is None or getattr(model, "adapter_sources", None) is not None
+    return getattr(model, "config", None) is not None and not peft_without_sources(model)
 
 
 def load_checkpoint(model: WideModel, folder: str) -> None:

@@ -102,7 +102,6 @@ def _settings(module: nn.Module) -> tuple[str, ...]:
     return ()
 
 
-
 def _statistics(structure: nn.Module) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """(buffer, a copy) of the running statistics of the BatchNorms in ``structure``: a call in training that vmap
     refuses (a BatchNorm with momentum None reads its count with ``.item()``: SWA's ``update_bn``) updated them before
