@@ -11,6 +11,11 @@ vmapped one) what a call added or changed: each call starts from the source's ow
 
 Modules whose state must last from call to call (RecurrentGemma's recurrent state) run as each member's own module
 (:data:`hf_wide.structure.STATEFUL`); nothing of theirs is here.
+
+The other way round, what users set on the model's modules (their training flags, a dropout's probability, a
+BatchNorm's momentum) reaches the registered copy of the structure, ``stacked``, and the code copy takes it from there
+at every call (:func:`module_pairs`, :func:`take_settings`); a BatchNorm's statistics that a refused vmap updated are
+put back (:func:`batchnorm_statistics`).
 """
 
 from __future__ import annotations
@@ -19,6 +24,8 @@ import copy
 
 import torch
 from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
+from torch.nn.modules.dropout import _DropoutNd
 
 TRACKED = (dict, list, torch.Tensor)  # the plain attributes a call may leave state in (besides new ones)
 
@@ -70,3 +77,43 @@ def empty_caches(module: nn.Module) -> nn.Module:
 def restore_apart(state: FreshState) -> None:
     """:meth:`FreshState.restore`, outside a compiled graph (a graph break, for code that keeps state only)."""
     state.restore()
+
+
+def module_pairs(code: nn.Module, structure: nn.Module) -> list[tuple[nn.Module, nn.Module, tuple[str, ...]]]:
+    """Each module of a thread's code copy beside its place in ``stacked`` (the registered copy of the source's
+    structure) and its :func:`_settings`, which with its training flag the code copy takes at every call: ``train()``,
+    ``eval()`` and what users set on a model's modules reach ``stacked`` only. The copy kept its dropout on after
+    TRL's ``disable_dropout_in_model`` set every ``nn.Dropout``'s p to 0 (BERT's embeddings: 0.43 off the members so
+    trained), and off for Monte Carlo dropout (the dropout modules alone put back in training mode)."""
+    modules = dict(structure.named_modules())
+    return [(module, modules[name], _settings(module)) for name, module in code.named_modules() if name in modules]
+
+
+def take_settings(pairs: list[tuple[nn.Module, nn.Module, tuple[str, ...]]]) -> None:
+    """The code copy's training flags and :func:`_settings` as ``stacked``'s (the pairs of :func:`module_pairs`)."""
+    for code, structure, settings in pairs:
+        if code.training != structure.training:
+            code.training = structure.training
+        for name in settings:
+            if getattr(code, name) != getattr(structure, name):
+                setattr(code, name, getattr(structure, name))
+
+
+def _settings(module: nn.Module) -> tuple[str, ...]:
+    """The settings of ``module`` that users change on a model's modules by class, which the code copy takes from
+    ``stacked`` at every call: a dropout's probability (TRL's ``disable_dropout_in_model``), a BatchNorm's momentum
+    (SWA's ``update_bn`` sets it to None: its statistics, gathered with 0.1, were 1.7 off), eps and
+    ``track_running_stats``."""
+    if isinstance(module, _DropoutNd):
+        return ("p",)
+    if isinstance(module, _BatchNorm):
+        return ("momentum", "eps", "track_running_stats")
+    return ()
+
+
+def batchnorm_statistics(structure: nn.Module) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(buffer, a copy) of the running statistics of the BatchNorms in ``structure``: a call in training that vmap
+    refuses (a BatchNorm with momentum None reads its count with ``.item()``: SWA's ``update_bn``) updated them before
+    it raised, and the loop that runs instead updated them again (each batch counted twice)."""
+    return [(b, b.clone()) for m in structure.modules() if isinstance(m, _BatchNorm)
+            for b in m.buffers(recurse=False) if b is not None]

@@ -28,8 +28,6 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import nn
 from torch.autograd.graph import saved_tensors_hooks
-from torch.nn.modules.batchnorm import _BatchNorm
-from torch.nn.modules.dropout import _DropoutNd
 from torch.func import functional_call, vmap
 from torch.utils import _pytree as pytree
 from transformers.cache_utils import Cache
@@ -38,7 +36,7 @@ from ..compare import device_lost
 from ..fold import Fold, enter_member_code, leave_member_code
 from . import member_cache
 from .base import copy_module, meta_copy
-from .code_state import FreshState, empty_caches, restore_apart
+from .code_state import FreshState, batchnorm_statistics, empty_caches, module_pairs, restore_apart, take_settings
 from .fallback import is_own_method, per_member_method, run_per_member, token_rows
 from .roles import rows_and_batched
 
@@ -78,36 +76,6 @@ def _autocasting(leaves: list) -> bool:
     another dtype than its queries), so the members' code runs member by member."""
     device = next((t.device.type for t in leaves if isinstance(t, torch.Tensor)), "cpu")
     return torch.is_autocast_enabled(device)
-
-
-def _module_pairs(code: nn.Module, structure: nn.Module) -> list[tuple[nn.Module, nn.Module, tuple[str, ...]]]:
-    """Each module of a thread's code copy beside its place in ``stacked`` (the registered copy of the source's
-    structure) and its :func:`_settings`, which with its training flag the code copy takes at every call: ``train()``,
-    ``eval()`` and what users set on a model's modules reach ``stacked`` only. The copy kept its dropout on after
-    TRL's ``disable_dropout_in_model`` set every ``nn.Dropout``'s p to 0 (BERT's embeddings: 0.43 off the members so
-    trained), and off for Monte Carlo dropout (the dropout modules alone put back in training mode)."""
-    modules = dict(structure.named_modules())
-    return [(module, modules[name], _settings(module)) for name, module in code.named_modules() if name in modules]
-
-
-def _settings(module: nn.Module) -> tuple[str, ...]:
-    """The settings of ``module`` that users change on a model's modules by class, which the code copy takes from
-    ``stacked`` at every call: a dropout's probability (TRL's ``disable_dropout_in_model``), a BatchNorm's momentum
-    (SWA's ``update_bn`` sets it to None: its statistics, gathered with 0.1, were 1.7 off), eps and
-    ``track_running_stats``."""
-    if isinstance(module, _DropoutNd):
-        return ("p",)
-    if isinstance(module, _BatchNorm):
-        return ("momentum", "eps", "track_running_stats")
-    return ()
-
-
-def _statistics(structure: nn.Module) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """(buffer, a copy) of the running statistics of the BatchNorms in ``structure``: a call in training that vmap
-    refuses (a BatchNorm with momentum None reads its count with ``.item()``: SWA's ``update_bn``) updated them before
-    it raised, and the loop that runs instead updated them again (each batch counted twice)."""
-    return [(b, b.clone()) for m in structure.modules() if isinstance(m, _BatchNorm)
-            for b in m.buffers(recurse=False) if b is not None]
 
 
 def refused_by_vmap(exc: RuntimeError) -> bool:
@@ -230,13 +198,8 @@ class VectorisedFallback(nn.Module):
         if not hasattr(calls, "proto"):
             calls.proto = copy_module(self.proto)
             calls.fresh = FreshState(calls.proto)  # what a call leaves in its attributes is taken back
-            calls.pairs = _module_pairs(calls.proto, self.stacked)
-        for code, structure, settings in calls.pairs:  # (no child: what reaches the model's modules reaches stacked)
-            if code.training != structure.training:
-                code.training = structure.training
-            for name in settings:
-                if getattr(code, name) != getattr(structure, name):
-                    setattr(code, name, getattr(structure, name))
+            calls.pairs = module_pairs(calls.proto, self.stacked)
+        take_settings(calls.pairs)  # (no child: what reaches the model's modules reaches stacked)
         return calls.proto
 
     def _after_call(self, output=None):
@@ -265,7 +228,7 @@ class VectorisedFallback(nn.Module):
             self.__dict__["loop_under_autograd"] = self._no_autograd_through_vmap(leaves, spec)
             if self.__dict__["loop_under_autograd"]:
                 return self._loop(args, kwargs)
-        statistics = _statistics(self.stacked) if self.training else ()
+        statistics = batchnorm_statistics(self.stacked) if self.training else ()
         try:
             return self._vmap(leaves, spec)
         except RuntimeError as exc:
