@@ -8,7 +8,8 @@ Then rules, in order, for a module M with parameters or buffers of its own:
 0. **block** if M's exact class has a fused block (attention, MLP) that accepts it, everything inside it is a
    module the block knows (:func:`~hf_wide.structure.block_structure_known`), M's subtree differs between
    members, and nothing outside the subtree reads its tensors: the whole subtree is fused;
-1. **shared** if its tensors are identical in every member: one copy serves all;
+1. **shared** if its tensors are identical in every member: one copy serves all (not a BatchNorm, whose training
+   forward reads statistics of its whole batch: :func:`batch_statistics`);
 2. **fallback** at the lowest common ancestor of M and the modules that read M's tensors, if some
    module other than M reads them, unless an ancestor declares the read (``register_stacked_read``: DeBERTa's
    encoder hands its relative embeddings to its attention blocks): then M is stacked where it differs or a
@@ -69,6 +70,14 @@ def common_aliases(per_model: Sequence[dict[str, list[str]]]) -> dict[str, list[
     first, others = per_model[0], per_model[1:]
     return {name: [a for a in names if a == name or all(a in other.get(name, ()) for other in others)]
             for name, names in first.items()}
+
+
+def batch_statistics(module: nn.Module) -> bool:
+    """Whether ``module``'s training forward reads statistics of its whole batch (a BatchNorm's normalisation and
+    running statistics, an InstanceNorm's running ones): held once, it would read every member's rows in training
+    (the members alike BatchNorms of a ResNet fine-tuned with them frozen: 0.33 off each member in training)."""
+    return isinstance(module, nn.modules.batchnorm._BatchNorm) or (
+        isinstance(module, nn.modules.instancenorm._InstanceNorm) and module.track_running_stats)
 
 
 def make_plan(
@@ -149,6 +158,7 @@ class _Planner:
         differing = [
             name for name in tensors
             if not self.share_identical or (f"{fqn}.{name}" if fqn else name) in self.tied
+            or batch_statistics(module)
             or not same_tensors([direct_tensors(mods[fqn])[name] for mods in self.member_modules])
         ]
         outside = outside_readers(fqn, list(tensors), self.aliases, self.trace)

@@ -202,6 +202,9 @@ class WideBatchNorm(WideModule, nn.modules.batchnorm._BatchNorm):
         xm = self.fold.split(_float(x, half))  # (N, b, C, *spatial)
         use_batch_stats = self.training or self.running_mean is None
         if use_batch_stats:
+            if xm.numel() // (xm.shape[0] * xm.shape[2]) == 1:  # as torch refuses it, member by member
+                raise ValueError("Expected more than 1 value per channel when training, got input size "
+                                 f"{torch.Size([xm.shape[1], *xm.shape[2:]])}")
             dims = [1] + list(range(3, xm.dim()))
             mean = xm.mean(dim=dims)  # (N, C)
             var = xm.var(dim=dims, unbiased=False)
@@ -220,7 +223,9 @@ class WideBatchNorm(WideModule, nn.modules.batchnorm._BatchNorm):
     @torch.no_grad()
     def _update_running_stats(self, mean: torch.Tensor, var: torch.Tensor, count: int) -> None:
         self.num_batches_tracked.add_(1)
-        momentum = self.momentum if self.momentum is not None else 1.0 / self.num_batches_tracked[0].item()
+        momentum = self.momentum  # None: a cumulative average, over each member's own count of batches
+        if momentum is None:
+            momentum = (1.0 / self.num_batches_tracked).to(mean.dtype).unsqueeze(-1)  # (N, 1)
         unbiased = var * count / max(count - 1, 1)
         self.running_mean.copy_(self.running_mean.to(mean.dtype).lerp_(mean, momentum))  # (in float32 for a half x)
         self.running_var.copy_(self.running_var.to(var.dtype).lerp_(unbiased, momentum))

@@ -148,6 +148,38 @@ def test_batchnorm_training_uses_each_members_own_rows():
         assert torch.allclose(wide.running_var[i], mod.running_var, atol=1e-6)
 
 
+def test_batchnorm_cumulative_average_counts_each_members_own_batches():
+    # momentum=None averages over the batches seen: member 0's count served every member (0.11 off member 1's mean)
+    mods = [randomised(lambda: nn.BatchNorm2d(4, momentum=None), s).train() for s in range(N)]
+    for count, mod in enumerate(mods, start=1):
+        mod.num_batches_tracked.fill_(10 * count)  # checkpoints trained for 10, 20 and 30 steps
+    fold = Fold(N)
+    wide = get_wide(nn.BatchNorm2d).from_modules(mods, fold).train()
+    xs = [sample("bn", (B, 4, 3, 3), seed=s) for s in range(N)]
+    fold.anchor = torch.empty(N * B, 0)
+    wide(torch.cat(xs))
+    for i, mod in enumerate(mods):
+        mod(xs[i])
+        assert torch.allclose(wide.running_mean[i], mod.running_mean, atol=1e-6)
+        assert torch.allclose(wide.running_var[i], mod.running_var, atol=1e-6)
+        assert wide.num_batches_tracked[i] == mod.num_batches_tracked
+
+
+def test_batchnorm_training_on_one_value_per_channel_is_refused_as_torch_refuses_it():
+    # each member's one row of (B=1, C): the wide model normalised it to 0 and moved its running variance towards 0
+    mods = [randomised(lambda: nn.BatchNorm1d(4), s).train() for s in range(N)]
+    fold = Fold(N)
+    wide = get_wide(nn.BatchNorm1d).from_modules(mods, fold).train()
+    fold.anchor = torch.empty(N, 0)
+    with pytest.raises(ValueError, match=r"Expected more than 1 value per channel when training, got input size "
+                                         r"torch\.Size\(\[1, 4\]\)") as refused:
+        wide(sample("bn", (N, 4)))
+    with pytest.raises(ValueError, match=str(refused.value).replace("[", r"\[").replace("(", r"\(").replace(
+            "]", r"\]").replace(")", r"\)")):
+        mods[0](sample("bn", (1, 4)))  # the member's own words
+    assert all(torch.equal(wide.running_var[i], mod.running_var) for i, mod in enumerate(mods))  # untouched
+
+
 def test_members_with_different_hyper_parameters_are_refused():
     with pytest.raises(ValueError, match="differs from member 0"):
         get_wide(nn.LayerNorm).from_modules([nn.LayerNorm(4, eps=1e-5), nn.LayerNorm(4, eps=1e-6)], Fold(2))
@@ -195,6 +227,38 @@ def test_each_members_gradient_is_its_own_with_none_at_the_padding_row(name, bro
         mod(x).backward(rows[i] if not broadcast else rows[i].sum(0, keepdim=True))
         assert torch.allclose(wide.weight.grad[i], mod.weight.grad, atol=1e-5)
         assert mod.padding_idx is None or not mod.weight.grad[mod.padding_idx].any()
+
+
+@pytest.mark.parametrize("adapters", [False, True], ids=["full", "lora"])
+def test_batchnorms_the_members_hold_alike_are_each_members_own_in_training(adapters):
+    # ResNets fine-tuned with their BatchNorms frozen (or LoRA adapters of one base): held once, a BatchNorm read every
+    # member's rows in training, for its batch statistics and its running ones (0.33 and 0.14 off the members)
+    import peft
+    from conftest import CASES
+    from lora_members import adapted
+    from oracle import TOLERANCE, max_member_error
+
+    from hf_wide import WideModel
+    from hf_wide.plan import Kind
+
+    case = CASES["resnet-imgcls"]
+    members = [case.build(seed) for seed in range(2)]
+    if adapters:
+        members = [adapted(members[0], seed, r=2, target_modules=["convolution"]) for seed in range(2)]
+        assert all(isinstance(m, peft.PeftModel) for m in members)
+    else:
+        for member in members[1:]:  # its BatchNorms as member 0's
+            for mine, theirs in zip(member.modules(), members[0].modules()):
+                if isinstance(mine, nn.modules.batchnorm._BatchNorm):
+                    mine.load_state_dict(theirs.state_dict())
+    wide = WideModel.from_models([copy.deepcopy(m) for m in members])
+    assert not any(e.module_class.startswith("BatchNorm") for e in wide.plan.by_kind(Kind.SHARED))
+    inputs = case.inputs(2, padded=False)
+    with torch.no_grad():
+        for model in (wide, *members):
+            model.train()
+        assert max_member_error(wide, members, inputs) <= TOLERANCE
+        assert max_member_error(wide.eval(), [m.eval() for m in members], inputs) <= TOLERANCE  # the statistics too
 
 
 def test_what_finds_a_models_batchnorms_by_class_finds_the_wide_ones():
