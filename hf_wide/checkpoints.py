@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 import re
 from collections.abc import Callable, Sequence
 from itertools import chain
@@ -37,6 +38,30 @@ SAFETENSORS_DTYPES = {
 
 
 # ---------------------------------------------------------------- reading safetensors without mapping them
+def _layout_problem(header: dict, size: int) -> str | None:
+    """What in a safetensors ``header`` does not describe its ``size`` bytes of data as the format requires (and the
+    safetensors library, which transformers reads with, refuses): each tensor's bytes its shape times its dtype's
+    size, the tensors laid end to end from byte 0 to the end. None where it does."""
+    spans = []
+    try:
+        for key, entry in header.items():
+            begin, end = (int(offset) for offset in entry["data_offsets"])
+            dtype = SAFETENSORS_DTYPES.get(entry["dtype"])  # (one hf-wide does not read is refused when read)
+            if dtype is not None and end - begin != math.prod(entry["shape"]) * dtype.itemsize:
+                return f"{key!r}, {entry['dtype']} of shape {entry['shape']}, spans {end - begin} bytes"
+            spans.append((begin, end, key))
+    except (KeyError, TypeError, ValueError) as exc:
+        return f"a tensor's entry in its header is malformed: {exc!r}"
+    position = 0
+    for begin, end, key in sorted(spans):
+        if begin != position or end < begin:
+            return f"{key!r} spans bytes {begin} to {end} of its data, where the tensor before it ends at {position}"
+        position = end
+    if position != size:
+        return f"its tensors' data ends at byte {position}, and it holds {size}"
+    return None
+
+
 class Checkpoint:
     """The tensors of one checkpoint folder (``model.safetensors`` or shards with an index), read on demand.
 
@@ -67,6 +92,10 @@ class Checkpoint:
                     raise OSError(f"{path} is no safetensors file that can be read (its header: {exc}); if it was "
                                   "downloaded, force_download=True fetches it again.") from None
             header.pop("__metadata__", None)
+            problem = _layout_problem(header, path.stat().st_size - 8 - header_len)
+            if problem is not None:  # (each tensor after it would be read from another's bytes, silently)
+                raise OSError(f"{path} is no safetensors file that can be read ({problem}); if it was downloaded, "
+                              "force_download=True fetches it again.")
             self.entries.update({key: (path, 8 + header_len, entry) for key, entry in header.items()})
 
     def __contains__(self, key: str) -> bool:

@@ -62,11 +62,43 @@ def test_a_folder_without_weights_and_a_truncated_file(tensors, tmp_path):
         Checkpoint(tmp_path)
     path = tmp_path / WEIGHTS_NAME
     save_file(tensors, str(path))
-    path.write_bytes(path.read_bytes()[:-8])  # the last tensor's data cut short
-    with Checkpoint(tmp_path) as ckpt:
-        last = max(ckpt.entries, key=lambda k: ckpt.entries[k][2]["data_offsets"][1])
-        with pytest.raises(EOFError, match="truncated"):
-            ckpt.read_into(last, torch.empty(ckpt.shape(last), dtype=ckpt.dtype(last)))
+    path.write_bytes(path.read_bytes()[:-8])  # the last tensor's data cut short: refused before any is read
+    with pytest.raises(OSError, match=r"no safetensors file that can be read \(its tensors' data ends at byte "
+                                      r"\d+, and it holds \d+\).*force_download=True"):
+        Checkpoint(tmp_path)
+
+
+def rewrite_header(path, edit) -> None:
+    """``path``'s safetensors header changed by ``edit(header)``, its data as it was."""
+    raw = path.read_bytes()
+    length = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8:8 + length])
+    edit(header)
+    encoded = json.dumps(header).encode()
+    path.write_bytes(len(encoded).to_bytes(8, "little") + encoded + raw[8 + length:])
+
+
+@pytest.mark.parametrize("edit, problem", [
+    (lambda h: h["stacked"].update(dtype="F16"), r"'stacked', F16 of shape \[3, 4, 5\], spans 240 bytes"),
+    (lambda h: h["stacked"].update(data_offsets=[h["stacked"]["data_offsets"][0], h["stacked"]["data_offsets"][0]
+                                                 + 120], shape=[3, 2, 5]), r"where the tensor before it ends"),
+    (lambda h: h["ids"].update(data_offsets=h["half"]["data_offsets"], shape=[1]), r"'ids', I64 of shape \[1\], "
+                                                                                      r"spans 12 bytes"),
+    (lambda h: h["ids"].pop("data_offsets"), r"malformed: KeyError\('data_offsets'\)"),
+], ids=["dtype", "offsets", "overlap", "missing"])
+def test_a_header_that_does_not_describe_its_data_is_refused_as_safetensors_refuses_it(tensors, tmp_path, edit,
+                                                                                     problem):
+    # each member's slice was taken from where the header said, so members after the first read another's bytes
+    # (NaN, or 0.05 off), where the safetensors library (and so transformers) refuses the file
+    import safetensors
+
+    path = tmp_path / WEIGHTS_NAME
+    save_file(tensors, str(path))
+    rewrite_header(path, edit)
+    with pytest.raises(OSError, match=problem):
+        Checkpoint(tmp_path)
+    with pytest.raises(Exception):  # noqa: B017 (the library's own error)
+        safetensors.safe_open(str(path), "pt")
 
 
 def test_same_bytes_compares_dtype_shape_and_data(tmp_path):
