@@ -120,11 +120,12 @@ def _refuse_fused_options(name: str, saved: dict, base_model, base_revision, mer
     if base_model is not None or base_revision is not None or merge:
         raise ValueError(f"base_model=, base_revision= and merge= apply to PEFT adapters; {name} is a fused repo of "
                          "full members.")
-    if unshared and saved.get("shared"):
-        raise ValueError(f"{name} holds {saved['shared'][:3]}{'...' if len(saved['shared']) > 3 else ''} once for "
-                         "all its members (it was fused with share_identical=True), and its plan cannot be made "
-                         "again without the members: fuse them with share_identical=False to train each member's "
-                         "own copy.")
+    # (its modules held once; not its tensors stored once, which a plan of stacked modules has where members agree)
+    shared = [fqn for fqn, entry in saved.get("plan", {}).get("entries", {}).items() if entry["kind"] == "shared"]
+    if unshared and shared:
+        raise ValueError(f"{name} holds {shared[:3]}{'...' if len(shared) > 3 else ''} once for all its members (it "
+                         "was fused with share_identical=True), and its plan cannot be made again without the "
+                         "members: fuse them with share_identical=False to train each member's own copy.")
 
 
 def _fuse_adapter_list(cls, ids, folders, adapters, saved: dict | None, load: dict, fuse: dict):

@@ -182,6 +182,13 @@ def test_identical_tensors_are_stored_once(sharing_members, tmp_path):
     for option in ({"base_model": "org/base"}, {"base_revision": "abc"}, {"merge": True}):
         with pytest.raises(ValueError, match="apply to PEFT adapters; .* is a fused repo of full members"):
             WideModel.from_pretrained(str(tmp_path), **option)
+    # fused with share_identical=False, its alike tables are stored once but held by each member: it loads so again
+    # (it was refused as "fused with share_identical=True")
+    unshared = WideModel.from_models(members, share_identical=False)
+    unshared.save_pretrained(tmp_path / "unshared")
+    back = WideModel.from_pretrained(str(tmp_path / "unshared"), share_identical=False)
+    assert kinds(back) == kinds(unshared) and not back.plan.by_kind(Kind.SHARED)
+    assert max_member_error(back, members, CASES["bert-seqcls"].inputs(3, padded=True)) <= TOLERANCE
 
 
 def test_sharded_save(fused, tmp_path):
