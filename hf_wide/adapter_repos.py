@@ -83,6 +83,9 @@ def save_adapter_ensemble(wide, save_directory: str | Path, section: dict, repo_
     for i in range(wide.num_members):
         save_adapter(wide, i, folder / MEMBERS_DIR / f"member-{i}")
     config = wide.member_configs[0].to_dict()
+    floating = next((p.dtype for p in wide.parameters() if p.is_floating_point()), None)
+    if floating is not None:  # the base's, as the wide model holds it (wide.to(torch.bfloat16): loaded back so)
+        config["dtype"] = str(floating).removeprefix("torch.")
     config["hf_wide"] = {**section, "adapters": sources.to_dict()}
     (folder / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     readme = folder / "README.md"

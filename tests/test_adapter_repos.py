@@ -190,6 +190,15 @@ def test_an_ensemble_of_adapters_saved_and_loaded_back(llama_adapters, tmp_path)
         assert lora_keys(again) == lora_keys(original)
         with torch.no_grad():
             assert torch.equal(again(**inputs).logits, original(**inputs).logits)
+    # moved to bfloat16, it loads back over a bfloat16 base (it came back in float32), the adapters in float32 as
+    # PEFT keeps them over a half-precision base
+    wide.to(torch.bfloat16).save_pretrained(tmp_path / "half")
+    back = WideModel.from_pretrained(str(tmp_path / "half"))
+    saved = [str(tmp_path / "half" / "members" / f"member-{i}") for i in (1, 2, 3)]  # (its adapters, rounded)
+    over = WideModel.from_pretrained([str(base), *saved], dtype=torch.bfloat16)
+    assert back.dtype == torch.bfloat16 and {p.dtype for p in back.parameters()} == {p.dtype for p in over.parameters()}
+    with torch.no_grad():
+        assert torch.equal(back(**inputs).logits, over(**inputs).logits)
 
 
 def test_an_ensemble_of_adapters_pushed_and_loaded_in_a_fresh_cache(hub, tmp_path, monkeypatch):
