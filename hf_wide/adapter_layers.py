@@ -68,12 +68,14 @@ def trained_bias_paths(model: nn.Module) -> set[str]:
 
 def pad_targets(model: nn.Module, paths: set[str], dtype: torch.dtype, name: str = "a member",
                 dora: set[str] = frozenset()) -> list[str]:
-    """Wrap each ``nn.Linear`` (or GPT-2's ``Conv1D``, or an embedding) at ``paths`` (relative to the PEFT
-    model) that has no adapter in a LoRA layer whose update is exactly zero (rank 1, its B zero; DoRA at the paths in
+    """Wrap each ``nn.Linear`` (or GPT-2's ``Conv1D``, an embedding, or a convolution: of the rank its groups, which
+    PEFT's must divide) at ``paths`` (relative to the PEFT model) that has no adapter in a LoRA layer whose update is
+    exactly zero (rank 1, its B zero; DoRA at the paths in
     ``dora``, :func:`dora_paths`): then every member has the same structure; their weights are in ``dtype``, the
     adapters' (float32 over a half-precision base, as PEFT keeps them), so each layer's stacked updates have one
     dtype. Returns the paths wrapped. Any other module there is refused, ``name`` (the member's) and merging named."""
     import peft
+    import peft.tuners.lora.layer
     from peft.tuners.lora import Embedding as LoraEmbedding
     from peft.tuners.lora import Linear as LoraLinear
     from transformers.pytorch_utils import Conv1D
@@ -84,16 +86,22 @@ def pad_targets(model: nn.Module, paths: set[str], dtype: torch.dtype, name: str
         parent = model.get_submodule(parent_path)
         layer = getattr(parent, child)
         embedding = isinstance(layer, nn.Embedding)  # a scaled one too (Gemma's), as PEFT's own dispatch takes it
-        if not _plain_linear(layer) and not embedding:
+        convolution = CONVOLUTIONS.get(type(layer))
+        if not (_plain_linear(layer) or embedding or convolution and path not in dora):
             raise IncompatibleMembersError(
-                f"Another member has a LoRA on {path.removeprefix('base_model.model.')}, but {name} has a "
-                f"{type(layer).__name__} there, to which hf-wide can give no zero LoRA. {MERGE_INSTEAD}")
+                f"Another member has a {'DoRA' if path in dora else 'LoRA'} on {path.removeprefix('base_model.model.')}"
+                f", but {name} has a {type(layer).__name__} there, to which hf-wide can give no zero "
+                f"{'DoRA' if path in dora else 'LoRA'}. {MERGE_INSTEAD}")
         conv = type(layer) is Conv1D  # PEFT wraps it with fan_in_fan_out, as its own dispatch does
         config = peft.LoraConfig(r=1, lora_alpha=1, lora_dropout=0.0, target_modules=[], fan_in_fan_out=conv,
                                  use_dora=path in dora)
         if embedding:
             lora = LoraEmbedding(layer, "default", config=config, r=1, lora_alpha=1)
             updates = (lora.lora_embedding_A, lora.lora_embedding_B)
+        elif convolution:  # (PEFT takes a rank its groups divide)
+            lora = getattr(peft.tuners.lora.layer, convolution)(layer, "default", config=config, r=layer.groups,
+                                                                lora_alpha=layer.groups)
+            updates = (lora.lora_A, lora.lora_B)
         else:
             lora = LoraLinear(layer, "default", config=config, r=1, lora_alpha=1, is_target_conv_1d_layer=conv)
             # (and a DoRA magnitude, made in the base's dtype: in half precision m / n was not exactly 1)
@@ -106,6 +114,10 @@ def pad_targets(model: nn.Module, paths: set[str], dtype: torch.dtype, name: str
         wrapped.append(path)
     _list_targets(model)  # every member's are now the union
     return wrapped
+
+
+# torch's convolutions, and the LoRA layer PEFT wraps each in
+CONVOLUTIONS = {nn.Conv1d: "Conv1d", nn.Conv2d: "Conv2d", nn.Conv3d: "Conv3d"}
 
 
 def _plain_linear(layer: nn.Module) -> bool:

@@ -135,3 +135,24 @@ def test_an_adapter_of_parameters_beside_one_of_modules(tmp_path):
         ours, theirs = wide.member(i).base_model, reference.base_model
         assert ours.targeted_module_names == sorted(theirs.targeted_module_names)
         assert ours.targeted_parameter_names == sorted(theirs.targeted_parameter_names)
+
+
+def test_adapters_of_different_convolutions_beside_their_base(tmp_path):
+    """LoRA on a ResNet's convolutions, each adapter on its own, and the base itself in the list: each member is given
+    a zero LoRA on the convolutions it does not adapt, as on linears (they were refused: "no zero LoRA")."""
+    from lora_members import save_adapter
+
+    resnet = CASES["resnet-imgcls"]
+    resnet.build(0).save_pretrained(tmp_path / "base")
+    convolutions = [f"resnet.encoder.stages.0.layers.0.layer.{i}.convolution" for i in range(2)]
+    adapters = [save_adapter(resnet, tmp_path / "base", tmp_path / f"a{i}", i, r=4, target_modules=[convolution])
+                for i, convolution in enumerate(convolutions)]
+    wide = WideModel.from_pretrained([*adapters, str(tmp_path / "base")])
+    references = [alone(resnet, tmp_path / "base", a) for a in adapters]
+    inputs = resnet.inputs(2, padded=False)
+    base = resnet.model_class.from_pretrained(tmp_path / "base").eval()
+    assert max_member_error(wide, [*references, base], inputs) <= TOLERANCE
+    for folder, reference in zip(wide.save_members(tmp_path / "members"), references):
+        back = alone(resnet, tmp_path / "base", str(folder))  # the adapter as saved, no zero LoRA left in it
+        assert back.state_dict().keys() == reference.state_dict().keys()
+        assert torch.equal(back(**inputs).logits, reference(**inputs).logits)
