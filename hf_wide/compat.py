@@ -118,15 +118,10 @@ def check_configs(a, b, name_a: str, name_b: str, allow_label_mismatch: bool) ->
     for key in sorted(set(da) | set(db)):
         if da.get(key) != db.get(key):
             path, va, vb = _difference(key, da.get(key), db.get(key))  # (in a sub-config: its field, not the whole)
-            advice = (f"If config.{path} does not, set it alike on every member before fusing." if not
-                      path.endswith("tie_word_embeddings") else  # (set alike, it would change a member's numbers)
-                      "Members that tie their input and output embeddings and members that do not compute "
-                      "differently and cannot be fused together (PEFT's merge unties them in an adapter that saves or "
-                      "adapts one of them: fuse such an adapter unmerged, or beside adapters merged alike).")
             raise IncompatibleMembersError(
                 f"{name_b} has config.{path} = {vb!r}, but {name_a} has {va!r}: members must share "
                 "their configs, labels and provenance aside (the wide model runs one config, and any field may change "
-                f"what the code computes). {advice}"
+                f"what the code computes). {_advice(path)}"
             )
     attention_a, attention_b = getattr(a, "_attn_implementation", None), getattr(b, "_attn_implementation", None)
     if attention_a != attention_b:
@@ -140,6 +135,24 @@ def check_configs(a, b, name_a: str, name_b: str, allow_label_mismatch: bool) ->
             f"{name_b} has id2label = {labels_b!r}, but {name_a} has {labels_a!r}. Pass "
             "allow_label_mismatch=True to fuse members whose labels differ."
         )
+
+
+def _advice(path: str) -> str:
+    """What to do about members whose configs differ in ``path``: set it alike, unless that would change numbers or
+    cannot be (a field that sizes the members' tensors)."""
+    field = path.rsplit(".", 1)[-1]
+    if field == "tie_word_embeddings":
+        return ("Members that tie their input and output embeddings and members that do not compute differently and "
+                "cannot be fused together (PEFT's merge unties them in an adapter that saves or adapts one of them: "
+                "fuse such an adapter unmerged, or beside adapters merged alike).")
+    if field == "vocab_size":
+        return ("Their vocabularies differ, and so do their embedding tables: fuse members of one vocabulary together "
+                "(adapters trained over a vocabulary grown with resize_token_embeddings fuse with adapters that grew "
+                "it alike, not beside their base or adapters that did not).")
+    if field.endswith(("_size", "_dim", "_dims")) or field.startswith(("num_", "n_")):
+        return (f"config.{path} sizes the members' tensors (or their number), so they are not one architecture: "
+                "fuse members of one architecture together.")
+    return f"If config.{path} does not, set it alike on every member before fusing."
 
 
 def _graph_fields(config: dict) -> dict:

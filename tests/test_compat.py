@@ -37,9 +37,22 @@ def test_different_hidden_sizes_name_the_field_and_both_values():
     config = CASES["bert-seqcls"].make_config()
     config.hidden_size, config.intermediate_size = 48, 64
     b = tf.BertForSequenceClassification(config).eval()
-    with pytest.raises(IncompatibleMembersError, match=r"member 1.*hidden_size = 48.*32"):
+    with pytest.raises(IncompatibleMembersError, match=r"member 1.*hidden_size = 48.*32.*config\.hidden_size sizes "
+                                                       r"the members' tensors") as refused:
         WideModel.from_models([a, b])
+    assert "set it alike" not in str(refused.value)  # (their weights could not be one architecture's)
 
+
+def test_a_vocabulary_grown_beside_one_that_was_not_says_which_fuse_together():
+    # an adapter trained over a vocabulary grown with resize_token_embeddings, beside its base: the advice was to set
+    # vocab_size alike, which no user can do
+    case = CASES["llama-causallm"]
+    grown = case.build(1)
+    grown.resize_token_embeddings(grown.config.vocab_size + 3, mean_resizing=False)
+    with pytest.raises(IncompatibleMembersError, match=r"vocab_size = 103, but member 0 has 100.*Their vocabularies "
+                                                       r"differ.*adapters that grew it alike") as refused:
+        WideModel.from_models([case.build(0), grown])
+    assert "set it alike" not in str(refused.value)
 
 
 def test_tied_beside_untied_embeddings_are_refused_without_advice_to_set_them_alike():
