@@ -15,7 +15,7 @@ from .capture import asks_for_capture, require_recorded
 from .fold import Fold
 from .inputs import fold_inputs, other_batches
 from .losses import LABEL_ARGUMENTS, member_loss_outputs, member_losses, replace_loss
-from .parallel import gather_members, gather_outputs, local_inputs
+from .parallel_calls import gather_members, gather_outputs, local_inputs
 from .primitives import PerMemberFallback, VectorisedFallback
 from .primitives.member_cache import contiguous_keys
 from .routers import asks_for_router_logits, member_router_logits, replace_router_logits
@@ -25,6 +25,27 @@ from .unfold import unfold_outputs
 
 def run_members(wide, method: str | None, args: tuple, kwargs: dict):
     """The members' ``forward`` (``method`` None) or their ``method``, every member on the folded rows."""
+    group = wide.members_group
+    if group is None:
+        outputs, as_tuple, _ = _run_here(wide, method, args, kwargs)
+        return _as_asked(outputs, as_tuple)
+    try:
+        outputs, as_tuple, (unfolded, losses, routed) = _run_here(wide, method, args, kwargs)
+    except Exception as error:  # told to every rank, which raise too: they wait for this one's outputs to gather
+        gather_outputs(group, None, [], (args, kwargs), error)
+        raise
+    outputs = gather_outputs(group, outputs, unfolded, (args, kwargs))
+    for loss in losses:
+        outputs = replace_loss(outputs, loss, gather_members(group, loss))
+    if routed:
+        outputs = replace_router_logits(outputs, lambda t: gather_members(group, t))
+    return _as_asked(outputs, as_tuple)
+
+
+def _run_here(wide, method: str | None, args: tuple, kwargs: dict) -> tuple:
+    """This process's members' outputs ``(n, B, ...)``, whether a tuple was asked for, and, members split over
+    ranks, what is gathered from every rank: the tensors given a member dim, the members' losses and whether router
+    logits were asked for."""
     if needs_check(wide):  # members that would not each train as alone: refused (hf_wide.training)
         check_training(wide)
     if (not wide._capture_hooks or wide._unrecorded) and asks_for_capture(kwargs, wide.config):
@@ -38,7 +59,7 @@ def run_members(wide, method: str | None, args: tuple, kwargs: dict):
     if as_tuple:
         kwargs = {**kwargs, "return_dict": True}
     group = wide.members_group
-    given = (args, kwargs)  # (what every rank must agree on: before PerMember inputs are cut to the rank's)
+    given = (args, kwargs)  # (before PerMember inputs are cut to the rank's)
     n = wide.fold.num_members
     args, kwargs, batch = fold_inputs(n, *(given if group is None else local_inputs(group, args, kwargs)),
                                       own_batches=wide.own_batches,
@@ -64,12 +85,10 @@ def run_members(wide, method: str | None, args: tuple, kwargs: dict):
         routers = member_router_logits(outputs, n)  # each (N, B*T, E)
     unfolded = None if group is None else []  # the tensors given a member dim, which the ranks gather
     outputs = unfold_outputs(outputs, n, batch, (*losses, *routers), other_batches(given[1], batch), unfolded)
-    if group is not None:
-        outputs = gather_outputs(group, outputs, unfolded, given)
-        for loss in losses:
-            outputs = replace_loss(outputs, loss, gather_members(group, loss))
-        if routed:
-            outputs = replace_router_logits(outputs, lambda t: gather_members(group, t))
+    return outputs, as_tuple, (unfolded, losses, routed)
+
+
+def _as_asked(outputs, as_tuple: bool):
     return outputs.to_tuple() if as_tuple and isinstance(outputs, ModelOutput) else outputs
 
 

@@ -4,9 +4,9 @@ The members' rows are folded into one batch of N*B and transformers' ``generate`
 is one wide forward over a KV cache of N*B rows. The fold's pre-hook records the rows of every forward it makes
 (beams and several sequences per input multiply them), so the output is cut back into members by the last one.
 
-That one ``generate`` runs one generation config for every row, member 0's: where the members' own configs
-(``generation_config.json``) differ in a setting the call does not give, the call is refused
-(:func:`check_generation_configs`), since a member would not continue as it does alone.
+That one ``generate`` runs one generation config for every row, the wide model's (member 0's as loaded): where the
+members' own configs (``generation_config.json``) differ in a setting the call does not give, the call is refused
+(:func:`~hf_wide.generation_configs.check_generation_configs`), since a member would not continue as it does alone.
 """
 
 from __future__ import annotations
@@ -17,8 +17,9 @@ import torch
 from torch import nn
 
 from .capture import asks_for_capture, require_recorded
+from .generation_configs import check_generation_configs
 from .inputs import fold_inputs
-from .parallel import agree_on_inputs, gather_members, local_inputs
+from .parallel_calls import agree_on_inputs, gather_members, local_inputs, on_every_rank_alike
 from .unfold import unfold_generated
 
 
@@ -28,9 +29,27 @@ def generate_wide(wide, args: tuple, kwargs: dict):
         raise TypeError(f"{type(wide.model).__name__} cannot generate.")
     check_generation_configs(wide.member_generation_configs, kwargs)
     group = wide.members_group
-    if group is not None:
-        agree_on_inputs(group, (args, kwargs))  # (each rank continued its own prompt, and the members were mixed)
-        args, kwargs = local_inputs(group, args, kwargs)
+    if group is None:
+        out, rows, _ = _generate_here(wide, args, kwargs)
+        return out if isinstance(out, torch.Tensor) else unfold_generated(out, wide.fold.num_members, rows)
+    agree_on_inputs(group, (args, kwargs))  # (each rank continued its own prompt, and the members were mixed)
+    error = None
+    try:
+        out, rows, returns_dict = _generate_here(wide, *local_inputs(group, args, kwargs))
+    except Exception as exc:  # told to every rank, which raise too: they wait for this one's tokens to gather
+        error = exc
+    on_every_rank_alike(group, error)
+    if returns_dict:  # the same on every rank: raised by all of them
+        raise NotImplementedError("A member-parallel wide model's generate returns the sequences alone: each "
+                                  "rank stops when its own members are done, so their steps' scores differ in "
+                                  "number. Call it without return_dict_in_generate.")
+    # Each rank stops when its own members are done; padded as one process pads members done early.
+    return gather_members(group, out, pad_token(kwargs, wide.model))
+
+
+def _generate_here(wide, args: tuple, kwargs: dict) -> tuple:
+    """This process's members' continuations: ``(n, B, T')`` tokens, or transformers' output over the folded rows
+    (with the rows of its last forward, to cut it into members), and whether that output was asked for."""
     n = wide.fold.num_members
     refuse_one_sequence_options(kwargs, wide.model)
     refuse_row_subsets(args, kwargs, wide.model)
@@ -47,18 +66,10 @@ def generate_wide(wide, args: tuple, kwargs: dict):
         rows = wide.fold.rows  # of its last forward: N*B, times the beams
     finally:
         wide.fold.reset()
-    if group is None and not isinstance(out, torch.Tensor):
-        return unfold_generated(out, n, rows)
-    sequences = out if isinstance(out, torch.Tensor) else out.sequences
-    sequences = sequences.view(n, -1, sequences.shape[-1])  # (N, B, T')
-    if group is None:
-        return sequences
-    if returns_dict:  # the same on every rank: raised by all of them
-        raise NotImplementedError("A member-parallel wide model's generate returns the sequences alone: each "
-                                  "rank stops when its own members are done, so their steps' scores differ in "
-                                  "number. Call it without return_dict_in_generate.")
-    # Each rank stops when its own members are done; padded as one process pads members done early.
-    return gather_members(group, sequences, pad_token(kwargs, wide.model))
+    if isinstance(out, torch.Tensor) or wide.members_group is not None:
+        sequences = out if isinstance(out, torch.Tensor) else out.sequences
+        out = sequences.view(n, -1, sequences.shape[-1])  # (N, B, T')
+    return out, rows, returns_dict
 
 
 # Ways of generating that transformers runs on one sequence at a time, where a wide model generates N*B rows
@@ -104,6 +115,7 @@ def refuse_row_subsets(args: tuple, kwargs: dict, model: nn.Module) -> None:
     would run a row with another member's weights)."""
     if not hasattr(model, "_retrieve_total_input_frames"):  # transformers' WhisperGenerationMixin
         return
+    _keep_every_row(model)
     features = kwargs.get("input_features", args[0] if args else None)
     features = getattr(features, "tensor", features)  # (a PerMember's)
     encoder = model.get_encoder()  # (a PeftModel holds the model a level down)
@@ -126,6 +138,30 @@ def refuse_row_subsets(args: tuple, kwargs: dict, model: nn.Module) -> None:
                          "wide.member(i).generate(...), or ask for scores only.")
 
 
+def _keep_every_row(model: nn.Module) -> None:
+    """Make Whisper's generate raise where it would go on with some rows only. It transcribes window after window
+    while a row's audio is not done, and a segment that ends before its window's end (with timestamps, or as tokens
+    fall) leaves the next window to begin there: rows done sooner are dropped from the batch, and the rest of the
+    fold would run with other members' weights (or not split into members). Installed once on the model (which
+    every generate of the wide model runs), it checks each call alone."""
+    whisper = next(m for m in model.modules() if hasattr(type(m), "_maybe_reduce_batch"))  # (a PeftModel's base's)
+    reduce = whisper._maybe_reduce_batch
+    if getattr(reduce, "keeps_every_row", False):
+        return
+
+    def keep_every_row(input_features, seek, max_frames, cur_bsz, batch_idx_map):
+        reduced = reduce(input_features, seek, max_frames, cur_bsz, batch_idx_map)
+        if reduced[1] < cur_bsz:
+            raise ValueError(f"Whisper's generate went on to another window with {reduced[1]} of its {cur_bsz} rows, "
+                             "dropping those whose audio was done (a segment ended before its window's end: with "
+                             "return_timestamps=True, or as the tokens fell), and a wide model's rows are every "
+                             "member's: run it on each member, wide.member(i).generate(...).")
+        return reduced
+
+    keep_every_row.keeps_every_row = True
+    whisper._maybe_reduce_batch = keep_every_row  # (a static method in transformers: read from the instance first)
+
+
 def per_row_options(kwargs: dict, n: int, batch: int, model: nn.Module) -> dict:
     """``kwargs`` with what transformers takes per row of the batch made per row of the N*B folded ones: Whisper's
     ``language`` list (one per input), and a ``prefix_allowed_tokens_fn``, which transformers calls with the row's
@@ -137,44 +173,6 @@ def per_row_options(kwargs: dict, n: int, batch: int, model: nn.Module) -> dict:
     if allowed is not None:  # (transformers' batch id is the input's, beams and sequences of it together)
         kwargs = {**kwargs, "prefix_allowed_tokens_fn": lambda batch_id, ids: allowed(batch_id % batch, ids)}
     return kwargs
-
-
-# What a generation config records of where it came from, not of how to generate
-PROVENANCE = frozenset({"transformers_version", "_from_model_config", "_commit_hash", "_original_object_hash"})
-# A setting given to generate that makes a config's other one moot (transformers: max_new_tokens over max_length)
-OVERRIDES = {"max_length": "max_new_tokens", "min_length": "min_new_tokens"}
-
-
-def check_generation_configs(configs, kwargs: dict) -> None:
-    """Refuse a ``generate`` whose members' own generation configs differ in a setting that neither ``kwargs`` nor
-    a ``generation_config`` it passes gives: it would run member 0's for every member (transformers fills what a
-    passed config leaves unset from the model's, member 0's). The settings are named, with the ways out."""
-    if not configs or any(c is None for c in configs):
-        return
-    passed = kwargs.get("generation_config")
-    given = set(kwargs) - {"generation_config"}  # (a None given to generate replaces the config's value)
-    if passed is not None:
-        given |= {key for key, value in passed.to_dict().items() if value is not None}
-    given |= {moot for moot, by in OVERRIDES.items() if by in given}
-    defaults = configs[0]._get_default_generation_params()  # what transformers puts where a config says None
-    settings = [{key: defaults.get(key) if value is None else value for key, value in c.to_dict().items()}
-                for c in configs]
-    differ = {}  # setting -> (the first member whose value differs from member 0's, its value)
-    for i, theirs in enumerate(settings[1:], start=1):
-        for key in sorted((theirs.keys() | settings[0].keys()) - PROVENANCE - given):
-            mine, other = settings[0].get(key), theirs.get(key)
-            if mine != other and not (mine in (None, False) and other in (None, False)):  # unset: off
-                differ.setdefault(key, (i, other))
-    if differ:
-        listed = "; ".join(f"{key}: member 0 {settings[0].get(key)!r}, member {i} {value!r}"
-                           for key, (i, value) in differ.items())
-        first = min(i for i, _ in differ.values())
-        give = ", ".join(f"{key}=..." for key in differ)
-        raise ValueError(
-            f"The members' generation configs differ ({listed}), and one generate runs member 0's for every member: "
-            f"member {first} would not continue as it does alone. Give the settings to generate (generate(..., "
-            f"{give}), or set in the generation_config= it is given) to run every member with them; or run "
-            "wide.member(i).generate(...) for a member's own.")
 
 
 def _returns_dict(kwargs: dict, model: nn.Module) -> bool:

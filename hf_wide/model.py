@@ -22,10 +22,11 @@ from .capture import asks_for_capture, install_capture_hooks, reset_capture_hook
 from .choices import install_choice_rows
 from .compare import tolerance
 from .compat import member_names
-from .concurrency import GATE
+from .concurrency import GATE, under_dynamo
 from .fold import Fold
 from .forward import first_tensor, run_members
 from .generation import generate_wide
+from .generation_configs import GenerationConfigs
 from .hub_mixin import WideHubMixin
 from .losses import install_member_losses
 from .plan import WidePlan
@@ -47,7 +48,7 @@ class WideValidationError(RuntimeError):
     """The fused model's output for a member differs from that member run alone."""
 
 
-class WideModel(WideHubMixin, TrainingMixin, nn.Module):
+class WideModel(WideHubMixin, TrainingMixin, GenerationConfigs, nn.Module):
     """N members folded into the batch of one model (see DESIGN.md, "Execution").
 
     Attributes: ``model`` (the folded template: the members' class with wide modules swapped in),
@@ -153,11 +154,6 @@ class WideModel(WideHubMixin, TrainingMixin, nn.Module):
         return getattr(self.model, "config", None)
 
     @property
-    def generation_config(self):
-        """Member 0's, which ``generate`` uses (as transformers' ``model.generation_config``)."""
-        return getattr(self.model, "generation_config", None)
-
-    @property
     def device(self) -> torch.device:
         """Where the wide model's parameters are, as transformers' ``model.device``: ``inputs.to(wide.device)``."""
         return next(p.device for p in self.parameters())
@@ -176,7 +172,7 @@ class WideModel(WideHubMixin, TrainingMixin, nn.Module):
 
     def __call__(self, *args, **kwargs):
         # Past the process's gate (hf_wide.concurrency): compiled, a call shares transformers' output collector
-        compiled = self._compiled_call_impl is not None or torch.compiler.is_compiling()
+        compiled = self._compiled_call_impl is not None or torch.compiler.is_compiling() or under_dynamo()
         if compiled and not getattr(self._thread, "code", False):
             copy_code_for_thread(self.model)
             self._thread.code = True
@@ -193,7 +189,7 @@ class WideModel(WideHubMixin, TrainingMixin, nn.Module):
                 raise
 
         def method(*args, **kwargs):
-            with GATE.call(False, asks_for_capture(kwargs, self.config)):
+            with GATE.call(torch.compiler.is_compiling() or under_dynamo(), asks_for_capture(kwargs, self.config)):
                 return self._run(name, args, kwargs)
 
         method.__name__ = method.__qualname__ = name
@@ -239,9 +235,9 @@ class WideModel(WideHubMixin, TrainingMixin, nn.Module):
     def generate(self, *args, **kwargs):
         """Each member's own continuation: ``(N, B, T')`` tokens. Rows are folded into one ``generate`` on
         the wide model (KV cache of N*B rows), so each step is one wide forward. Rows that finish early are
-        padded with ``pad_token_id``, as in transformers. Uses member 0's generation config, and is refused
-        where the members' differ in a setting the call does not give
-        (:func:`~hf_wide.generation.check_generation_configs`). With ``return_dict_in_generate=True``,
+        padded with ``pad_token_id``, as in transformers. Runs :attr:`generation_config`, and is refused where the
+        members' differ in a setting the call does not give
+        (:func:`~hf_wide.generation_configs.check_generation_configs`). With ``return_dict_in_generate=True``,
         transformers' output with every member's: ``sequences`` ``(N, B, T')``, and each step's ``scores``,
         ``logits``, attentions and hidden states ``(N, B, ...)`` (B times the beams or returned sequences, where
         there are some, as for each member alone)."""

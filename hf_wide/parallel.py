@@ -10,7 +10,8 @@ ordinary wide model. A forward runs the local slice and all-gathers every per-me
 returns all N members' outputs, in member order: no activation crosses ranks inside a forward, only the outputs
 at its end. Every rank must pass the same inputs; a cheap fingerprint of them travels with the outputs'
 shapes, and ranks that disagree raise (all of them, with the same message) rather than return a mix.
-Caches (``past_key_values``) stay on their rank: each holds the keys and values of its own members.
+Caches (``past_key_values``) stay on their rank: each holds the keys and values of its own members. What every
+call does across the ranks is :mod:`hf_wide.parallel_calls`.
 
 Loading is collective too: each rank reports success or its error, and a rank that failed makes every rank
 raise, naming it, instead of leaving the others waiting in a collective. (A rank that dies outright is
@@ -26,7 +27,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .inputs import PerMember
 
 
 class MemberParallelError(RuntimeError):
@@ -105,10 +105,10 @@ def on_every_rank(members: MemberGroup, work: Callable[[], Any], what: str) -> A
     except Exception as exc:  # reported to every rank, then raised
         error = exc
     reports = [None] * members.world_size
-    dist.all_gather_object(reports, None if error is None else f"{type(error).__name__}: {error}", members.group)
+    dist.all_gather_object(reports, describe_error(error), members.group)
     failed = [(r, report) for r, report in enumerate(reports) if report is not None]
     if failed:
-        detail = "; ".join(f"rank {r} ({_members(members.slices[r])}): {report}" for r, report in failed)
+        detail = "; ".join(f"rank {r} ({describe_members(members.slices[r])}): {report}" for r, report in failed)
         raise MemberParallelError(f"{what} failed on {len(failed)} of {members.world_size} ranks: {detail}") from error
     return result
 
@@ -195,94 +195,9 @@ def all_slices(members: MemberGroup, local: Sequence) -> list:
     return [item for part in gathered for item in part]
 
 
-def gather_outputs(members: MemberGroup, outputs: Any, unfolded: list[torch.Tensor], inputs: tuple[tuple, dict]) -> Any:
-    """The local forward's ``outputs`` with every per-member tensor, ``unfolded`` to ``(n_local, ...)`` (of B rows,
-    B*C of a multiple-choice head's layers, XLNet's time-major memories, ...), replaced by all N members'
-    ``(N, ...)``; other values (caches, scalars) stay as they are. Raises on every rank if the ranks' inputs or output
-    structures differ."""
-    made = {id(t) for t in unfolded}
-    leaves: list[torch.Tensor] = []
-    _walk(outputs, lambda t: leaves.append(t) if id(t) in made else None)
-    meta = (_fingerprint(inputs), [(tuple(t.shape[1:]), str(t.dtype)) for t in leaves])
-    metas = [None] * members.world_size
-    dist.all_gather_object(metas, meta, members.group)
-    if any(m[0] != metas[0][0] for m in metas):
-        ranks = [r for r, m in enumerate(metas) if m[0] != metas[0][0]]
-        raise MemberParallelError(f"The ranks of a member-parallel model were given different inputs (rank "
-                                  f"{ranks[0]} differs from rank 0): every rank must run the same inputs.")
-    if any(m[1] != metas[0][1] for m in metas):
-        raise MemberParallelError("The ranks' outputs differ in structure or shape: every rank must run the same "
-                                  f"inputs with the same options ({metas[0][1]} on rank 0).")
-    gathered = iter([gather_members(members, t) for t in leaves])
-    return _walk(outputs, lambda t: next(gathered) if id(t) in made else t, rebuild=True)
+def describe_error(error: Exception | None) -> str | None:
+    return None if error is None else f"{type(error).__name__}: {error}"
 
 
-def agree_on_inputs(members: MemberGroup, inputs: tuple[tuple, dict]) -> None:
-    """Raise on every rank unless every rank was given the same inputs and options (:func:`_fingerprint`): before a
-    ``generate``, which gathers only the tokens (each rank's members continued its own prompt, and the ranks
-    returned them mixed)."""
-    fingerprints = [None] * members.world_size
-    dist.all_gather_object(fingerprints, _fingerprint(inputs), members.group)
-    differ = [rank for rank, found in enumerate(fingerprints) if found != fingerprints[0]]
-    if differ:
-        raise MemberParallelError(f"The ranks of a member-parallel model were given different inputs (rank "
-                                  f"{differ[0]} differs from rank 0): every rank must run the same inputs.")
-
-
-def gather_members(members: MemberGroup, local: torch.Tensor, pad_value: float = 0) -> torch.Tensor:
-    """``(n_local, ...)`` on each rank -> ``(N, ...)`` on every rank. Dims after the first may differ across
-    ranks (generated lengths): each rank's part is padded to the largest with ``pad_value``."""
-    sizes = torch.tensor([*local.shape], dtype=torch.int64, device=local.device)
-    shapes = [torch.empty_like(sizes) for _ in range(members.world_size)]
-    dist.all_gather(shapes, sizes, members.group)
-    biggest = torch.stack(shapes).amax(0).tolist()
-    padded = local.new_full(biggest, pad_value)
-    padded[tuple(slice(0, s) for s in local.shape)] = local
-    parts = [torch.empty_like(padded) for _ in range(members.world_size)]
-    dist.all_gather(parts, padded.contiguous(), members.group)
-    return torch.cat([part[: len(members.slices[r])] for r, part in enumerate(parts)])
-
-
-def _walk(value: Any, visit: Callable, rebuild: bool = False) -> Any:
-    """Visit the tensors of outputs (tuples, lists, dicts, ``ModelOutput``s) in a fixed order; with ``rebuild``,
-    put back what ``visit`` returns (``ModelOutput``s updated in place, as :func:`hf_wide.unfold.unfold_outputs`)."""
-    if isinstance(value, torch.Tensor):
-        result = visit(value)
-        return result if rebuild else value
-    if isinstance(value, dict):
-        for key, item in value.items():
-            new = _walk(item, visit, rebuild)
-            if rebuild:
-                value[key] = new
-        return value
-    if isinstance(value, (tuple, list)):
-        items = [_walk(item, visit, rebuild) for item in value]
-        return type(value)(items) if rebuild else value
-    return value
-
-
-def _fingerprint(inputs: tuple[tuple, dict]) -> tuple:
-    """A cheap summary of a call's tensor inputs (shapes, and two sums that a reordering changes)."""
-    args, kwargs = inputs
-    summary = []
-    for key, value in [*enumerate(args), *sorted(kwargs.items())]:
-        tensor = getattr(value, "tensor", value)  # PerMember wraps its tensor
-        if isinstance(tensor, torch.Tensor):
-            flat = tensor.detach().reshape(-1).double()
-            weights = torch.arange(1, flat.numel() + 1, dtype=torch.float64, device=flat.device) % 97
-            summary.append((key, tuple(tensor.shape), round(float(flat.sum()), 6), round(float(flat @ weights), 6)))
-        elif isinstance(value, (bool, int, float, str)) or value is None:
-            summary.append((key, value))
-    return tuple(summary)
-
-
-def _members(members: range) -> str:
+def describe_members(members: range) -> str:
     return f"member {members.start}" if len(members) == 1 else f"members {members.start}-{members.stop - 1}"
-
-
-def local_inputs(group, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-    """A member-parallel rank's inputs: ``PerMember`` tensors cut to its own members' rows."""
-    def cut(value):
-        return PerMember(value.tensor[group.local.start:group.local.stop]) if isinstance(value, PerMember) else value
-
-    return tuple(cut(a) for a in args), {k: cut(v) for k, v in kwargs.items()}

@@ -254,7 +254,7 @@ def _stacked(group, tensors: list[torch.Tensor]) -> torch.Tensor:
     stacked = torch.stack([t.detach() for t in tensors])
     if group is None:
         return stacked
-    from .parallel import gather_members
+    from .parallel_calls import gather_members
 
     return gather_members(group, stacked)
 

@@ -80,6 +80,7 @@ def run(llama_dirs: str, bert_dirs: str, fused_dir: str, moe_dirs: str, xlnet_di
         result["generate_mismatch"] = None
     except Exception as exc:
         result["generate_mismatch"] = f"{type(exc).__name__}: {exc}"
+    result.update(fail_on_one_rank(wide))
     bert = WideModel.from_pretrained(bert_dirs.split(","), member_parallel=True)
     result["classified"] = pipeline("text-classification", model=bert)(["the cat sat on the mat", "a bad movie"])
     moe = WideModel.from_pretrained(moe_dirs.split(","), member_parallel=True)
@@ -89,6 +90,34 @@ def run(llama_dirs: str, bert_dirs: str, fused_dir: str, moe_dirs: str, xlnet_di
     with torch.no_grad():  # (N, T, B*C, D) memories and (N, B*C, T, D) layers: they stayed each rank's own
         chose = WideModel.from_pretrained(xlnet_dirs.split(","), member_parallel=True)(**choices())
     result["choices"] = {key: chose[key] for key in ("logits", "mems", "hidden_states")}
+    return result
+
+
+def fail_on_one_rank(wide) -> dict:
+    """A call that raises on rank 1 alone (a token its member has no embedding for; a constraint that fails there):
+    rank 0 waited for it to gather, and gathered its next call's outputs instead (or hung)."""
+    result = {}
+    oov = {"input_ids": torch.full((2, 3), 10_000)}
+    try:
+        with torch.no_grad():
+            wide(**(inputs() if dist.get_rank() == 0 else oov))
+        result["one_failed"] = None
+    except Exception as exc:
+        result["one_failed"] = f"{type(exc).__name__}: {exc}"
+    with torch.no_grad():
+        result["after_failure"] = wide(**inputs()).logits
+
+    def allowed(batch_id: int, ids: torch.Tensor) -> list[int]:
+        if dist.get_rank() == 1:
+            raise ValueError("rank 1's constraint")
+        return list(range(100))
+
+    try:
+        wide.generate(**inputs(1), max_new_tokens=2, do_sample=False, prefix_allowed_tokens_fn=allowed)
+        result["one_failed_generate"] = None
+    except Exception as exc:
+        result["one_failed_generate"] = f"{type(exc).__name__}: {exc}"
+    result["after_generate_failure"] = wide.generate(**inputs(1), max_new_tokens=6, do_sample=False)
     return result
 
 

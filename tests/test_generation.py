@@ -1,7 +1,6 @@
 """hf_wide/generation.py: WideModel.generate gives each member's own continuation, and transformers' output with
-every member's when asked (more cases: tests/test_architectures.py, tests/primitives/, tests/test_routers.py)."""
-
-import copy
+every member's when asked (more cases: tests/test_architectures.py, tests/primitives/, tests/test_routers.py; which
+generation config each member runs: tests/test_generation_configs.py)."""
 
 import pytest
 import torch
@@ -42,65 +41,6 @@ def test_generate_returns_each_members_scores_and_beams_as_transformers_does(fus
         if search:  # the beams' rows are member i's own, as if it had run alone
             assert torch.equal(out.beam_indices[i], alone.beam_indices)
             assert (out.sequences_scores[i] - alone.sequences_scores).abs().max().item() <= TOLERANCE
-
-
-def test_members_whose_generation_configs_differ_are_refused_unless_the_call_gives_the_settings():
-    """Members saved with generation settings of their own: one generate ran member 0's for every member, and member
-    1's continuation was not its own (shorter, without its repetition penalty), silently."""
-    case = CASES["llama-causallm"]
-    members = [case.build(seed) for seed in range(2)]
-    for member, own in zip(members, (dict(max_new_tokens=3), dict(max_new_tokens=5, repetition_penalty=1.8))):
-        member.generation_config.update(pad_token_id=0, eos_token_id=None, do_sample=False, **own)
-    wide = WideModel.from_models(members)
-    inputs = case.inputs(2, padded=True)
-    with pytest.raises(ValueError, match=r"max_new_tokens: member 0 3, member 1 5; repetition_penalty: member 0 "
-                                         r"1\.0, member 1 1\.8\).*member 1 would not continue as it does alone"):
-        wide.generate(**inputs)
-    given = dict(max_new_tokens=4, repetition_penalty=1.3)  # every member with these
-    out = wide.generate(**inputs, **given)
-    for i, member in enumerate(members):
-        assert torch.equal(out[i], member.generate(**inputs, **given))
-    config = copy.deepcopy(members[1].generation_config)
-    out = wide.generate(**inputs, generation_config=config)
-    for i, member in enumerate(members):
-        assert torch.equal(out[i], member.generate(**inputs, generation_config=config))
-    for i, member in enumerate(members):  # each member's own settings: its own model
-        assert torch.equal(wide.member(i).generate(**inputs), member.generate(**inputs))
-
-
-def test_a_generation_config_given_must_set_what_the_members_differ_in():
-    # transformers fills what a config given to generate leaves unset from the model's: member 0's. Member 1, whose
-    # own eos differs, ran past it with member 0's, silently. Settings unset in one and off in another agree.
-    case = CASES["llama-causallm"]
-    members = [case.build(seed) for seed in range(2)]
-    for member, eos in zip(members, (None, 7)):
-        member.generation_config.update(pad_token_id=0, eos_token_id=eos)
-    members[1].generation_config.do_sample = None  # member 0's False
-    wide = WideModel.from_models(members)
-    inputs = case.inputs(2, padded=True)
-    with pytest.raises(ValueError, match=r"\(eos_token_id: member 0 None, member 1 7\)"):
-        wide.generate(**inputs, generation_config=transformers.GenerationConfig(max_new_tokens=3))
-    config = transformers.GenerationConfig(max_new_tokens=3, eos_token_id=5, pad_token_id=0)
-    out = wide.generate(**inputs, generation_config=config)
-    for i, member in enumerate(members):
-        assert torch.equal(out[i], member.generate(**inputs, generation_config=config))
-
-
-def test_a_member_saved_without_a_generation_config_generates_with_its_own(tmp_path):
-    # transformers builds it from the member's config.json; the low-memory load gave it member 0's (its
-    # max_new_tokens and repetition penalty), silently
-    case = CASES["llama-causallm"]
-    members = [case.build(seed) for seed in range(2)]
-    members[0].generation_config.update(max_new_tokens=5, repetition_penalty=3.0)
-    folders = [tmp_path / f"m{i}" for i in range(2)]
-    for member, folder in zip(members, folders):
-        member.save_pretrained(folder)
-    (folders[1] / "generation_config.json").unlink()
-    wide = WideModel.from_pretrained([str(f) for f in folders])
-    alone = transformers.AutoModelForCausalLM.from_pretrained(folders[1])
-    assert wide.member_generation_configs[1].to_dict() == alone.generation_config.to_dict()
-    with pytest.raises(ValueError, match="repetition_penalty: member 0 3.0, member 1 1.0"):
-        wide.generate(**case.inputs(2, padded=True))
 
 
 def test_a_prefix_constraint_is_called_with_the_users_batch_ids():
@@ -166,6 +106,16 @@ def test_whisper_takes_a_language_per_input_and_refuses_what_drops_rows():
                       return_timestamps=True, max_new_tokens=4)  # member's, as rows finished)
     with pytest.raises(ValueError, match="temperature fallback"):
         wide.generate(input_features=features, temperature=(0.0, 0.5), max_new_tokens=4)
+    # a short audio whose segment ends before the window's end goes on to the next window with the rows not done: the
+    # rows of the folded batch that were done are dropped (member 0's rows continued with member 1's weights)
+    for dropping in (dict(return_timestamps=True, language="en"), dict(no_repeat_ngram_size=1)):
+        with pytest.raises(ValueError, match=r"another window with 2 of its 4 rows.*wide\.member\(i\)\.generate"):
+            wide.generate(input_features=features, max_new_tokens=4, **dropping)
+    settings = dict(return_timestamps=True, language="en", no_repeat_ngram_size=1, max_new_tokens=4)
+    out = wide.generate(input_features=features, **settings)  # (every row on to the next window, or none)
+    for i, member in enumerate(members):
+        alone = member.generate(input_features=features, **settings)
+        assert torch.equal(out[i, :, :alone.shape[-1]], alone) and (out[i, :, alone.shape[-1]:] == 0).all()
     # beam search's logits and hidden states: Whisper gives each sequence those of its row among the beams' rows, and
     # member 1's sequences read member 0's beams (2.1 off in the logits); its scores take their beam indices
     beams = dict(num_beams=2, max_new_tokens=3, return_dict_in_generate=True, output_scores=True)

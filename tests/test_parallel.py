@@ -148,6 +148,22 @@ def test_ranks_given_different_inputs_all_raise(ranks):
         assert rank["generate_mismatch"] is not None and "different inputs" in rank["generate_mismatch"]
 
 
+def test_a_call_that_raises_on_one_rank_raises_on_every_rank(members, ranks):
+    # rank 0 waited for rank 1's outputs to gather and gathered those of its next call (or hung there)
+    wide = WideModel.from_pretrained(members[1])
+    with torch.no_grad():
+        logits = wide(**inputs()).logits
+        generated = wide.generate(**inputs(1), max_new_tokens=6, do_sample=False)
+    for key, error in (("one_failed", "IndexError: index out of range"), ("one_failed_generate",
+                                                                          "ValueError: rank 1's constraint")):
+        assert ranks[0][key].startswith("MemberParallelError: The call failed on 1 of 2 ranks: rank 1 (member 2): "
+                                        + error.split(":")[0]), ranks[0][key]
+        assert ranks[1][key].startswith(error), ranks[1][key]  # its own error, with a note for the others
+    for rank in ranks:  # the next calls: every rank's own
+        assert rank["after_failure"] == pytest.approx(logits, abs=1e-6, rel=0)
+        assert torch.equal(rank["after_generate_failure"], generated)
+
+
 def test_members_done_early_are_padded_as_one_process_pads_them():
     # with no pad token, transformers pads with the first end-of-sequence token: the ranks padded with 0
     from transformers import GenerationConfig
