@@ -12,6 +12,7 @@ members' own configs (``generation_config.json``) differ in a setting the call d
 from __future__ import annotations
 
 import copy
+import threading
 
 import torch
 from torch import nn
@@ -61,11 +62,13 @@ def _generate_here(wide, args: tuple, kwargs: dict) -> tuple:
         if returns_dict:
             require_recorded(wide._unrecorded, kwargs, wide.config)
     wide.fold.recording = True  # the pre-hook records the rows of every forward generate() makes
+    WIDE_GENERATE.active = True
     try:
         out = wide.model.generate(*args, **kwargs)
         rows = wide.fold.rows  # of its last forward: N*B, times the beams
     finally:
         wide.fold.reset()
+        WIDE_GENERATE.active = False
     if isinstance(out, torch.Tensor) or wide.members_group is not None:
         sequences = out if isinstance(out, torch.Tensor) else out.sequences
         out = sequences.view(n, -1, sequences.shape[-1])  # (N, B, T')
@@ -139,27 +142,34 @@ def refuse_row_subsets(args: tuple, kwargs: dict, model: nn.Module) -> None:
 
 
 def _keep_every_row(model: nn.Module) -> None:
-    """Make Whisper's generate raise where it would go on with some rows only. It transcribes window after window
-    while a row's audio is not done, and a segment that ends before its window's end (with timestamps, or as tokens
-    fall) leaves the next window to begin there: rows done sooner are dropped from the batch, and the rest of the
-    fold would run with other members' weights (or not split into members). Installed once on the model (which
-    every generate of the wide model runs), it checks each call alone."""
+    """Make Whisper's generate raise where, in a wide model's generate, it would go on with some rows only. It
+    transcribes window after window while a row's audio is not done, and a segment that ends before its window's end
+    (with timestamps, or as tokens fall) leaves the next window to begin there: rows done sooner are dropped from the
+    batch, and the rest of the fold would run with other members' weights (or not split into members). Installed once
+    on the model; inert outside a wide model's generate (``wide.member(i)``'s copy keeps it)."""
     whisper = next(m for m in model.modules() if hasattr(type(m), "_maybe_reduce_batch"))  # (a PeftModel's base's)
-    reduce = whisper._maybe_reduce_batch
-    if getattr(reduce, "keeps_every_row", False):
-        return
+    if not isinstance(whisper.__dict__.get("_maybe_reduce_batch"), KeepEveryRow):
+        whisper._maybe_reduce_batch = KeepEveryRow(type(whisper)._maybe_reduce_batch)  # (a static method: read from
+                                                                                      # the instance first)
 
-    def keep_every_row(input_features, seek, max_frames, cur_bsz, batch_idx_map):
-        reduced = reduce(input_features, seek, max_frames, cur_bsz, batch_idx_map)
-        if reduced[1] < cur_bsz:
+
+class KeepEveryRow:
+    """Whisper's ``_maybe_reduce_batch``, refusing to drop rows while this thread runs a wide model's generate."""
+
+    def __init__(self, reduce):
+        self.reduce = reduce
+
+    def __call__(self, input_features, seek, max_frames, cur_bsz, batch_idx_map):
+        reduced = self.reduce(input_features, seek, max_frames, cur_bsz, batch_idx_map)
+        if reduced[1] < cur_bsz and getattr(WIDE_GENERATE, "active", False):
             raise ValueError(f"Whisper's generate went on to another window with {reduced[1]} of its {cur_bsz} rows, "
                              "dropping those whose audio was done (a segment ended before its window's end: with "
                              "return_timestamps=True, or as the tokens fell), and a wide model's rows are every "
                              "member's: run it on each member, wide.member(i).generate(...).")
         return reduced
 
-    keep_every_row.keeps_every_row = True
-    whisper._maybe_reduce_batch = keep_every_row  # (a static method in transformers: read from the instance first)
+
+WIDE_GENERATE = threading.local()  # .active: this thread runs a wide model's generate
 
 
 def per_row_options(kwargs: dict, n: int, batch: int, model: nn.Module) -> dict:

@@ -135,6 +135,11 @@ def fold_inputs(n: int, args: tuple, kwargs: dict, own_batches: bool = False,
         if key in NOT_BATCHED:
             return value
         if whole and main is not None and MODALITIES.get(key, MODALITIES[main]) != MODALITIES[main]:
+            if isinstance(value, PerMember):  # (it reached the members' code as it was, and failed there)
+                raise ValueError(
+                    f"{key} gives each member its own beside {main}, and this model runs whole, member by member (a "
+                    f"fallback: CLIP's members whose logit_scale differs), taking another modality's batch as every "
+                    f"member's: give one {key} to all, or run the members alone (wide.member(i)).")
             return value  # another modality's batch, each member's whole
         if key == "encoder_outputs" and isinstance(value, (tuple, list)):  # given by the user: each member's rows
             return type(value)(fold(v) for v in value)
@@ -168,7 +173,8 @@ MODALITIES = {"input_ids": "text", "attention_mask": "text", "token_type_ids": "
 # Inputs that never hold the batch, whatever their length: indices of the positions to compute logits for, the
 # cache's positions (a logits_to_keep of B indices was repeated N times, as the batch), Whisper's prompt for every row
 # (prompt_ids of B tokens were repeated N times, and every member continued another prompt)
-NOT_BATCHED = frozenset({"logits_to_keep", "num_logits_to_keep", "cache_position", "prompt_ids"})
+NOT_BATCHED = frozenset({"logits_to_keep", "num_logits_to_keep", "cache_position", "prompt_ids",
+                         "num_items_in_batch"})
 
 
 # Inputs that each hold a batch of their own in multimodal models (CLIP's texts and images), batch first

@@ -111,6 +111,8 @@ def test_whisper_takes_a_language_per_input_and_refuses_what_drops_rows():
     for dropping in (dict(return_timestamps=True, language="en"), dict(no_repeat_ngram_size=1)):
         with pytest.raises(ValueError, match=r"another window with 2 of its 4 rows.*wide\.member\(i\)\.generate"):
             wide.generate(input_features=features, max_new_tokens=4, **dropping)
+        alone = wide.member(1).generate(input_features=features, max_new_tokens=4, **dropping)  # (the way out: its
+        assert torch.equal(alone, members[1].generate(input_features=features, max_new_tokens=4, **dropping))  # own)
     settings = dict(return_timestamps=True, language="en", no_repeat_ngram_size=1, max_new_tokens=4)
     out = wide.generate(input_features=features, **settings)  # (every row on to the next window, or none)
     for i, member in enumerate(members):

@@ -8,7 +8,7 @@ from conftest import CASES
 from families import members_from
 from oracle import TOLERANCE
 
-from hf_wide import WideModel
+from hf_wide import PerMember, WideModel
 
 
 def test_the_batch_is_the_main_inputs_whatever_comes_first(fused):
@@ -33,6 +33,18 @@ def test_the_positions_to_keep_logits_of_are_no_batch(fused):
         for i, member in enumerate(members):
             want = member(**inputs, logits_to_keep=keep).logits
             assert got[i].shape == want.shape and (got[i] - want).abs().max() <= TOLERANCE
+
+
+def test_the_number_of_items_is_no_batch(fused):
+    # one count in a tensor of one element, beside a batch of one, was repeated N times as the batch and refused
+    members, wide = fused("llama-causallm")
+    inputs = CASES["llama-causallm"].inputs(1, padded=False)
+    count = torch.tensor([5])
+    with torch.no_grad():
+        got = wide(**inputs, labels=inputs["input_ids"], num_items_in_batch=count).loss
+        for i, member in enumerate(members):
+            want = member(**inputs, labels=inputs["input_ids"], num_items_in_batch=count).loss
+            assert (got[i] - want).abs() <= TOLERANCE
 
 
 @pytest.mark.parametrize("length", [5, 2])  # 2: as long as the batch, which read as its rows
@@ -91,6 +103,11 @@ def test_a_whole_model_run_per_member_takes_another_modalitys_batch_whole_at_any
                 for key in ("image_embeds", "text_embeds", "logits_per_image"):
                     assert got[key][i].shape == want[key].shape, (texts, images, key)
                     assert (got[key][i] - want[key]).abs().max() <= TOLERANCE, (texts, images, key)
+    # each member's own images: they reached the members' code as a PerMember ("has no attribute 'shape'")
+    own = PerMember(torch.randn(len(members), 2, 3, 16, 16))
+    with pytest.raises(ValueError, match=r"pixel_values gives each member its own beside input_ids, and this model "
+                                         r"runs whole.*give one pixel_values to all"):
+        wide(input_ids=torch.randint(5, 100, (2, 4)), pixel_values=own)
 
 
 def test_encoder_outputs_given_by_the_user_are_folded_as_inputs():
