@@ -27,6 +27,11 @@ import threading
 from collections import Counter
 from contextlib import contextmanager
 
+try:
+    from torch._C._dynamo.eval_frame import get_eval_frame_callback
+except ImportError:  # (torch's own, not public: without it, what is_compiling() sees)
+    get_eval_frame_callback = None
+
 
 def _compatible(a: tuple[bool, bool], b: tuple[bool, bool]) -> bool:
     """Whether calls of kinds ``a`` and ``b`` (compiled, records) may run at once."""
@@ -75,11 +80,7 @@ def under_dynamo() -> bool:
     function calling the wide model), though its own frame runs as Python: dynamo skips a frame it cannot trace (the
     gate's lock), and compiles the forward it calls. Seen by ``is_compiling()`` only while it traced: 185 of 200 such
     calls from threads passed the gate as eager ones."""
-    try:
-        from torch._C._dynamo.eval_frame import get_eval_frame_callback
-    except ImportError:  # (torch's own, not public: without it, what is_compiling() sees)
-        return False
-    return get_eval_frame_callback() is not None
+    return get_eval_frame_callback is not None and get_eval_frame_callback() is not None
 
 
 GATE = CallGate()  # one per process, as transformers' collector is
