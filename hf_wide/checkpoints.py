@@ -36,7 +36,6 @@ SAFETENSORS_DTYPES = {
 }
 
 
-
 # ---------------------------------------------------------------- reading safetensors without mapping them
 def _layout_problem(header: dict, size: int) -> str | None:
     """What in a safetensors ``header`` does not describe its ``size`` bytes of data as the format requires (and the

@@ -137,6 +137,12 @@ def check_configs(a, b, name_a: str, name_b: str, allow_label_mismatch: bool) ->
         )
 
 
+# Config fields that size a model's tensors or set their number, by name (a heuristic for the advice alone)
+SIZING = frozenset({"d_model", "d_ff", "d_kv", "d_inner", "max_position_embeddings", "max_source_positions",
+                    "max_target_positions", "type_vocab_size"})
+SIZING_ENDS = ("_size", "_dim", "_dims", "_layers", "_heads", "_channels", "_positions", "_embd", "_ffn_dim")
+
+
 def _advice(path: str) -> str:
     """What to do about members whose configs differ in ``path``: set it alike, unless that would change numbers or
     cannot be (a field that sizes the members' tensors)."""
@@ -149,7 +155,7 @@ def _advice(path: str) -> str:
         return ("Their vocabularies differ, and so do their embedding tables: fuse members of one vocabulary together "
                 "(adapters trained over a vocabulary grown with resize_token_embeddings fuse with adapters that grew "
                 "it alike, not beside their base or adapters that did not).")
-    if field.endswith(("_size", "_dim", "_dims")) or field.startswith(("num_", "n_")):
+    if field in SIZING or field.startswith(("num_", "n_")) or field.endswith(SIZING_ENDS) and "rotary" not in field:
         return (f"config.{path} sizes the members' tensors (or their number), so they are not one architecture: "
                 "fuse members of one architecture together.")
     return f"If config.{path} does not, set it alike on every member before fusing."

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from .checkpoints import Checkpoint, assemble, empty_model, skeleton_like, state_tensors
-from .planner import tensor_aliases
+from .planner import batch_statistics, tensor_aliases
 from .saving import CONFIG_KEY, FusedRepoError, member_config, model_class_for, plan_from_dict, read_section
 
 logger = logging.getLogger(__name__)
@@ -63,7 +63,8 @@ def load_fused(cls, folder: str | Path, *, name: str, dtype: torch.dtype | str |
             ckpt.read_into(keys[key], dst, None if keys[key] in shared else members[i])
 
         try:
-            plan = dataclasses.replace(plan_from_dict(section["plan"]), num_members=len(members))
+            plan = _unshare_batch_statistics(plan_from_dict(section["plan"]), template)
+            plan = dataclasses.replace(plan, num_members=len(members))
             model, fold, aliases = assemble(skeletons, plan, device, read)
         except (KeyError, AttributeError) as exc:  # a module the plan names that the model lacks
             raise FusedRepoError(f"{name}: the fused repo's plan does not fit {type(template).__name__} "
@@ -85,6 +86,22 @@ def load_fused(cls, folder: str | Path, *, name: str, dtype: torch.dtype | str |
         wide.member_subfolders = [section["member_subfolders"][i] for i in members]
     wide._source_dirs = [folder]
     return wide.eval()
+
+
+def _unshare_batch_statistics(plan, template: nn.Module):
+    """``plan`` with each BatchNorm it holds once (saved before 2026-11-30) made each member's own, as the planner
+    makes it now (:func:`hf_wide.planner.batch_statistics`): in training, held once, it read every member's rows. Its
+    tensors, stored once, are read into every member's place."""
+    from .plan import Kind
+    from .registry import find_wide
+
+    entries = dict(plan.entries)
+    for fqn, entry in plan.entries.items():
+        module = template.get_submodule(fqn) if entry.kind == Kind.SHARED else None
+        wide_class = None if module is None or not batch_statistics(module) else find_wide(type(module))
+        if wide_class is not None:
+            entries[fqn] = dataclasses.replace(entry, kind=Kind.PRIMITIVE, wide_class=wide_class.__name__, reason="")
+    return dataclasses.replace(plan, entries=entries)
 
 
 def _check_section(section: dict, name: str) -> None:

@@ -4,9 +4,10 @@ The members' rows are folded into one batch of N*B and transformers' ``generate`
 is one wide forward over a KV cache of N*B rows. The fold's pre-hook records the rows of every forward it makes
 (beams and several sequences per input multiply them), so the output is cut back into members by the last one.
 
-That one ``generate`` runs one generation config for every row, the wide model's (member 0's as loaded): where the
-members' own configs (``generation_config.json``) differ in a setting the call does not give, the call is refused
-(:func:`~hf_wide.generation_configs.check_generation_configs`), since a member would not continue as it does alone.
+That one ``generate`` runs one generation config for every row, the wide model's (its first member's as loaded):
+where the members' own configs (``generation_config.json``) differ in a setting the call does not give, the call is
+refused (:func:`~hf_wide.generation_configs.check_generation_configs`), since a member would not continue as it does
+alone.
 """
 
 from __future__ import annotations
@@ -28,14 +29,15 @@ def generate_wide(wide, args: tuple, kwargs: dict):
     """:meth:`hf_wide.WideModel.generate`: ``(N, B, T')`` tokens, or transformers' output with every member's."""
     if not hasattr(wide.model, "generate"):
         raise TypeError(f"{type(wide.model).__name__} cannot generate.")
-    check_generation_configs(wide.member_generation_configs, kwargs)
     group = wide.members_group
     if group is None:
+        check_generation_configs(wide.member_generation_configs, kwargs)
         out, rows, _ = _generate_here(wide, args, kwargs)
         return out if isinstance(out, torch.Tensor) else unfold_generated(out, wide.fold.num_members, rows)
     agree_on_inputs(group, (args, kwargs))  # (each rank continued its own prompt, and the members were mixed)
     error = None
     try:
+        check_generation_configs(wide.member_generation_configs, kwargs)
         out, rows, returns_dict = _generate_here(wide, *local_inputs(group, args, kwargs))
     except Exception as exc:  # told to every rank, which raise too: they wait for this one's tokens to gather
         error = exc
@@ -62,13 +64,13 @@ def _generate_here(wide, args: tuple, kwargs: dict) -> tuple:
         if returns_dict:
             require_recorded(wide._unrecorded, kwargs, wide.config)
     wide.fold.recording = True  # the pre-hook records the rows of every forward generate() makes
-    WIDE_GENERATE.active = True
+    outer, WIDE_GENERATE.active = getattr(WIDE_GENERATE, "active", False), True
     try:
         out = wide.model.generate(*args, **kwargs)
         rows = wide.fold.rows  # of its last forward: N*B, times the beams
     finally:
         wide.fold.reset()
-        WIDE_GENERATE.active = False
+        WIDE_GENERATE.active = outer
     if isinstance(out, torch.Tensor) or wide.members_group is not None:
         sequences = out if isinstance(out, torch.Tensor) else out.sequences
         out = sequences.view(n, -1, sequences.shape[-1])  # (N, B, T')

@@ -14,26 +14,30 @@ class GenerationConfigs:
 
     @property
     def generation_config(self):
-        """The config ``generate`` runs every member with: member 0's, as loaded. What is set on it is every
-        member's, as ``model.generation_config.pad_token_id = ...`` sets transformers' (saved, and given to
-        ``member(i)``); a config assigned to it becomes every member's."""
+        """The config ``generate`` runs every member with: as loaded, the first member's held here (member 0's, or a
+        member-parallel rank's first). A setting changed on it is every member's, as ``model.generation_config.
+        pad_token_id = ...`` sets transformers' (saved, and given to ``member(i)``); a config assigned to it becomes
+        every member's."""
         return getattr(self.model, "generation_config", None)
 
     @generation_config.setter
     def generation_config(self, config) -> None:
         self.model.generation_config = config
+        self._run_as_loaded = copy.deepcopy(config)
         if self._generation_configs is not None:
             self.member_generation_configs = [copy.deepcopy(config) for _ in self._generation_configs]
 
     @property
     def member_generation_configs(self) -> list | None:
-        """Each member's own generation config, with what was set since on :attr:`generation_config`: ``None`` for
-        models that do not generate."""
-        return with_settings_of(self._generation_configs, self.generation_config)
+        """Each member's own generation config, with the settings changed since on :attr:`generation_config`
+        (copies: assign a list to change them); ``None`` for models that do not generate."""
+        return with_settings_of(self._generation_configs, self.generation_config, self._run_as_loaded)
 
     @member_generation_configs.setter
     def member_generation_configs(self, configs: Sequence[Any] | None) -> None:
         self._generation_configs = None if configs is None else list(configs)
+        if "_run_as_loaded" not in self.__dict__:  # (set first as the model is built: what changes are read from)
+            self._run_as_loaded = copy.deepcopy(self.generation_config)
 
 
 # What a generation config records of where it came from, not of how to generate
@@ -77,16 +81,16 @@ def check_generation_configs(configs, kwargs: dict) -> None:
             "wide.member(i).generate(...) for a member's own.")
 
 
-def with_settings_of(configs: list | None, run) -> list | None:
-    """Each of ``configs`` (the members' own generation configs) with what ``run`` (the config generate runs: member
-    0's as loaded) has been given since, where it has: those settings are every member's."""
-    if not configs or run is None or configs[0] is None:
-        return configs
-    own = configs[0].to_dict()
-    given = {key: value for key, value in run.to_dict().items() if key not in PROVENANCE and own.get(key) != value}
-    if not given:
-        return configs
+def with_settings_of(configs: list | None, run, loaded) -> list | None:
+    """Copies of ``configs`` (the members' own generation configs) with the settings in which ``run`` (the config
+    generate runs) now differs from ``loaded`` (it as the model was built): those are every member's."""
+    if configs is None:
+        return None
     configs = [copy.deepcopy(c) for c in configs]
+    if run is None or loaded is None or any(c is None for c in configs):
+        return configs
+    before = loaded.to_dict()
+    given = {key: value for key, value in run.to_dict().items() if key not in PROVENANCE and before.get(key) != value}
     for config in configs:
         for key, value in given.items():
             setattr(config, key, value)  # (update() sets only the settings a config has already)

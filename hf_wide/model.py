@@ -173,9 +173,7 @@ class WideModel(WideHubMixin, TrainingMixin, GenerationConfigs, nn.Module):
     def __call__(self, *args, **kwargs):
         # Past the process's gate (hf_wide.concurrency): compiled, a call shares transformers' output collector
         compiled = self._compiled_call_impl is not None or torch.compiler.is_compiling() or under_dynamo()
-        if compiled and not getattr(self._thread, "code", False):
-            copy_code_for_thread(self.model)
-            self._thread.code = True
+        self._copy_code_for_thread(compiled)
         with GATE.call(compiled, asks_for_capture(kwargs, self.config)):
             return super().__call__(*args, **kwargs)
 
@@ -189,11 +187,20 @@ class WideModel(WideHubMixin, TrainingMixin, GenerationConfigs, nn.Module):
                 raise
 
         def method(*args, **kwargs):
-            with GATE.call(torch.compiler.is_compiling() or under_dynamo(), asks_for_capture(kwargs, self.config)):
+            compiled = torch.compiler.is_compiling() or under_dynamo()
+            self._copy_code_for_thread(compiled)
+            with GATE.call(compiled, asks_for_capture(kwargs, self.config)):
                 return self._run(name, args, kwargs)
 
         method.__name__ = method.__qualname__ = name
         return method
+
+    def _copy_code_for_thread(self, compiled: bool) -> None:
+        """Before a compiled call's first in this thread: its own copies of the vectorised modules' code, made here
+        rather than inside the graph (a graph break in every new thread)."""
+        if compiled and not getattr(self._thread, "code", False):
+            copy_code_for_thread(self.model)
+            self._thread.code = True
 
     @property
     def _called(self) -> nn.Module:

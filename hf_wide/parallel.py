@@ -28,7 +28,6 @@ import torch
 import torch.distributed as dist
 
 
-
 class MemberParallelError(RuntimeError):
     """A rank of a member-parallel model failed, or the ranks disagree."""
 
@@ -196,8 +195,10 @@ def all_slices(members: MemberGroup, local: Sequence) -> list:
 
 
 def describe_error(error: Exception | None) -> str | None:
+    """What a rank reports of its error to the others (None: it had none)."""
     return None if error is None else f"{type(error).__name__}: {error}"
 
 
 def describe_members(members: range) -> str:
+    """A rank's members, as an error names them."""
     return f"member {members.start}" if len(members) == 1 else f"members {members.start}-{members.stop - 1}"

@@ -81,6 +81,7 @@ def run(llama_dirs: str, bert_dirs: str, fused_dir: str, moe_dirs: str, xlnet_di
     except Exception as exc:
         result["generate_mismatch"] = f"{type(exc).__name__}: {exc}"
     result.update(fail_on_one_rank(wide))
+    result.update(generation_configs(llama_dirs.split(","), Path(out_dir)))
     bert = WideModel.from_pretrained(bert_dirs.split(","), member_parallel=True)
     result["classified"] = pipeline("text-classification", model=bert)(["the cat sat on the mat", "a bad movie"])
     moe = WideModel.from_pretrained(moe_dirs.split(","), member_parallel=True)
@@ -118,6 +119,31 @@ def fail_on_one_rank(wide) -> dict:
     except Exception as exc:
         result["one_failed_generate"] = f"{type(exc).__name__}: {exc}"
     result["after_generate_failure"] = wide.generate(**inputs(1), max_new_tokens=6, do_sample=False)
+    return result
+
+
+def generation_configs(dirs: list[str], out_dir: Path) -> dict:
+    """Member 2 (rank 1's first) saved with a repetition penalty of its own: rank 1's model runs its config, which
+    was read as settings changed on every member's (rank 1 refused no generate that rank 0 refused, and waited)."""
+    import json
+    import shutil
+
+    copies = [out_dir / f"generation-{i}" for i in range(len(dirs))]
+    if dist.get_rank() == 0:
+        for source, copy in zip(dirs, copies):
+            shutil.copytree(source, copy)
+        path = copies[2] / "generation_config.json"
+        path.write_text(json.dumps({**json.loads(path.read_text()), "repetition_penalty": 1.8}))
+    dist.barrier()
+    wide = WideModel.from_pretrained([str(c) for c in copies], member_parallel=True)
+    result = {"penalties": [c.repetition_penalty for c in wide.member_generation_configs],
+              "own_penalties": [wide.member(i).generation_config.repetition_penalty for i in wide.members_group.local]}
+    try:
+        wide.generate(**inputs(1), max_new_tokens=3, do_sample=False)
+        result["differing_generate"] = None
+    except Exception as exc:
+        result["differing_generate"] = f"{type(exc).__name__}: {exc}"
+    result["penalised"] = wide.generate(**inputs(1), max_new_tokens=3, do_sample=False, repetition_penalty=1.3)
     return result
 
 

@@ -164,6 +164,18 @@ def test_a_call_that_raises_on_one_rank_raises_on_every_rank(members, ranks):
         assert torch.equal(rank["after_generate_failure"], generated)
 
 
+def test_each_rank_holds_every_members_own_generation_config(members, ranks):
+    # rank 1's model runs its first member's config (member 2's): its differences from member 0's were read as
+    # settings changed on the wide model, and given to every member there
+    wide = WideModel.from_pretrained(members[1])
+    penalised = wide.generate(**inputs(1), max_new_tokens=3, do_sample=False, repetition_penalty=1.3)
+    for rank, local in zip(ranks, ([1.0, 1.0], [1.8])):
+        assert [p or 1.0 for p in rank["penalties"]] == [1.0, 1.0, 1.8]  # (None: unset, transformers' 1.0)
+        assert [p or 1.0 for p in rank["own_penalties"]] == local
+        assert "repetition_penalty: member 0 1.0, member 2 1.8" in rank["differing_generate"]  # on every rank
+        assert torch.equal(rank["penalised"], penalised)
+
+
 def test_members_done_early_are_padded_as_one_process_pads_them():
     # with no pad token, transformers pads with the first end-of-sequence token: the ranks padded with 0
     from transformers import GenerationConfig

@@ -419,3 +419,26 @@ def test_a_class_of_the_checkpoints_own_code_is_named_as_such():
                                            auto_map={"AutoModel": "modeling_tiny.TinyModel"})
     with pytest.raises(ValueError, match=r"names no transformers class \(its own code, by the config's auto_map"):
         model_class_for(config, "member 0")
+
+
+def test_a_batchnorm_a_repo_saved_before_held_once_is_each_members_own(tmp_path):
+    # fused repos saved before 2026-11-30 held the BatchNorms the members had alike once: in training, they read every
+    # member's rows. Loaded, each member holds its own, from the tensors stored once
+    case = CASES["resnet-imgcls"]
+    members = [case.build(seed) for seed in range(2)]
+    for mine, theirs in zip(members[1].modules(), members[0].modules()):
+        if isinstance(mine, torch.nn.modules.batchnorm._BatchNorm):
+            mine.load_state_dict(theirs.state_dict())
+    WideModel.from_models(members).save_pretrained(tmp_path)
+    path = tmp_path / "config.json"
+    config = json.loads(path.read_text())
+    entries = config[CONFIG_KEY]["plan"]["entries"]
+    norms = [fqn for fqn, entry in entries.items() if entry["module_class"] == "BatchNorm2d"]
+    assert norms and {f"{fqn}.running_mean" for fqn in norms} <= set(config[CONFIG_KEY]["shared"])  # stored once
+    for fqn in norms:  # as the planner held them
+        entries[fqn].update(kind="shared", wide_class=None, reason="identical in every member")
+    path.write_text(json.dumps(config))
+    back = WideModel.from_pretrained(str(tmp_path))
+    assert not any(e.module_class == "BatchNorm2d" for e in back.plan.by_kind(Kind.SHARED))
+    with torch.no_grad():
+        assert max_member_error(back.train(), [m.train() for m in members], case.inputs(2, padded=False)) <= TOLERANCE
