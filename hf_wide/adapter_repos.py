@@ -49,7 +49,13 @@ def save_adapter(wide, i: int, folder: Path) -> Path | None:
         return None
     member = wide.member(i, share=True)  # without the zero updates given to targets it lacks
     state, seen = {}, set()
-    for k, v in get_peft_model_state_dict(member).items():
+    # The embedding tables whole where the adapter as loaded held them (PEFT's "auto" compares the vocabulary with the
+    # base's config at main, fetched from the Hub: a base whose main had moved on got them saved into every adapter,
+    # which then wrote into the base's tables and was refused when loaded back)
+    original = _original_keys(wide, i)
+    plain = get_peft_model_state_dict(member, save_embedding_layers=False)
+    whole = original is not None and bool(original - plain.keys())
+    for k, v in (get_peft_model_state_dict(member, save_embedding_layers=True) if whole else plain).items():
         v = v.detach().contiguous()
         view = (v.untyped_storage().data_ptr(), v.storage_offset(), v.shape, v.stride())
         # PEFT names one tensor twice with bias="all" and modules_to_save (the head's bias), and safetensors
@@ -61,6 +67,20 @@ def save_adapter(wide, i: int, folder: Path) -> Path | None:
                                                 + "\n")
     save_file(state, str(folder / "adapter_model.safetensors"), metadata={"format": "pt"})
     return folder
+
+
+def _original_keys(wide, i: int) -> set[str] | None:
+    """The tensors member i's adapter file held as it was loaded (None where it is not known)."""
+    from safetensors import safe_open
+
+    sources = getattr(wide, "_source_dirs", None) or []
+    folder = (Path(sources[i]) if len(sources) == wide.num_members else  # (else a saved ensemble's folder)
+              Path(sources[0]) / MEMBERS_DIR / f"member-{i}" if len(sources) == 1 else None)
+    path = None if folder is None else folder / "adapter_model.safetensors"
+    if path is None or not path.is_file():
+        return None
+    with safe_open(str(path), "pt") as f:
+        return set(f.keys())
 
 
 def loaded_over(config: dict, sources: AdapterSources) -> dict:

@@ -81,9 +81,14 @@ def _fuse(args: argparse.Namespace) -> int:
             _save(wide, Path(args.output), args.max_shard_size)
             print(f"Saved the fused repo to {args.output}")
         if args.push_to_hub is not None:
-            commit = wide.push_to_hub(args.push_to_hub, private=True if args.private else None, token=args.token,
-                                      commit_message=args.commit_message, create_pr=args.create_pr,
-                                      max_shard_size=args.max_shard_size)
+            try:
+                commit = wide.push_to_hub(args.push_to_hub, private=True if args.private else None,
+                                          token=args.token, commit_message=args.commit_message,
+                                          create_pr=args.create_pr, max_shard_size=args.max_shard_size)
+            except (ValueError, TypeError, OSError, *BAD_FILES):
+                raise
+            except Exception as exc:  # the HTTP library's own (no answer from the Hub, a timeout): no OSError
+                return error(f"could not push to {args.push_to_hub}: {type(exc).__name__}: {exc}")
             print(f"Pushed the fused repo to {commit.pr_url or commit.commit_url}")
     except (ValueError, TypeError, OSError, WideValidationError, *BAD_FILES) as exc:  # hub errors are OSErrors
         return error(exc)

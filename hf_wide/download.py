@@ -174,9 +174,14 @@ def _inside(folder: Path, subfolder: str | None, name: str) -> Path:
 
 
 def _refuse_if_pickle_only(model_id: str, sha: str, name: str, hub_kwargs: dict, subfolder: str | None) -> None:
-    """The download skipped pickle files; ask the repo's file list whether that is all it has (online only)."""
+    """The download skipped pickle files; ask the repo's file list whether that is all it has. Offline, the cache
+    holds the commit without its weights (its config fetched alone since, say): that is said, not that the repo has
+    none."""
     if hub_kwargs.get("local_files_only") or is_offline_mode():
-        return
+        raise MemberLoadError(
+            f"{name}: the local cache holds commit {sha} without its safetensors weights, and the Hub is not asked "
+            "(offline, or local_files_only=True): load it once online, or at a revision whose weights are cached "
+            "(allow_pickle=True, if its weights are pickles).")
     api = HfApi(endpoint=hub_kwargs.get("endpoint"), token=hub_kwargs.get("token"), headers=hub_kwargs.get("headers"))
     files = api.list_repo_files(model_id, revision=sha)  # (of the endpoint it was downloaded from)
     prefix = f"{subfolder.strip('/')}/" if subfolder else ""

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import transformers
 from huggingface_hub import HfApi
-from huggingface_hub.errors import HfHubHTTPError, RepositoryNotFoundError
+from huggingface_hub.errors import HfHubHTTPError, RepositoryNotFoundError, RevisionNotFoundError
 from huggingface_hub.utils import tqdm as hf_tqdm
 
 from .checkpoints import WEIGHTS_INDEX_NAME
@@ -98,16 +98,23 @@ def push_wide(wide, repo_id: str, *, private: bool | None = None, token: str | N
         def upload():
             if not overwrite_readme and api.file_exists(repo_id, "README.md", revision=revision):
                 (Path(tmp) / "README.md").unlink()
-            stale = ["model*.safetensors", WEIGHTS_INDEX_NAME]
-            if _holds_fused_repo(api, repo_id, revision):  # its tokenizer is the earlier members' (as save_pretrained
-                stale += [*TOKENIZER_PATTERNS, "members/*", "generation_config.json"]  # does), and so are its adapters
+            patterns = ["model*.safetensors", WEIGHTS_INDEX_NAME]
+            earlier = _fused_section(api, repo_id, revision)
+            if earlier is not None:  # its tokenizer is the earlier members' (as save_pretrained does)
+                patterns += [*TOKENIZER_PATTERNS, "generation_config.json"]
+            stale = _top_level(api, repo_id, patterns, revision)  # by name: what the repo holds in folders stays
+            if earlier is not None and "adapters" in earlier:  # and so are its adapters, in the folders it wrote
+                from .adapter_repos import MEMBERS_DIR
+
+                folders = tuple(f"{MEMBERS_DIR}/member-{i}/" for i in range(earlier.get("num_members", 0)))
+                stale += [f for f in _files(api, repo_id, revision) if f.startswith(folders)]
             return api.upload_folder(
                 repo_id=repo_id,
                 folder_path=tmp,
                 commit_message=commit_message or f"Upload a wide model of {wide.num_members} members with hf-wide",
                 create_pr=create_pr,
                 revision=revision,
-                delete_patterns=stale,
+                delete_patterns=stale or None,
             )
 
         return on_hub(upload, f"Uploading to {repo_id}")
@@ -123,25 +130,30 @@ def _create_branch(api: HfApi, repo_id: str, branch: str, create_pr: bool) -> No
             raise
 
 
-def _top_level(api: HfApi, repo_id: str, patterns: Sequence[str]) -> list[str]:
-    """The repo's files in its top folder that match ``patterns`` (huggingface_hub's ``*`` also crosses folders:
-    ``model*.safetensors`` matched ``models/old/model.safetensors``), by name; none where the repo is new."""
+def _files(api: HfApi, repo_id: str, revision: str | None = None) -> list[str]:
+    """The repo's files at ``revision`` (main by default); none where the repo or the branch is new."""
     try:
-        files = api.list_repo_files(repo_id)
-    except RepositoryNotFoundError:
+        return api.list_repo_files(repo_id, revision=revision)
+    except (RepositoryNotFoundError, RevisionNotFoundError):
         return []
-    return [f for f in files if "/" not in f and any(fnmatch.fnmatchcase(f, p) for p in patterns)]
 
 
-def _holds_fused_repo(api: HfApi, repo_id: str, revision: str | None = None) -> bool:
-    """Whether the repo's branch (main by default) holds a fused repo (a config.json with an ``hf_wide`` section)."""
+def _top_level(api: HfApi, repo_id: str, patterns: Sequence[str], revision: str | None = None) -> list[str]:
+    """The repo's files in its top folder that match ``patterns`` (huggingface_hub's ``*`` also crosses folders:
+    ``model*.safetensors`` matched ``models/old/model.safetensors``, and a push deleted it), by name."""
+    return [f for f in _files(api, repo_id, revision) if "/" not in f and any(fnmatch.fnmatchcase(f, p)
+                                                                              for p in patterns)]
+
+
+def _fused_section(api: HfApi, repo_id: str, revision: str | None = None) -> dict | None:
+    """The ``hf_wide`` section of the fused repo the repo's branch (main by default) holds, or None."""
     if not api.file_exists(repo_id, "config.json", revision=revision):
-        return False
+        return None
     try:
         config = json.loads(Path(api.hf_hub_download(repo_id, "config.json", revision=revision)).read_text())
     except ValueError:  # not JSON: no fused repo's
-        return False
-    return isinstance(config, dict) and CONFIG_KEY in config
+        return None
+    return config.get(CONFIG_KEY) if isinstance(config, dict) else None
 
 
 # An earlier upload's weights, which a member pushed over them replaces: uploads delete nothing, and transformers reads

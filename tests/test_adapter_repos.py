@@ -288,3 +288,25 @@ def test_members_saved_after_base_model_name_the_base_they_were_loaded_over(llam
     wide.push_members(["alice/over-0", "alice/over-1"], token=TOKEN)
     pushed = json.loads(open(hf_hub_download("alice/over-1", "adapter_config.json", token=TOKEN)).read())
     assert (pushed["base_model_name_or_path"], pushed["revision"]) == (str(other), "v2")
+
+
+def test_saved_adapters_hold_what_they_held_whatever_their_base_became(tmp_path):
+    # PEFT's save compares the vocabulary with its base's config.json as it is now (on the Hub: at main): a base whose
+    # vocabulary grew since got both embedding tables saved whole into every adapter, which then wrote into the base's
+    # own tables when loaded, and was refused
+    from safetensors import safe_open
+
+    base, adapters = save_llama_adapters(tmp_path / "llama")
+    wide = WideModel.from_pretrained(adapters)
+    config = json.loads((base / "config.json").read_text())
+    (base / "config.json").write_text(json.dumps({**config, "vocab_size": config["vocab_size"] + 20}))  # (moved on)
+    folders = wide.save_members(tmp_path / "members")
+    (base / "config.json").write_text(json.dumps(config))
+    for folder, adapter in zip(folders, adapters):
+        with safe_open(str(folder / "adapter_model.safetensors"), "pt") as saved, \
+                safe_open(f"{adapter}/adapter_model.safetensors", "pt") as held:
+            assert set(saved.keys()) == set(held.keys())
+    again = WideModel.from_pretrained([str(f) for f in folders])
+    with torch.no_grad():
+        inputs = LLAMA.inputs(2, padded=True)
+        assert torch.equal(again(**inputs).logits, wide(**inputs).logits)

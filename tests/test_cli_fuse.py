@@ -149,3 +149,13 @@ def test_a_missing_member_is_named(saved, tmp_path, capsys):
     assert main(["fuse", paths[0], missing, "--output", str(tmp_path / "w")]) == 2
     err = capsys.readouterr().err.splitlines()[-1]  # (after the progress bar)
     assert err.startswith("hf-wide fuse: error: member 1 (") and "there is no folder" in err
+
+
+def test_a_hub_that_does_not_answer_the_push_is_one_line(saved, capsys, monkeypatch):
+    # the HTTP library's connection errors are no OSError: a traceback, after the whole fuse had run
+    members, paths = saved
+    monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")  # (a port nothing listens on)
+    monkeypatch.setattr("huggingface_hub.constants.ENDPOINT", "http://127.0.0.1:9")
+    assert main(["fuse", *paths, "--push-to-hub", "alice/wide", "--token", TOKEN]) == 2
+    said = capsys.readouterr().err.strip().splitlines()[-1]  # (after the progress bars)
+    assert said.startswith("hf-wide fuse: error: could not push to alice/wide: ConnectError")

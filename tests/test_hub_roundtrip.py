@@ -122,6 +122,24 @@ def test_a_push_over_a_fused_repo_takes_its_tokenizer_away(hub, published, membe
         assert "model.safetensors" in files
 
 
+def test_a_push_keeps_what_the_repos_folders_hold(hub, published, member_folders):
+    # huggingface_hub's "*" crosses folders: a push deleted models/seed-2/model.safetensors (leaving its config), an
+    # onnx/ folder's tokenizer model, and the member folders save_members wrote beside an ensemble of full members
+    plain = WideModel.from_pretrained([str(p) for p in member_folders[1]])
+    tokenizer = transformers.AutoTokenizer.from_pretrained(member_folders[2])
+    theirs = {"models/seed-2/config.json": "{}", "models/seed-2/model.safetensors": "weights",
+              "onnx/spiece.model": "sp", "onnx/preprocessor_config.json": "{}",
+              "members/member-0/model.safetensors": "weights"}
+    for repo, earlier in (("alice/folders", None), ("alice/wide-folders", plain)):
+        if earlier is not None:
+            earlier.push_to_hub(repo, token=TOKEN, tokenizer=tokenizer)
+        hub.publish(repo, theirs)
+        plain.push_to_hub(repo, token=TOKEN)
+        files = hub.repos[repo].commits[hub.repos[repo].branches["main"]].files
+        assert set(theirs) <= set(files) and "model.safetensors" in files, repo
+        assert not any(f.startswith(("tokenizer", "vocab")) for f in files)  # (the earlier fused repo's: replaced)
+
+
 def test_private_fused_repo_needs_a_token(hub, published):
     fuse().push_to_hub("alice/private-wide", private=True, token=TOKEN)
     message = r"(?s)member 0 \(alice/private-wide\): RepositoryNotFoundError.*pass token="
@@ -168,6 +186,17 @@ def test_offline_from_the_cache(hub, published, monkeypatch):
     assert max_member_error(offline, members, CASE.inputs(3, padded=True)) <= TOLERANCE
     assert WideModel.from_pretrained("alice/wide-offline").member_ids == IDS
     assert len(hub.requests) == seen  # not one request
+    # main moved on, and its config alone was fetched since (AutoConfig, say): "has no model weights", it said
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.delenv("HF_HUB_OFFLINE")
+    moved = hub.publish("alice/seed-0", {"README.md": "moved on"})
+    hf_hub_download("alice/seed-0", "config.json")
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(MemberLoadError, match=rf"member 0 \(alice/seed-0\) at revision 'main': the local cache holds "
+                                              rf"commit {moved} without its safetensors weights, and the Hub is not "
+                                              r"asked"):
+        fuse()
 
 
 def test_pickle_only_member_is_refused(hub, published, tmp_path):
