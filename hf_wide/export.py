@@ -102,12 +102,13 @@ def push_wide(wide, repo_id: str, *, private: bool | None = None, token: str | N
             earlier = _fused_section(api, repo_id, revision)
             if earlier is not None:  # its tokenizer is the earlier members' (as save_pretrained does)
                 patterns += [*TOKENIZER_PATTERNS, "generation_config.json"]
-            stale = _top_level(api, repo_id, patterns, revision)  # by name: what the repo holds in folders stays
+            files = _files(api, repo_id, revision)
+            stale = _top_level(files, patterns)  # by name: what the repo holds in its folders stays
             if earlier is not None and "adapters" in earlier:  # and so are its adapters, in the folders it wrote
                 from .adapter_repos import MEMBERS_DIR
 
                 folders = tuple(f"{MEMBERS_DIR}/member-{i}/" for i in range(earlier.get("num_members", 0)))
-                stale += [f for f in _files(api, repo_id, revision) if f.startswith(folders)]
+                stale += [f for f in files if f.startswith(folders)]
             return api.upload_folder(
                 repo_id=repo_id,
                 folder_path=tmp,
@@ -138,11 +139,10 @@ def _files(api: HfApi, repo_id: str, revision: str | None = None) -> list[str]:
         return []
 
 
-def _top_level(api: HfApi, repo_id: str, patterns: Sequence[str], revision: str | None = None) -> list[str]:
-    """The repo's files in its top folder that match ``patterns`` (huggingface_hub's ``*`` also crosses folders:
-    ``model*.safetensors`` matched ``models/old/model.safetensors``, and a push deleted it), by name."""
-    return [f for f in _files(api, repo_id, revision) if "/" not in f and any(fnmatch.fnmatchcase(f, p)
-                                                                              for p in patterns)]
+def _top_level(files: Sequence[str], patterns: Sequence[str]) -> list[str]:
+    """The ``files`` (a repo's) in its top folder that match ``patterns`` (huggingface_hub's ``*`` also crosses
+    folders: ``model*.safetensors`` matched ``models/old/model.safetensors``, and a push deleted it)."""
+    return [f for f in files if "/" not in f and any(fnmatch.fnmatchcase(f, p) for p in patterns)]
 
 
 def _fused_section(api: HfApi, repo_id: str, revision: str | None = None) -> dict | None:
@@ -177,7 +177,7 @@ def push_members(wide, repo_ids: Sequence[str], *, private: bool | None = None, 
         with tempfile.TemporaryDirectory(prefix="hf-wide-") as tmp:
             _save_as_loaded(wide, i, Path(tmp))
             message = commit_message or f"Upload member {i} ({wide.member_ids[i]}) of a wide model with hf-wide"
-            stale = _top_level(api, repo_id, MEMBER_WEIGHTS) or None  # by name: nothing in its folders
+            stale = _top_level(_files(api, repo_id), MEMBER_WEIGHTS) or None  # by name: nothing in its folders
             commits.append(api.upload_folder(repo_id=repo_id, folder_path=tmp, commit_message=message,
                                              delete_patterns=stale))
     return commits
