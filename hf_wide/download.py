@@ -7,6 +7,7 @@ safetensors unless pickle is explicitly allowed. Errors name the member, and say
 
 from __future__ import annotations
 
+import fnmatch
 import os
 import re
 from collections.abc import Sequence
@@ -119,8 +120,9 @@ def download_members(
         if os.path.isdir(model_id):
             return _inside(Path(model_id), sub, name)
         try:
-            folder = Path(snapshot_download(model_id, revision=rev, allow_patterns=[
-                f"{sub}/{p}" for p in patterns] if sub else patterns, **hub_kwargs))
+            allowed = _member_files(model_id, rev, sub, patterns, hub_kwargs) or (
+                [f"{sub}/{p}" for p in patterns] if sub else patterns)
+            folder = Path(snapshot_download(model_id, revision=rev, allow_patterns=allowed, **hub_kwargs))
         except Exception as exc:  # the hub client's errors, offline misses, network failures
             hint = ""
             if isinstance(exc, HFValidationError) and _path_like(model_id):
@@ -145,6 +147,26 @@ def download_members(
                 paths.append(path)
                 bar.update(1)
     return paths
+
+
+def _member_files(model_id: str, revision: str | None, subfolder: str | None, patterns: Sequence[str],
+                  hub_kwargs: dict) -> list[str]:
+    """The files of the member at ``subfolder`` of the repo (its root by default) that match ``patterns``, by name:
+    those in its own folder, and the adapter folders of a fused ensemble of adapters in it. huggingface_hub's ``*``
+    crosses folders, so a member at the root downloaded every ``checkpoint-N/`` folder's weights too. None offline,
+    or where the repo's files cannot be listed (its download then says why)."""
+    if hub_kwargs.get("local_files_only") or is_offline_mode():
+        return []
+    from .adapter_repos import MEMBERS_DIR
+
+    try:
+        files = HfApi(token=hub_kwargs.get("token")).list_repo_files(model_id, revision=revision)
+    except Exception:  # (gated, missing, unreachable: snapshot_download raises it, named)
+        return []
+    prefix = f"{subfolder.strip('/')}/" if subfolder else ""
+    own = [f for f in files if f.startswith(prefix) and ("/" not in f[len(prefix):]
+                                                         or f.startswith(f"{prefix}{MEMBERS_DIR}/member-"))]
+    return [f for f in own if any(fnmatch.fnmatchcase(f.rsplit("/", 1)[-1], p) for p in patterns)]
 
 
 def _path_like(model_id: str) -> bool:

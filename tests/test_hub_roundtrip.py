@@ -292,5 +292,13 @@ def test_members_in_subfolders_of_one_repo(hub, member_folders, tmp_path):
     expected = pipeline("text-classification", model=wide, tokenizer=transformers.AutoTokenizer.from_pretrained(
         tokenizer))("good bad good")
     assert pipe("good bad good") == expected  # each member's tokenizer, from its own folder
+    # a member at the root of the run's repo: huggingface_hub's "*" crosses folders, and it downloaded every
+    # checkpoint's weights too
+    hub.publish("alice/run", {f.name: f.read_bytes() for f in paths[2].iterdir()})
+    seen = len(hub.requests)
+    root = WideModel.from_pretrained(["alice/run"], token=TOKEN, cache_dir=tmp_path / "root")
+    assert max_member_error(root, members[2:], CASE.inputs(3, padded=True)) <= TOLERANCE
+    fetched = {r.path.split("/resolve/")[-1] for r in hub.requests[seen:] if "/resolve/" in r.path}
+    assert any(p.endswith("/model.safetensors") for p in fetched) and not any("checkpoint-" in p for p in fetched)
     local = WideModel.from_pretrained([str(paths[0].parent)] * 2, subfolder=["seed-0", "seed-1"])  # folders too
     assert max_member_error(local, members[:2], CASE.inputs(2, padded=True)) <= TOLERANCE
