@@ -103,13 +103,27 @@ def on_every_rank(members: MemberGroup, work: Callable[[], Any], what: str) -> A
         result = work()
     except Exception as exc:  # reported to every rank, then raised
         error = exc
+    failed = describe_failures(members, gather_reports(members, error))
+    if failed is not None:
+        raise MemberParallelError(f"{what} failed on {failed}") from error
+    return result
+
+
+def gather_reports(members: MemberGroup, error: Exception | None) -> list[str | None]:
+    """Every rank's :func:`describe_error` of what its call raised (None: nothing), in rank order."""
     reports = [None] * members.world_size
     dist.all_gather_object(reports, describe_error(error), members.group)
+    return reports
+
+
+def describe_failures(members: MemberGroup, reports: list[str | None]) -> str | None:
+    """The ranks whose ``reports`` hold an error, as errors name them (``1 of 2 ranks: rank 1 (member 2): ...``),
+    or None where none does."""
     failed = [(r, report) for r, report in enumerate(reports) if report is not None]
-    if failed:
-        detail = "; ".join(f"rank {r} ({describe_members(members.slices[r])}): {report}" for r, report in failed)
-        raise MemberParallelError(f"{what} failed on {len(failed)} of {members.world_size} ranks: {detail}") from error
-    return result
+    if not failed:
+        return None
+    detail = "; ".join(f"rank {r} ({describe_members(members.slices[r])}): {report}" for r, report in failed)
+    return f"{len(failed)} of {members.world_size} ranks: {detail}"
 
 
 def load_member_slice(num_members: int, load: Callable[[range], Any], allow_label_mismatch: bool = False):

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from .inputs import PerMember
-from .parallel import MemberGroup, MemberParallelError, describe_error, describe_members
+from .parallel import MemberGroup, MemberParallelError, describe_error, describe_failures, gather_reports
 
 
 def gather_outputs(members: MemberGroup, outputs: Any, unfolded: list[torch.Tensor], inputs: tuple[tuple, dict],
@@ -42,23 +42,19 @@ def raise_if_failed(members: MemberGroup, reports: list[str | None], error: Exce
     """Raise on every rank where a call raised on any (``reports``: each rank's error, or None): the ranks that
     raised raise their own ``error`` again, the others a :class:`MemberParallelError` naming them. (A rank whose call
     raised alone left the others waiting for it to gather, and they gathered its next call's outputs instead.)"""
-    failed = [(rank, report) for rank, report in enumerate(reports) if report is not None]
-    if not failed:
+    failed = describe_failures(members, reports)
+    if failed is None:
         return
-    detail = "; ".join(f"rank {r} ({describe_members(members.slices[r])}): {report}" for r, report in failed)
     if error is not None:
-        error.add_note(f"The call failed on {len(failed)} of {members.world_size} ranks of the member-parallel "
-                       f"model, and raised on every rank: {detail}")
+        error.add_note(f"The call failed on {failed}; the member-parallel model raised on every rank.")
         raise error
-    raise MemberParallelError(f"The call failed on {len(failed)} of {members.world_size} ranks: {detail}")
+    raise MemberParallelError(f"The call failed on {failed}")
 
 
 def on_every_rank_alike(members: MemberGroup, error: Exception | None) -> None:
     """Raise on every rank where ``error`` (what this rank's call raised, or None) was raised on any: the ranks
     that raised their own, the others a :class:`MemberParallelError` (:func:`raise_if_failed`)."""
-    reports = [None] * members.world_size
-    dist.all_gather_object(reports, describe_error(error), members.group)
-    raise_if_failed(members, reports, error)
+    raise_if_failed(members, gather_reports(members, error), error)
 
 
 def agree_on_inputs(members: MemberGroup, inputs: tuple[tuple, dict]) -> None:
