@@ -12,6 +12,7 @@ from . import __version__
 from .cpu import tune_cpu_allocator
 
 SUBFOLDER_HELP = "where in its repo each member is (a training run's checkpoint-N, say): one for all, or one per member"
+TOKEN_HELP = "a Hub token (default: HF_TOKEN or the one `hf auth login` saved)"
 LABEL_MISMATCH_HELP = "take members whose id2label holds the same labels in another order (realigned by name)"
 # What a member's files can raise beyond ValueError and OSError: a checkpoint cut short (hf-wide's reader, or
 # safetensors' own on its header)

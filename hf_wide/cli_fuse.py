@@ -8,6 +8,7 @@ import shutil
 import sys
 from pathlib import Path
 
+from .cli import TOKEN_HELP
 from .placement import DTYPES
 
 
@@ -36,8 +37,7 @@ def register_cli(sub) -> None:
     fuse.add_argument("--dtype", choices=[*DTYPES, "auto"], default=None,
                       help="load the members in this dtype (default: transformers' default)")
     fuse.add_argument("--offline", action="store_true", help="use the local cache only")
-    fuse.add_argument("--token", default=None, help="a Hub token (default: HF_TOKEN or the one `hf auth login` "
-                                                    "saved)")
+    fuse.add_argument("--token", default=None, help=TOKEN_HELP)
     fuse.add_argument("--private", action="store_true", help="create the Hub repo private")
     fuse.add_argument("--commit-message", default=None)
     fuse.add_argument("--create-pr", action="store_true", help="push to a pull request, not to main")

@@ -9,7 +9,7 @@ import sys
 import time
 from pathlib import Path
 
-from .cli import BAD_FILES, LABEL_MISMATCH_HELP, SUBFOLDER_HELP, _count
+from .cli import BAD_FILES, LABEL_MISMATCH_HELP, SUBFOLDER_HELP, TOKEN_HELP, _count
 from .pipelines import TASKS, pipeline
 from .pipelines.token_classification import AggregationStrategy
 
@@ -33,8 +33,16 @@ def register_cli(sub) -> None:
                      help="token-classification: how tokens become entities (default simple)")
     run.add_argument("--max-new-tokens", type=_count, default=None,
                      help="text-generation: tokens to generate (default: the members' own, else 20)")
+    run.add_argument("--tokenizer", metavar="ID", default=None,
+                     help="text tasks: the tokenizer to read the inputs with, a repo id or folder (default: the "
+                          "members' own, or their base's)")
+    run.add_argument("--image-processor", metavar="ID", default=None,
+                     help="image-classification: the image processor, a repo id or folder (default: the members' own)")
     run.add_argument("--revision", default=None)
     run.add_argument("--subfolder", nargs="+", metavar="DIR", default=None, help=SUBFOLDER_HELP)
+    run.add_argument("--offline", action="store_true", help="use the local cache only")
+    run.add_argument("--token", default=None, help=TOKEN_HELP)
+    run.add_argument("--trust-remote-code", action="store_true")
     run.add_argument("--allow-label-mismatch", action="store_true", help=LABEL_MISMATCH_HELP)
     run.set_defaults(func=_run)
 
@@ -45,13 +53,15 @@ def _run(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return 2
     try:
-        inputs = _read_inputs(args.task, args.input)
         options = _call_options(args)
+        inputs = _read_inputs(args.task, args.input)
         subfolder = args.subfolder[0] if args.subfolder and len(args.subfolder) == 1 else args.subfolder
-        pipe = pipeline(args.task, model=args.model, revision=args.revision, combine=args.combine,
+        model_kwargs = {"local_files_only": args.offline, "trust_remote_code": args.trust_remote_code,
+                        **({"subfolder": subfolder} if subfolder else {})}
+        pipe = pipeline(args.task, model=args.model, revision=args.revision, token=args.token,
+                        tokenizer=args.tokenizer, image_processor=args.image_processor, combine=args.combine,
                         weights=args.weights, batch_size=args.batch_size,
-                        allow_label_mismatch=args.allow_label_mismatch,
-                        model_kwargs={"subfolder": subfolder} if subfolder else None)
+                        allow_label_mismatch=args.allow_label_mismatch, model_kwargs=model_kwargs)
         start = time.perf_counter()
         results = pipe(inputs, **options)
         seconds = time.perf_counter() - start
@@ -115,7 +125,10 @@ def _file_name_like(value: str) -> bool:
 
 
 # hf-wide run's options of one task or two: flag -> (the tasks it applies to, as its refusal names them)
+TEXT_TASKS = ("text-classification", "token-classification", "feature-extraction", "text-generation")
 TASK_OPTIONS = {"--top-k": (("text-classification", "image-classification"), "text- and image-classification"),
+                "--tokenizer": (TEXT_TASKS, "the text tasks"),
+                "--image-processor": (("image-classification",), "image-classification"),
                 "--aggregation": (("token-classification",), "token-classification"),
                 "--max-new-tokens": (("text-generation",), "text-generation")}
 

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import transformers
 from conftest import CASES
+from hub_server import TOKEN, hub  # noqa: F401  (the fixture)
 from PIL import Image
 from pipelines.text_members import bert_tokenizer, build_members, decoder_tokenizer, save_members, sentences
 
@@ -127,6 +128,10 @@ def test_the_rich_table_where_rich_is_installed(saved, capsys):
                                                      "feature-extraction"),
     (["token-classification", "--top-k", "3"], "--top-k applies to text- and image-classification, not to "
                                                "token-classification"),
+    (["text-classification", "--image-processor", "x"], "--image-processor applies to image-classification, not to "
+                                                        "text-classification"),
+    (["image-classification", "--input", "x.png", "--tokenizer", "x"], "--tokenizer applies to the text tasks, not "
+                                                                        "to image-classification"),
 ])
 def test_errors_are_reported_with_exit_code_2(saved, capsys, argv, message):
     task, *rest = argv
@@ -135,6 +140,39 @@ def test_errors_are_reported_with_exit_code_2(saved, capsys, argv, message):
         rest += ["--input", TEXTS[0]]
     assert cli.main(["run", task, "--model", *members, *rest]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_private_members_with_a_token_then_offline(hub, saved, capsys):
+    # hf-wide run took no --token (private members needed HF_TOKEN set) and no --offline
+    folders = saved["text-classification"]
+    ids = [f"alice/cls-{i}" for i in range(len(folders))]
+    for repo_id, folder in zip(ids, folders):
+        hub.publish(repo_id, folder, private=True)
+    expected = run_json(capsys, "text-classification", "--model", *folders, "--input", TEXTS[0])
+    assert cli.main(["run", "text-classification", "--model", *ids, "--input", TEXTS[0]]) == 2
+    assert "alice/cls-0" in capsys.readouterr().err
+    assert run_json(capsys, "text-classification", "--model", *ids, "--input", TEXTS[0], "--token", TOKEN) == expected
+    asked = len(hub.requests)
+    assert run_json(capsys, "text-classification", "--model", *ids, "--input", TEXTS[0], "--offline") == expected
+    assert len(hub.requests) == asked  # the cache alone
+
+
+def test_members_without_tokenizer_files_read_with_the_tokenizer_named(saved, capsys, tmp_path):
+    folders = saved["text-classification"]
+    bare = []
+    for i, folder in enumerate(folders):
+        copy = shutil.copytree(folder, tmp_path / f"m{i}")
+        for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.txt"):
+            (copy / name).unlink(missing_ok=True)
+        bare.append(str(copy))
+    assert cli.main(["run", "text-classification", "--model", *bare, "--input", TEXTS[0]]) == 2
+    assert "has no vocabulary" in capsys.readouterr().err  # what transformers makes of no tokenizer files
+    expected = run_json(capsys, "text-classification", "--model", *folders, "--input", TEXTS[0])
+    assert run_json(capsys, "text-classification", "--model", *bare, "--input", TEXTS[0],
+                    "--tokenizer", folders[0]) == expected
+    assert cli.main(["run", "text-classification", "--model", *bare, "--input", TEXTS[0],
+                     "--tokenizer", str(tmp_path / "none")]) == 2
+    assert f"Could not load the tokenizer {tmp_path / 'none'}" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("argv, message", [

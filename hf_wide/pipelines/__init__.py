@@ -19,7 +19,7 @@ from .calibration import calibrate
 from .classification import ImageClassificationPipeline, TextClassificationPipeline
 from .combine import Combine
 from .feature_extraction import FeatureExtractionPipeline
-from .loading import HUB_OPTIONS, load_preprocessors, preprocessor_sources
+from .loading import HUB_OPTIONS, load_named, load_preprocessors, preprocessor_sources
 from .text_generation import TextGenerationPipeline
 from .token_classification import TokenClassificationPipeline
 
@@ -72,10 +72,14 @@ def pipeline(
     )
     pipeline_class = TASKS[task]
     kind = "tokenizer" if task != "image-classification" else "image_processor"
+    hub = {k: v for k, v in (model_kwargs or {}).items() if k in HUB_OPTIONS}
+    if isinstance(tokenizer, (str, os.PathLike)):  # a repo id or folder, as transformers' pipeline takes it
+        tokenizer = load_named(tokenizer, "tokenizer", token=token, **hub)
+    if isinstance(image_processor, (str, os.PathLike)):
+        image_processor = load_named(image_processor, "image_processor", token=token, **hub)
     if (tokenizer if kind == "tokenizer" else image_processor) is None:
         # a fused repo by its id: its own files; else each member's own (an adapter's base's, where it has none)
         subfolder = (model_kwargs or {}).get("subfolder")  # (a fused repo in a folder of its repo)
-        hub = {k: v for k, v in (model_kwargs or {}).items() if k in HUB_OPTIONS}
         found = load_preprocessors([(sources[0], revision, subfolder if isinstance(subfolder, str) else None)]
                                    if isinstance(model, (str, os.PathLike)) else
                                    preprocessor_sources(wide, kind, token=token, **hub), kind, token=token, **hub)

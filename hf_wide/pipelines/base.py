@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 import weakref
 from collections.abc import Sequence
 from typing import Any
@@ -54,6 +55,9 @@ class WidePipeline:
     ):
         if not isinstance(model, WideModel):
             raise TypeError(f"A wide pipeline runs a WideModel, got {type(model).__name__}.")
+        if any(isinstance(p, (str, os.PathLike)) for p in (tokenizer, image_processor)):
+            raise TypeError("A pipeline class takes a loaded tokenizer or image processor; hf_wide.pipeline() loads "
+                            "one by its name.")
         whole_number("batch_size", batch_size)
         refusal = head_refusal(model, self.task, self.heads)
         if refusal is not None:

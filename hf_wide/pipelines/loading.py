@@ -94,6 +94,21 @@ def _has_file(source: str, filename: str, revision: str | None, token=None, **hu
         return None
 
 
+def load_named(source: str | os.PathLike, kind: str, token=None, **hub):
+    """The tokenizer (or image processor) ``pipeline(tokenizer="org/name")`` names, as transformers' pipeline loads
+    a name: at the repo's main, with the members' token and :data:`HUB_OPTIONS`."""
+    from transformers import AutoImageProcessor, AutoTokenizer
+
+    auto = AutoTokenizer if kind == "tokenizer" else AutoImageProcessor
+    try:
+        loaded = auto.from_pretrained(str(source), token=token, **hub)
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"Could not load the {kind.replace('_', ' ')} {source}: {exc}") from exc
+    if kind == "tokenizer":
+        _refuse_if_empty(loaded, loaded.get_vocab(), str(source))
+    return loaded
+
+
 def load_preprocessors(sources: Sequence[str | tuple], kind: str, token=None, **hub):
     """The one tokenizer (``kind="tokenizer"``) or image processor the members share, from ``sources`` (repo ids
     or folders, or (id, revision) pairs, or (id, revision, subfolder) triples); ``hub``: :data:`HUB_OPTIONS` as the

@@ -32,8 +32,12 @@ def test_members_saved_without_tokenizer_files_are_refused_not_read_as_unknown_w
         pipeline("text-classification", model=paths)
     tokenizer = bert_tokenizer(tmp_path / "tok")  # the way out: the tokenizer they were trained with
     with_files = save_members(tmp_path / "with", members, tokenizer)
-    assert pipeline("text-classification", model=paths, tokenizer=tokenizer)(TEXTS) == pipeline(
-        "text-classification", model=with_files)(TEXTS)
+    expected = pipeline("text-classification", model=with_files)(TEXTS)
+    assert pipeline("text-classification", model=paths, tokenizer=tokenizer)(TEXTS) == expected
+    # by its folder (or repo id), as transformers' pipeline takes it: was kept as a string, and failed when called
+    assert pipeline("text-classification", model=paths, tokenizer=Path(with_files[0]))(TEXTS) == expected
+    with pytest.raises(ValueError, match=rf"tokenizer of {paths[1]} has no vocabulary"):
+        pipeline("text-classification", model=paths, tokenizer=paths[1])
 
 
 def test_members_from_the_hub_and_from_folders_share_their_tokenizer(members, tmp_path, hub):
@@ -91,6 +95,11 @@ def test_image_members_without_an_image_processor_are_refused(tmp_path):
     CASES["vit-imgcls"].build(0).save_pretrained(path)
     with pytest.raises(ValueError, match=r"Could not load an image_processor for member 0 .*Pass image_processor="):
         pipeline("image-classification", model=[str(path), str(path)])
+    transformers.ViTImageProcessor(size={"height": 32, "width": 32}).save_pretrained(tmp_path / "processor")
+    pipe = pipeline("image-classification", model=[str(path), str(path)], image_processor=str(tmp_path / "processor"))
+    assert pipe.image_processor.size == {"height": 32, "width": 32}
+    with pytest.raises(TypeError, match="takes a loaded tokenizer or image processor"):
+        type(pipe)(pipe.model, image_processor=str(tmp_path / "processor"))
 
 
 @pytest.mark.parametrize("task, case, head", [
