@@ -47,6 +47,17 @@ def same_places(old: PretrainedConfig, new: PretrainedConfig) -> dict[int, Pretr
     return {id(c): new_tree[path] for path, c in config_tree(old).items() if path in new_tree}
 
 
+def follow_kernels(config, current) -> None:
+    """Give ``config`` (a member's, as loaded) the attention and experts implementations the wide model's config
+    ``current`` holds now: switched by ``wide.model.set_attn_implementation(...)`` after fusion, the members taken
+    out run what the wide model runs."""
+    now = config_tree(current)
+    for path, sub in config_tree(config).items():
+        for name in ("_attn_implementation_internal", "_experts_implementation_internal"):
+            if path in now and name in now[path].__dict__:
+                setattr(sub, name, now[path].__dict__[name])
+
+
 def configs_in_place(model: nn.Module, template: nn.Module, replacements: dict[int, object]) -> dict[int, object]:
     """For the configs ``model`` reads, ``{id(c): replacement}``: the replacement of ``template``'s config in the
     same place of its config's tree, and a copy of any other."""

@@ -18,7 +18,7 @@ from torch.utils.hooks import RemovableHandle
 
 from .adapter_layers import unpad
 from .capture import reset_capture_hooks
-from .configs import configs_in_place, configs_replaced, copies_of, module_configs, same_places
+from .configs import configs_in_place, configs_replaced, copies_of, follow_kernels, module_configs, same_places
 from .choices import is_fold_hook
 from .fold import Fold
 from .losses import uninstall_member_losses
@@ -155,7 +155,8 @@ def member_model(wide, i: int, share: bool = False) -> nn.Module:
         local = i - group.local.start
     memo = {}
     if wide.member_configs is not None and hasattr(wide.model, "config"):
-        memo[id(wide.model.config)] = copy.deepcopy(wide.member_configs[i])
+        memo[id(wide.model.config)] = own = copy.deepcopy(wide.member_configs[i])
+        follow_kernels(own, wide.model.config)
     gen = getattr(wide.model, "generation_config", None)
     if gen is not None and wide.member_generation_configs and wide.member_generation_configs[i] is not None:
         memo[id(gen)] = copy.deepcopy(wide.member_generation_configs[i])

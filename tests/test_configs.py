@@ -3,6 +3,7 @@ read their model's: set_attn_implementation switches every attention, fused, vec
 
 import pytest
 import torch
+import transformers
 from conftest import CASES, NUM_MEMBERS
 from families import fall_back_attention_, with_gain
 from oracle import TOLERANCE
@@ -70,3 +71,23 @@ def test_a_member_taken_out_reads_its_own_config(attention):
     member.set_attn_implementation("eager")
     assert len(attentions(member, inputs)) == 2
     assert attentions(wide, inputs) == ()  # the wide model is left as it was
+
+
+def tiny_clip(seed: int) -> transformers.CLIPModel:
+    torch.manual_seed(seed)
+    tower = dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=37)
+    return transformers.CLIPModel(transformers.CLIPConfig(
+        text_config=dict(vocab_size=99, max_position_embeddings=16, **tower),
+        vision_config=dict(image_size=16, patch_size=8, **tower), projection_dim=16)).eval()
+
+
+@pytest.mark.parametrize("build", [CASE.build, tiny_clip], ids=["llama", "clip"])
+def test_a_member_taken_out_runs_the_attention_the_wide_model_was_switched_to(build):
+    # member(i) read its config as loaded: after wide.model.set_attn_implementation("eager") it still ran sdpa
+    wide = WideModel.from_models([build(seed) for seed in range(2)])
+    wide.model.set_attn_implementation("eager")
+    member = wide.member(1)
+    want = {path: c._attn_implementation for path, c in config_tree(wide.model.config).items()}
+    assert {path: c._attn_implementation for path, c in config_tree(member.config).items()} == want
+    assert set(want.values()) == {"eager"}
+    assert reads_only(member, member.config)
