@@ -11,6 +11,7 @@ from pathlib import Path
 
 from .cli import BAD_FILES, LABEL_MISMATCH_HELP, SUBFOLDER_HELP, TOKEN_HELP, _count
 from .pipelines import TASKS, pipeline
+from .placement import DTYPES
 from .pipelines.token_classification import AggregationStrategy
 
 
@@ -38,6 +39,8 @@ def register_cli(sub) -> None:
                           "members' own, or their base's)")
     run.add_argument("--image-processor", metavar="ID", default=None,
                      help="image-classification: the image processor, a repo id or folder (default: the members' own)")
+    run.add_argument("--dtype", choices=[*DTYPES, "auto"], default=None,
+                     help="load the members in this dtype (default: transformers' default)")
     run.add_argument("--revision", default=None)
     run.add_argument("--subfolder", nargs="+", metavar="DIR", default=None, help=SUBFOLDER_HELP)
     run.add_argument("--offline", action="store_true", help="use the local cache only")
@@ -58,7 +61,7 @@ def _run(args: argparse.Namespace) -> int:
         subfolder = args.subfolder[0] if args.subfolder and len(args.subfolder) == 1 else args.subfolder
         model_kwargs = {"local_files_only": args.offline, "trust_remote_code": args.trust_remote_code,
                         **({"subfolder": subfolder} if subfolder else {})}
-        pipe = pipeline(args.task, model=args.model, revision=args.revision, token=args.token,
+        pipe = pipeline(args.task, model=args.model, revision=args.revision, token=args.token, dtype=args.dtype,
                         tokenizer=args.tokenizer, image_processor=args.image_processor, combine=args.combine,
                         weights=args.weights, batch_size=args.batch_size,
                         allow_label_mismatch=args.allow_label_mismatch, model_kwargs=model_kwargs)

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 import transformers
 from conftest import CASES
 from hub_server import TOKEN, hub  # noqa: F401  (the fixture)
@@ -155,6 +156,14 @@ def test_private_members_with_a_token_then_offline(hub, saved, capsys):
     asked = len(hub.requests)
     assert run_json(capsys, "text-classification", "--model", *ids, "--input", TEXTS[0], "--offline") == expected
     assert len(hub.requests) == asked  # the cache alone
+
+
+def test_members_in_another_dtype(saved, capsys):
+    got = run_json(capsys, "feature-extraction", "--model", *saved["feature-extraction"], "--input", TEXTS[0],
+                   "--dtype", "bfloat16")
+    pipe = pipeline("feature-extraction", model=saved["feature-extraction"], dtype=torch.bfloat16)
+    assert next(pipe.model.parameters()).dtype == torch.bfloat16
+    assert got == [{"input": TEXTS[0], **json.loads(json.dumps(pipe(TEXTS[0])))}]
 
 
 def test_members_without_tokenizer_files_read_with_the_tokenizer_named(saved, capsys, tmp_path):
