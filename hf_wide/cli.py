@@ -88,6 +88,15 @@ def _make_demo_members(args: argparse.Namespace) -> int:
     return 0
 
 
+def add_adapter_options(parser: argparse.ArgumentParser) -> None:
+    """``--base-model``, ``--base-revision`` and ``--merge``: where adapters among the members are loaded."""
+    parser.add_argument("--base-model", metavar="ID",
+                        help="adapters: the base to load them on (default: the one they name)")
+    parser.add_argument("--base-revision", metavar="REV", help="adapters: the base's revision")
+    parser.add_argument("--merge", action="store_true",
+                        help="adapters: merge each into its own copy of the base (N full weight sets)")
+
+
 def _count(text: str) -> int:
     """argparse's type of a count (tokens, labels, a batch): a whole number of at least 1."""
     try:

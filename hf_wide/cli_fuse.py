@@ -8,7 +8,7 @@ import shutil
 import sys
 from pathlib import Path
 
-from .cli import TOKEN_HELP
+from .cli import TOKEN_HELP, add_adapter_options
 from .placement import DTYPES
 
 
@@ -29,11 +29,7 @@ def register_cli(sub) -> None:
     fuse.add_argument("--subfolder", nargs="+", metavar="DIR",
                       help="where in its repo each member is (a training run's checkpoint-N, say): one for all, or "
                            "one per member")
-    fuse.add_argument("--base-model", metavar="ID", help="adapters: the base to load them on (default: the one they "
-                                                          "name)")
-    fuse.add_argument("--base-revision", metavar="REV", help="adapters: the base's revision")
-    fuse.add_argument("--merge", action="store_true",
-                      help="adapters: merge each into its own copy of the base (N full weight sets)")
+    add_adapter_options(fuse)
     fuse.add_argument("--dtype", choices=[*DTYPES, "auto"], default=None,
                       help="load the members in this dtype (default: transformers' default)")
     fuse.add_argument("--offline", action="store_true", help="use the local cache only")

@@ -9,7 +9,7 @@ import sys
 import time
 from pathlib import Path
 
-from .cli import BAD_FILES, LABEL_MISMATCH_HELP, SUBFOLDER_HELP, TOKEN_HELP, _count
+from .cli import BAD_FILES, LABEL_MISMATCH_HELP, SUBFOLDER_HELP, TOKEN_HELP, _count, add_adapter_options
 from .pipelines import TASKS, pipeline
 from .placement import DTYPES
 from .pipelines.token_classification import AggregationStrategy
@@ -46,6 +46,7 @@ def register_cli(sub) -> None:
     run.add_argument("--offline", action="store_true", help="use the local cache only")
     run.add_argument("--token", default=None, help=TOKEN_HELP)
     run.add_argument("--trust-remote-code", action="store_true")
+    add_adapter_options(run)
     run.add_argument("--allow-label-mismatch", action="store_true", help=LABEL_MISMATCH_HELP)
     run.set_defaults(func=_run)
 
@@ -60,6 +61,7 @@ def _run(args: argparse.Namespace) -> int:
         inputs = _read_inputs(args.task, args.input)
         subfolder = args.subfolder[0] if args.subfolder and len(args.subfolder) == 1 else args.subfolder
         model_kwargs = {"local_files_only": args.offline, "trust_remote_code": args.trust_remote_code,
+                        "base_model": args.base_model, "base_revision": args.base_revision, "merge": args.merge,
                         **({"subfolder": subfolder} if subfolder else {})}
         pipe = pipeline(args.task, model=args.model, revision=args.revision, token=args.token, dtype=args.dtype,
                         tokenizer=args.tokenizer, image_processor=args.image_processor, combine=args.combine,

@@ -10,6 +10,7 @@ import torch
 import transformers
 from conftest import CASES
 from hub_server import TOKEN, hub  # noqa: F401  (the fixture)
+from lora_members import LLAMA, save_adapter
 from PIL import Image
 from pipelines.text_members import bert_tokenizer, build_members, decoder_tokenizer, save_members, sentences
 
@@ -156,6 +157,19 @@ def test_private_members_with_a_token_then_offline(hub, saved, capsys):
     asked = len(hub.requests)
     assert run_json(capsys, "text-classification", "--model", *ids, "--input", TEXTS[0], "--offline") == expected
     assert len(hub.requests) == asked  # the cache alone
+
+
+def test_adapters_on_the_base_named(saved, capsys, tmp_path):
+    # hf-wide run took no --base-model: adapters naming a base that is not there (moved, or private) could not run
+    base = saved["text-generation"][0]
+    adapters = [save_adapter(LLAMA, base, tmp_path / f"lora-{seed}", seed, base_name="gone/base", r=4,
+                             target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM") for seed in range(2)]
+    argv = ["text-generation", "--model", *adapters, "--input", TEXTS[0], "--max-new-tokens", "3"]
+    assert cli.main(["run", *argv]) == 2
+    assert "gone/base" in capsys.readouterr().err
+    pipe = pipeline("text-generation", model=adapters, model_kwargs={"base_model": base})
+    expected = pipe(TEXTS[0], max_new_tokens=3, return_members=True)
+    assert run_json(capsys, *argv, "--base-model", base) == [{"input": TEXTS[0], **json.loads(json.dumps(expected))}]
 
 
 def test_members_in_another_dtype(saved, capsys):
