@@ -27,7 +27,8 @@ def _trace(args: argparse.Namespace) -> int:
 
     try:
         subfolder = args.subfolder[0] if args.subfolder and len(args.subfolder) == 1 else args.subfolder
-        where = {"revision": args.revision, "subfolder": subfolder, "local_files_only": args.offline}
+        where = {"revision": args.revision, "subfolder": subfolder, "local_files_only": args.offline,
+                 "token": args.token}
         if _print_saved_plan(args.models, download_members(args.models, **where)):
             return 0
         models, ids, _ = load_members(args.models, **where)
@@ -120,6 +121,7 @@ def build_parser() -> argparse.ArgumentParser:
     trace.add_argument("models", nargs="+", help="Hub repo ids or local folders (one shows the architecture's plan)")
     trace.add_argument("--revision", default=None)
     trace.add_argument("--offline", action="store_true", help="use the local cache only")
+    trace.add_argument("--token", default=None, help=TOKEN_HELP)
     trace.add_argument("--subfolder", nargs="+", metavar="DIR", default=None, help=SUBFOLDER_HELP)
     trace.set_defaults(func=_trace)
 

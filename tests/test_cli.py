@@ -8,6 +8,7 @@ import pytest
 import torch
 import transformers
 from conftest import CASES
+from hub_server import TOKEN, hub  # noqa: F401  (the fixture)
 
 from hf_wide.cli import main
 
@@ -23,6 +24,16 @@ def test_trace_prints_the_plan_of_saved_members(tmp_path, capsys):
     assert "LlamaForCausalLM x 2 members" in out
     assert "model.layers.0.self_attn" in out and "WideAttention" in out and "WideGatedMLP" in out
     assert "WideLlamaRMSNorm" in out and "WideLinear" in out and "MFLOPs" in out
+
+
+def test_trace_of_private_members_takes_a_token(hub, tmp_path, capsys):
+    for seed in range(2):
+        CASES["llama-causallm"].build(seed).save_pretrained(tmp_path / f"m{seed}")
+        hub.publish(f"alice/m{seed}", tmp_path / f"m{seed}", private=True)
+    assert main(["trace", "alice/m0", "alice/m1"]) == 2
+    assert "alice/m0" in capsys.readouterr().err
+    assert main(["trace", "alice/m0", "alice/m1", "--token", TOKEN]) == 0
+    assert "LlamaForCausalLM x 2 members" in capsys.readouterr().out
 
 
 def test_trace_of_peft_adapters(tmp_path, capsys):
