@@ -133,10 +133,10 @@ def refuse_row_subsets(args: tuple, kwargs: dict, model: nn.Module) -> None:
         raise ValueError(f"Whisper's {what} drops or re-runs some rows of a batch as they finish or fail, and a wide "
                          "model's rows are every member's: run it on each member, wide.member(i).generate(...).")
     # Whisper's generate hands back each sequence's logits, hidden states and attentions by the sequence's row among
-    # the beams' rows: over N*B sequences, member 1's read member 0's beams
+    # the beams' rows: over N*B sequences, member 1's read member 0's beams (as many returned as beams too)
     beams, returned = config.num_beams or 1, config.num_return_sequences or 1
     asked = [k for k in ("output_logits", "output_hidden_states", "output_attentions") if getattr(config, k, False)]
-    if config.return_dict_in_generate and beams > returned and asked:
+    if config.return_dict_in_generate and beams > 1 and asked:
         raise ValueError(f"Whisper's beam search ({beams} beams, {returned} returned) gives each sequence's "
                          f"{', '.join(k.removeprefix('output_') for k in asked)} by its row among the beams', which a "
                          "wide model's rows of every member would mix up: run it on each member, "

@@ -123,6 +123,8 @@ def test_whisper_takes_a_language_per_input_and_refuses_what_drops_rows():
     beams = dict(num_beams=2, max_new_tokens=3, return_dict_in_generate=True, output_scores=True)
     with pytest.raises(ValueError, match=r"Whisper's beam search \(2 beams, 1 returned\) gives each sequence's logits"):
         wide.generate(input_features=features, output_logits=True, **beams)
+    with pytest.raises(ValueError, match=r"Whisper's beam search \(2 beams, 2 returned\)"):  # (2.8 off member 1's)
+        wide.generate(input_features=features, output_logits=True, **beams, num_return_sequences=2)
     out = wide.generate(input_features=features, **beams)
     for i, member in enumerate(members):
         alone = member.generate(input_features=features, **beams)
