@@ -20,6 +20,7 @@ from torch import nn
 
 from .capture import asks_for_capture, require_recorded
 from .generation_configs import check_generation_configs
+from .generation_ends import record_row_ends, stop_recording
 from .inputs import fold_inputs
 from .parallel_calls import agree_on_inputs, gather_members, local_inputs, on_every_rank_alike
 from .unfold import unfold_generated
@@ -65,14 +66,18 @@ def _generate_here(wide, args: tuple, kwargs: dict) -> tuple:
             require_recorded(wide._unrecorded, kwargs, wide.config)
     wide.fold.recording = True  # the pre-hook records the rows of every forward generate() makes
     outer, WIDE_GENERATE.active = getattr(WIDE_GENERATE, "active", False), True
+    ends = record_row_ends(wide.model)
     try:
         out = wide.model.generate(*args, **kwargs)
         rows = wide.fold.rows  # of its last forward: N*B, times the beams
     finally:
         wide.fold.reset()
         WIDE_GENERATE.active = outer
+        stop_recording(ends)
+    sequences = out if isinstance(out, torch.Tensor) else out.sequences
+    if (_effective_config(kwargs, wide.model).num_beams or 1) == 1:  # (beams: rows reordered, and padded by beams)
+        ends.pad_members(sequences, n, pad_token(kwargs, wide.model))  # done early, where nothing padded them
     if isinstance(out, torch.Tensor) or wide.members_group is not None:
-        sequences = out if isinstance(out, torch.Tensor) else out.sequences
         out = sequences.view(n, -1, sequences.shape[-1])  # (N, B, T')
     return out, rows, returns_dict
 

@@ -135,3 +135,39 @@ def test_whisper_takes_a_language_per_input_and_refuses_what_drops_rows():
     for i, member in enumerate(members):
         alone = member.generate(input_features=features, **greedy)
         assert all((a - b[i]).abs().max() <= 1e-5 for a, b in zip(alone.logits, out.logits, strict=True))
+
+
+class StopAfter(transformers.StoppingCriteria):
+    """Done where a row's last token is one of ``tokens`` (a user's criterion: no end-of-sequence token)."""
+
+    def __init__(self, tokens):
+        self.tokens = torch.tensor(tokens)
+
+    def __call__(self, input_ids, scores, **kwargs):
+        return torch.isin(input_ids[:, -1], self.tokens)
+
+
+@pytest.mark.parametrize("stop", ["stop_strings", "stopping_criteria"])
+def test_members_done_early_without_an_end_of_sequence_token_are_padded_past_their_end(stop, tmp_path):
+    # transformers pads a row that is done only where an eos token is a criterion: a member whose rows were all done
+    # went on with the others, holding tokens past its own end that it never generates alone
+    from pipelines.text_members import decoder_tokenizer, sentences
+
+    members = [CASES["llama-causallm"].build(seed) for seed in range(3)]
+    wide = WideModel.from_models(members)
+    tokenizer = decoder_tokenizer(tmp_path)
+    texts = [sentences(1, seed=s, min_words=w, max_words=w)[0] for s, w in ((11, 6), (12, 2), (13, 4))]
+    inputs = dict(tokenizer(texts, return_tensors="pt", padding=True))
+    inputs.pop("token_type_ids", None)
+    options = dict(max_new_tokens=8, pad_token_id=0, eos_token_id=None, do_sample=False)
+    if stop == "stop_strings":
+        options.update(stop_strings=["a", "b", "good", "hated", "movie", "not"], tokenizer=tokenizer)
+    else:
+        options.update(stopping_criteria=transformers.StoppingCriteriaList([StopAfter([2, 42, 62, 74, 75])]))
+    out = wide.generate(**inputs, **options)
+    lengths = set()
+    for i, member in enumerate(members):
+        alone = member.generate(**inputs, **options)
+        lengths.add(alone.shape[-1])
+        assert torch.equal(out[i, :, :alone.shape[-1]], alone) and (out[i, :, alone.shape[-1]:] == 0).all()
+    assert len(lengths) > 1  # some members end sooner than others
