@@ -48,6 +48,14 @@ SAMPLING = frozenset({"temperature", "top_k", "top_p", "min_p", "typical_p", "ep
 OVERRIDES = {"max_length": "max_new_tokens", "min_length": "min_new_tokens"}
 
 
+class GenerationConfigsDiffer(ValueError):
+    """The members' generation configs differ in ``settings`` (names), which a ``generate`` call does not give."""
+
+    def __init__(self, message: str, settings: list[str]):
+        super().__init__(message)
+        self.settings = settings
+
+
 def check_generation_configs(configs, kwargs: dict) -> None:
     """Refuse a ``generate`` whose members' own generation configs differ in a setting that neither ``kwargs`` nor
     a ``generation_config`` it passes gives: it would run member 0's for every member (transformers fills what a
@@ -62,6 +70,10 @@ def check_generation_configs(configs, kwargs: dict) -> None:
     defaults = configs[0]._get_default_generation_params()  # what transformers puts where a config says None
     settings = [{key: _one_token(key, defaults.get(key) if value is None else value)
                  for key, value in c.to_dict().items()} for c in configs]
+    for theirs in settings:  # [1, 5] ends where [5, 1] does: the order names the pad token only where none is set
+        eos = theirs.get("eos_token_id")
+        if isinstance(eos, (list, tuple)) and (theirs.get("pad_token_id") is not None or "pad_token_id" in given):
+            theirs["eos_token_id"] = sorted(eos)
     moot = _moot(settings, kwargs, passed)
     differ = {}  # setting -> (the first member whose value differs from member 0's, its value)
     for i, theirs in enumerate(settings[1:], start=1):
@@ -74,11 +86,11 @@ def check_generation_configs(configs, kwargs: dict) -> None:
                            for key, (i, value) in differ.items())
         first = min(i for i, _ in differ.values())
         give = ", ".join(f"{key}=..." for key in differ)
-        raise ValueError(
+        raise GenerationConfigsDiffer(
             f"The members' generation configs differ ({listed}), and one generate runs member 0's for every member: "
             f"member {first} would not continue as it does alone. Give the settings to generate (generate(..., "
             f"{give}), or set in the generation_config= it is given) to run every member with them; or run "
-            "wide.member(i).generate(...) for a member's own.")
+            "wide.member(i).generate(...) for a member's own.", list(differ))
 
 
 def with_settings_of(configs: list | None, run, loaded) -> list | None:

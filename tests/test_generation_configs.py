@@ -75,6 +75,25 @@ def test_settings_that_generate_reads_alike_or_not_at_all_do_not_differ():
         wide.generate(**inputs, temperature=0.5)  # (Whisper samples as temperature= says, whatever do_sample is)
 
 
+def test_the_same_end_tokens_in_another_order_agree_where_a_pad_token_is_set():
+    # [1, 5] and [5, 1] end alike; the order names the pad token (its first) only where none is set. Refused.
+    case = CASES["llama-causallm"]
+    members = [case.build(seed) for seed in range(2)]
+    for member, eos in zip(members, ([1, 5], [5, 1])):
+        member.generation_config.update(eos_token_id=eos, pad_token_id=0, max_new_tokens=5)
+    wide = WideModel.from_models(members)
+    inputs = case.inputs(2, padded=True)
+    out = wide.generate(**inputs)
+    for i, member in enumerate(members):
+        alone = member.generate(**inputs)
+        assert torch.equal(out[i, :, :alone.shape[-1]], alone) and (out[i, :, alone.shape[-1]:] == 0).all()
+    for member in members:
+        member.generation_config.pad_token_id = None
+    with pytest.raises(ValueError, match=r"\(eos_token_id: member 0 \[1, 5\], member 1 \[5, 1\]"):
+        WideModel.from_models(members).generate(**inputs)
+    assert len(WideModel.from_models(members).generate(**inputs, pad_token_id=0)) == 2
+
+
 def test_what_is_set_on_the_wide_generation_config_is_every_members(tmp_path):
     # transformers' idiom, model.generation_config.max_new_tokens = ...: generate ran with it, but member(i) and the
     # saved repo did not have it (loaded back, it generated 20 tokens), and assigning a config raised

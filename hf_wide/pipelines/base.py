@@ -125,9 +125,7 @@ class WidePipeline:
         features = self.preprocess_many(items, **pre)
         results: list[Any] = [None] * len(items)
         size = self.batch_size if batch_size is None else whole_number("batch_size", batch_size)
-        # Similar lengths together: less padding, and few distinct shapes for a compiled model.
-        order = sorted(range(len(items)), key=lambda i: -_length(features[i]))
-        chunks = [order[i : i + size] for i in range(0, len(order), size)]
+        chunks = batches(self, features, size)
         for chunk in tqdm(chunks, desc=self.task, unit="batch", disable=len(items) < PROGRESS_MIN_ITEMS):
             outputs = self.forward_batch([features[i] for i in chunk], fwd)
             for j, i in enumerate(chunk):
@@ -163,6 +161,11 @@ class WidePipeline:
         alone (:func:`hf_wide.pipelines.packing.enable_first_tokens` checks it on the model): no, unless a task
         says so."""
         return False
+
+    def batch_key(self, features: dict[str, torch.Tensor]):
+        """What the inputs of one batch must share for each to get the answer it gets alone (beyond the call's
+        options: :meth:`batch_invariant`): nothing, unless a task says otherwise."""
+        return None
 
     def batch_invariant(self, fwd: dict) -> bool:
         """Whether an input's answer with these ``_forward`` options is the same in a batch with others as alone
@@ -264,6 +267,18 @@ def class_refusal(name: str, task: str, heads: tuple[str, str] | None) -> str | 
 
 def _class_names(mapping: dict) -> set[str]:
     return {name for value in mapping.values() for name in ((value,) if isinstance(value, str) else value)}
+
+
+def batches(pipe: WidePipeline, features: list[dict[str, torch.Tensor]], size: int) -> list[list[int]]:
+    """Indices of ``features`` in batches of at most ``size``: similar lengths together (less padding, and few
+    distinct shapes for a compiled model), and inputs of one :meth:`WidePipeline.batch_key` only."""
+    order = sorted(range(len(features)), key=lambda i: -_length(features[i]))
+    keys = [pipe.batch_key(f) for f in features]
+    chunks = []
+    for key in dict.fromkeys(keys[i] for i in order):
+        same = [i for i in order if keys[i] == key]
+        chunks += [same[k : k + size] for k in range(0, len(same), size)]
+    return chunks
 
 
 def _length(features: dict[str, torch.Tensor]) -> int:

@@ -9,6 +9,11 @@ import copy
 import torch
 
 DEFAULT_NEW_TOKENS = 20
+# Generation settings whose logits processors read a row's tokens from its start, left padding included, or count
+# them: (name, the values that build no processor)
+PADDING_READERS = (("repetition_penalty", (None, 1.0)), ("encoder_repetition_penalty", (None, 1.0)),
+                   ("no_repeat_ngram_size", (None, 0)), ("encoder_no_repeat_ngram_size", (None, 0)),
+                   ("min_length", (None, 0)), ("forced_bos_token_id", (None,)))
 
 
 class GenerationSettings:
@@ -50,6 +55,20 @@ class GenerationSettings:
         if not any(built):
             return None
         return built if len(built) == self.model.num_members else built * self.model.num_members
+
+    def batch_key(self, features: dict[str, torch.Tensor]) -> tuple[int | None, int | None]:
+        """(prompt length, new tokens) where the members' settings make a prompt's continuation depend on them: rows
+        of other lengths or budgets then run in batches of their own, as each would alone. transformers' processors
+        read the whole left-padded batch: a repetition penalty or n-gram ban reads the padding too (a pad token that
+        is also the end token made less likely, and a row went on past where it ends alone), ``min_length`` and
+        ``forced_bos_token_id`` count the padding as prompt, and ``forced_eos_token_id`` ends every row at the
+        longest budget's end (a row of a shorter one lost its end token)."""
+        configs = [c for c in self.model.member_generation_configs or
+                   [getattr(self.model.model, "generation_config", None)] if c is not None]
+        padding = any(getattr(c, name, None) not in absent for c in configs for name, absent in PADDING_READERS)
+        budget = any(getattr(c, "forced_eos_token_id", None) is not None for c in configs)
+        return (features["input_ids"].shape[-1] if padding else None,
+                int(features["new_tokens"].reshape(-1)[0]) if budget else None)
 
     def _default_new_tokens(self, prompt_length: int) -> int:
         """New tokens for a prompt of ``prompt_length`` tokens, as transformers' generate counts them from the members'

@@ -7,7 +7,7 @@ pipeline would answer it alone while running them together:
 - each request's options are checked on its own, and the inputs of requests whose preprocess options agree
   are preprocessed in one call (one tokenizer call); where that call refuses one, each request's again on its
   own (a bad one gets its error back, and the others run);
-- requests whose ``_forward`` options agree share forwards (sorted by length, ``batch_size`` at a time), unless
+- requests whose ``_forward`` options agree share forwards (sorted by length, ``batch_size`` at a time, of one batch key), unless
   the pipeline says an answer with them depends on its batch (sampling: those requests run alone);
   ``postprocess`` runs with each request's own options;
 - a forward that raises is run again one request at a time, so that only the request that fails does.
@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from .base import WidePipeline, _item, _length
+from .base import WidePipeline, _item, batches
 
 
 def run_requests(pipe: WidePipeline, requests: Sequence[tuple[list, dict]]) -> list[list | Exception]:
@@ -41,10 +41,9 @@ def run_requests(pipe: WidePipeline, requests: Sequence[tuple[list, dict]]) -> l
             groups.setdefault(key, (fwd, []))[1].append((r, post, features))
     for fwd, members in groups.values():
         rows = [(r, j, f) for r, _, features in members for j, f in enumerate(features)]
-        rows.sort(key=lambda row: -_length(row[2]))  # similar lengths together: less padding
         posts = {r: post for r, post, _ in members}
-        for start in range(0, len(rows), pipe.batch_size):
-            chunk = rows[start:start + pipe.batch_size]
+        for indices in batches(pipe, [f for _, _, f in rows], pipe.batch_size):
+            chunk = [rows[k] for k in indices]
             try:
                 _run(pipe, chunk, fwd, posts, answers)
             except Exception:  # the model failed on this batch: each request again alone, to fail only its own

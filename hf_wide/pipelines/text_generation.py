@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from .. import metrics
+from ..generation_configs import GenerationConfigsDiffer
 from ..verify_cache import cache_name as cache_name_of
 from .base import WidePipeline, _max_length
 from .combine import Combine, combine, member_probabilities, ranking
@@ -125,7 +126,11 @@ class TextGenerationPipeline(GenerationSettings, WidePipeline):
         if self.combine == Combine.NONE or return_members:
             tokens = self._member_continuations(batch, max_new_tokens, seed, generator, **sampling)  # (N, B, S)
             past = torch.arange(tokens.shape[-1], device=tokens.device) >= budgets[:, None].to(tokens.device)  # (B, S)
-            out["per_member_tokens"] = tokens.masked_fill(past, self._pad_id())  # each row ends at its own budget
+            ended = torch.isin(tokens, torch.tensor(self._eos_ids(eos_token_id), device=tokens.device))  # (N, B, S)
+            out["per_member_tokens"] = tokens
+            # each row ends at its own budget, and at its first end token (a padding that is no special token of the
+            # tokenizer read as text: a member done before another went on with it)
+            out["per_member_valid"] = ~past & (ended.long().cumsum(-1) - ended.long() == 0)
         if self.combine != Combine.NONE:
             if do_sample and generator is None:
                 generator = torch.Generator(self.device)
@@ -152,8 +157,8 @@ class TextGenerationPipeline(GenerationSettings, WidePipeline):
             result["generated_text"] = text(outputs["tokens"])
             result["uncertainty"] = {k: float(outputs[k][valid].mean()) for k in MEASURES}
         if "per_member_tokens" in outputs:
-            result["members"] = [{"member": i, "generated_text": text(t)}
-                                 for i, t in enumerate(outputs["per_member_tokens"])]
+            result["members"] = [{"member": i, "generated_text": text(t[valid])} for i, (t, valid) in
+                                 enumerate(zip(outputs["per_member_tokens"], outputs["per_member_valid"]))]
         return result
 
     def batch_invariant(self, fwd: dict) -> bool:
@@ -227,7 +232,18 @@ class TextGenerationPipeline(GenerationSettings, WidePipeline):
         several threads neither draw each other's numbers nor leave the process reseeded."""
         options = {"do_sample": do_sample} if eos_token_id is None else {"do_sample": do_sample,
                                                                           "eos_token_id": eos_token_id}
-        if not do_sample:
+        try:
+            return self._generate(batch, max_new_tokens, seed, generator, options, temperature, top_k, top_p)
+        except GenerationConfigsDiffer as exc:  # generate's way out (its options) is no option of the pipeline's
+            raise ValueError(
+                f"{exc.args[0].split(', and one generate')[0]}: each member's own continuation (combine='none', "
+                "return_members=True) runs one generate, which runs one generation config for every member. Make "
+                "the settings every member's (a GenerationConfig assigned to pipe.model.generation_config is), or "
+                "take the ensemble's continuation alone, which reads each member's own settings.") from None
+
+    def _generate(self, batch, max_new_tokens: int, seed: int | None, generator: torch.Generator | None,
+                  options: dict, temperature: float | None, top_k: int | None, top_p: float | None) -> torch.Tensor:
+        if not options["do_sample"]:
             sequences = self.model.generate(**batch, max_new_tokens=max_new_tokens, pad_token_id=self._pad_id(),
                                             **options)
             return sequences[:, :, batch["input_ids"].shape[-1]:]

@@ -301,6 +301,10 @@ def test_each_members_generation_config_shapes_its_distribution(tmp_path):
         weights = [1.0 if j == i else 0.0 for j in range(2)]
         one_hot = pipeline("text-generation", model=wide, tokenizer=tokenizer, combine="weighted", weights=weights)
         assert one_hot(PROMPTS[0])["generated_text"] == expected
+    pipe = pipeline("text-generation", model=wide, tokenizer=tokenizer, combine="none")
+    with pytest.raises(ValueError, match=r"differ \(repetition_penalty: member 0 3\.0, member 1 1\.5\): each member's "
+                                         r"own continuation.*assigned to pipe\.model\.generation_config"):
+        pipe(PROMPTS[0])  # (generate's advice, to give it the settings, named no option the pipeline takes)
     members[1].generation_config.repetition_penalty = 3.0  # one generate runs one config: the members' must agree
     wide = WideModel.from_models(members)
     result = pipeline("text-generation", model=wide, tokenizer=tokenizer, combine="none")(PROMPTS[0])
@@ -361,6 +365,36 @@ def test_the_members_max_length_bounds_each_prompt_as_transformers_does(tmp_path
         pipe(long_prompt)
     with pytest.raises(ValueError, match="max_length"):
         transformers.pipeline("text-generation", model=members[0], tokenizer=tokenizer)(long_prompt, do_sample=False)
+
+
+# Member 1 (greedy, no end token) continues PROMPTS[1] (2 tokens) with 75 75 75 65 ..., and the third prompt (5 tokens)
+# with 42 42 ...: ends the settings below make it meet early alone, and not in the batch (or the other way round)
+@pytest.mark.parametrize("settings", [
+    dict(max_length=14, forced_eos_token_id=1),  # each prompt's end token at its own budget's last step
+    dict(max_new_tokens=8, min_length=7, eos_token_id=65),  # min_length counts a prompt's own tokens, not its padding
+    dict(max_new_tokens=6, repetition_penalty=1.5, eos_token_id=42, pad_token_id=42),  # the padding, the end token,
+], ids=["forced-eos", "min-length", "penalty"])                                        # penalised in the batch
+def test_prompts_of_other_lengths_in_one_batch_continue_as_each_alone(tmp_path, settings):
+    # transformers' processors read the left-padded batch whole: a prompt with a shorter budget lost its end token
+    # (forced at the longest's end), min_length counted the padding as prompt, a repetition penalty penalised the
+    # padding, here the end token: each prompt continued otherwise in the batch than alone (both paths)
+    tokenizer = decoder_tokenizer(tmp_path)
+    members = build_members("llama-causallm", 2)
+    for member in members:
+        member.generation_config.update(**settings)
+        member.config.pad_token_id = settings.get("pad_token_id", member.config.pad_token_id)  # what a batch pads with
+    wide = WideModel.from_models(members)
+    prompts = [PROMPTS[0], PROMPTS[1], PROMPTS[0].rsplit(" ", 2)[0]]
+    expected = [[transformers.pipeline("text-generation", model=m, tokenizer=tokenizer)(
+        p, do_sample=False, return_full_text=False)[0]["generated_text"] for p in prompts] for m in members]
+    for combine in ("none", "weighted"):
+        options = {"weights": [0, 1]} if combine == "weighted" else {}
+        pipe = pipeline("text-generation", model=wide, tokenizer=tokenizer, combine=combine, **options)
+        results = pipe(prompts, return_full_text=False, batch_size=3)
+        if combine == "none":
+            assert [[r["members"][i]["generated_text"] for r in results] for i in range(2)] == expected
+        else:
+            assert [r["generated_text"] for r in results] == expected[1]
 
 
 def test_members_that_ask_for_beam_search_are_refused_by_ensemble_decoding(tmp_path):
