@@ -103,7 +103,9 @@ class WideModel(WideHubMixin, TrainingMixin, GenerationConfigs, nn.Module):
         # expand (beams, several sequences per input): this pre-hook records the rows of each call, in the thread
         # that is generating only.
         encoder = model.get_encoder() if hasattr(model, "get_encoder") else None
-        for module in {id(m): m for m in (model, encoder) if isinstance(m, nn.Module)}.values():
+        # (a PeftModel's generate calls its transformers model's: a seq2seq adapter's beams went unrecorded)
+        inner = model.get_base_model() if hasattr(model, "get_base_model") else None
+        for module in {id(m): m for m in (model, inner, encoder) if isinstance(m, nn.Module)}.values():
             module.register_forward_pre_hook(fold, with_kwargs=True)
         install_choice_rows(self._called, fold)  # (B, C, T): B*C rows inside
 

@@ -164,3 +164,35 @@ def test_adapters_over_a_grown_vocabulary(tied, tmp_path):
         for folder, reference in zip(WideModel.from_pretrained(adapters).save_members(tmp_path / "m"), references):
             back = peft.PeftModel.from_pretrained(grown(), str(folder)).eval()  # PEFT's own adapter again
             assert torch.equal(back(**inputs).logits, reference(**inputs).logits)
+
+
+@pytest.mark.parametrize("arch", ["t5", "bart"])
+def test_seq2seq_adapters_beam_search_gives_each_members_own_beam_indices(arch):
+    # PEFT's seq2seq generate calls its transformers model's: the rows of the beams' forwards went unrecorded, and
+    # member i's beam_indices were off by i*B (member 1's [[2, 3, 2, ...]] where alone [[0, 1, 0, ...]])
+    from families import randomise_
+    from lora_members import adapted
+
+    if arch == "t5":
+        base = tf.T5ForConditionalGeneration(tf.T5Config(
+            vocab_size=100, d_model=32, d_kv=8, d_ff=64, num_layers=1, num_heads=4, relative_attention_num_buckets=8,
+            pad_token_id=0, eos_token_id=1, decoder_start_token_id=0))
+        targets = ["q", "v"]
+    else:
+        base = tf.BartForConditionalGeneration(tf.BartConfig(
+            vocab_size=100, d_model=32, encoder_layers=1, decoder_layers=1, encoder_attention_heads=4,
+            decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=64,
+            pad_token_id=1, bos_token_id=0, eos_token_id=2, decoder_start_token_id=2, forced_eos_token_id=None))
+        targets = ["q_proj", "v_proj"]
+    randomise_(base, 0)
+    members = [adapted(base.eval(), seed, r=4, lora_alpha=8, target_modules=targets, task_type="SEQ_2_SEQ_LM")
+               for seed in range(3)]
+    wide = WideModel.from_models(members)
+    ids = torch.randint(3, 100, (2, 6), generator=torch.Generator().manual_seed(1))
+    options = dict(max_new_tokens=5, num_beams=2, return_dict_in_generate=True, output_scores=True)
+    out = wide.generate(input_ids=ids, **options)
+    for i, member in enumerate(members):
+        alone = member.generate(input_ids=ids, **options)
+        assert torch.equal(out.sequences[i], alone.sequences)
+        assert torch.equal(out.beam_indices[i], alone.beam_indices)
+        assert all((a - b[i]).abs().max() <= 1e-5 for a, b in zip(alone.scores, out.scores, strict=True))
