@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 from pathlib import Path
 
@@ -33,8 +34,8 @@ def _trace(args: argparse.Namespace) -> int:
             return 0
         models, ids, _ = load_members(args.models, **where)
         check_compatible(models, ids, allow_label_mismatch=True)  # the plan is one for all: labels aside
-    except (ValueError, TypeError, OSError, *BAD_FILES) as exc:  # a member not found or cut short, other architectures
-        print(f"hf-wide trace: error: {exc}", file=sys.stderr)
+    except (ValueError, TypeError, OSError, NotImplementedError, *BAD_FILES) as exc:  # a member not found or cut
+        print(f"hf-wide trace: error: {as_flags(exc)}", file=sys.stderr)  # short, other architectures, adapters
         return 2
     plan = plan_members(models, share_identical=len(models) > 1)
     print(plan)
@@ -87,6 +88,19 @@ def _make_demo_members(args: argparse.Namespace) -> int:
         print(f"hf-wide make-demo-members: error: {exc}", file=sys.stderr)
         return 2
     return 0
+
+
+# The options of from_pretrained an error may name, as the command line spells them
+FLAGS = {"merge=True": "--merge", "allow_pickle=True": "--allow-pickle", "base_model=": "--base-model ",
+         "base_revision=": "--base-revision ", "token=": "--token ", "dtype=": "--dtype "}
+
+
+def as_flags(error: BaseException | str) -> str:
+    """An error's message with the options of ``from_pretrained`` it names spelt as the command's flags."""
+    message = str(error)
+    for option, flag in FLAGS.items():
+        message = re.sub(rf"(?<![\w.]){re.escape(option)}", flag, message)
+    return message
 
 
 def add_adapter_options(parser: argparse.ArgumentParser) -> None:

@@ -8,7 +8,7 @@ import shutil
 import sys
 from pathlib import Path
 
-from .cli import TOKEN_HELP, add_adapter_options
+from .cli import TOKEN_HELP, add_adapter_options, as_flags
 from .placement import DTYPES
 
 
@@ -86,8 +86,8 @@ def _fuse(args: argparse.Namespace) -> int:
             except Exception as exc:  # the HTTP library's own (no answer from the Hub, a timeout): no OSError
                 return error(f"could not push to {args.push_to_hub}: {type(exc).__name__}: {exc}")
             print(f"Pushed the fused repo to {commit.pr_url or commit.commit_url}")
-    except (ValueError, TypeError, OSError, WideValidationError, *BAD_FILES) as exc:  # hub errors are OSErrors
-        return error(exc)
+    except (ValueError, TypeError, OSError, NotImplementedError, WideValidationError, *BAD_FILES) as exc:
+        return error(as_flags(exc))  # (the Hub's errors are OSErrors; an adapter PEFT holds that hf-wide does not run)
     return 0
 
 

@@ -9,7 +9,7 @@ import sys
 import time
 from pathlib import Path
 
-from .cli import BAD_FILES, LABEL_MISMATCH_HELP, SUBFOLDER_HELP, TOKEN_HELP, _count, add_adapter_options
+from .cli import BAD_FILES, LABEL_MISMATCH_HELP, SUBFOLDER_HELP, TOKEN_HELP, _count, add_adapter_options, as_flags
 from .pipelines import TASKS, pipeline
 from .placement import DTYPES
 from .pipelines.token_classification import AggregationStrategy
@@ -70,8 +70,8 @@ def _run(args: argparse.Namespace) -> int:
         start = time.perf_counter()
         results = pipe(inputs, **options)
         seconds = time.perf_counter() - start
-    except (ValueError, TypeError, OSError, *BAD_FILES) as exc:
-        print(f"hf-wide run: error: {exc}", file=sys.stderr)
+    except (ValueError, TypeError, OSError, NotImplementedError, *BAD_FILES) as exc:
+        print(f"hf-wide run: error: {as_flags(exc)}", file=sys.stderr)
         return 2
     if args.json:
         for item, result in zip(inputs, results):

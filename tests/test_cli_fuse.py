@@ -4,6 +4,7 @@ and loaded back equal to the members; what it refuses, in one line."""
 import json
 from pathlib import Path
 
+import peft
 import pytest
 from conftest import CASES
 from hub_server import TOKEN, hub  # noqa: F401  (the fixture)
@@ -110,6 +111,20 @@ def test_what_it_refuses_is_one_line(saved, tmp_path, capsys, argv, said):
 @pytest.mark.parametrize("given, size", [("5GB", 5 * 10 ** 9), ("500mb", 5 * 10 ** 8), ("1.5KB", 1500), ("2048", 2048)])
 def test_shard_sizes_as_huggingface_hub_reads_them_or_bytes(given, size):
     assert build_parser().parse_args(["fuse", "a", "--output", "o", "--max-shard-size", given]).max_shard_size == size
+
+
+def test_an_adapter_hf_wide_does_not_run_is_one_line_naming_the_flag(tmp_path, capsys):
+    # a NotImplementedError went out as a traceback, and said "Pass merge=True" where the flag is --merge
+    LLAMA.build(0).save_pretrained(tmp_path / "base")
+    ia3 = peft.get_peft_model(LLAMA.model_class.from_pretrained(tmp_path / "base"), peft.IA3Config(
+        target_modules=["k_proj", "down_proj"], feedforward_modules=["down_proj"], task_type="CAUSAL_LM"))
+    ia3.save_pretrained(tmp_path / "ia3")
+    lora = save_adapter(LLAMA, tmp_path / "base", tmp_path / "lora", 1, r=4, target_modules=["q_proj"],
+                        task_type="CAUSAL_LM")
+    assert main(["fuse", str(tmp_path / "ia3"), lora, "--output", str(tmp_path / "wide")]) == 2
+    err = capsys.readouterr().err  # (after the saves' progress bars)
+    assert "\nhf-wide fuse: error: member 0" in err and "is a IA3 adapter" in err
+    assert "Pass --merge to merge each adapter" in err and "merge=True" not in err and "Traceback" not in err
 
 
 def test_a_failed_save_leaves_no_folder_it_created(saved, tmp_path, capsys, monkeypatch):
