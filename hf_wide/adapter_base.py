@@ -7,6 +7,8 @@ values (:func:`adapter_shapes`).
 
 from __future__ import annotations
 
+import os
+
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -39,11 +41,20 @@ def base_of(configs: Sequence[dict | None], names: Sequence[str], base_model: st
         raise ValueError(f"{missing} names no base model (base_model_name_or_path); pass base_model=.")
     first_name, first = named[0]
     for name, base in named[1:]:
-        if base != first:
+        if base != first and not _same_folder(base, first):
             raise IncompatibleMembersError(
                 f"{name} is an adapter of {base!r}, but {first_name} is an adapter of {first!r}: all adapters must "
                 "share one base (pass base_model= to load them over another).")
     return first
+
+
+def _same_folder(a: str, b: str) -> bool:
+    """Whether two bases named are one local folder by other names (``base/``, a link, a relative path): PEFT
+    loads the adapters over either."""
+    try:
+        return os.path.isdir(a) and os.path.samefile(a, b)
+    except OSError:
+        return False
 
 
 def base_revision_of(configs: Sequence[dict | None], names: Sequence[str], base_model: str | None,

@@ -36,6 +36,24 @@ def test_adapters_of_different_bases_are_refused(llama_adapters, tmp_path):
         WideModel.from_pretrained([adapters[0], str(other)])
 
 
+@pytest.mark.parametrize("spelling", ["trailing slash", "link", "relative"])
+def test_adapters_naming_one_base_folder_by_other_names_share_it(llama_adapters, tmp_path, monkeypatch, spelling):
+    # '<dir>' and '<dir>/' (or a link to it, or a relative path) were refused as adapters of different bases
+    base, adapters = llama_adapters
+    other = tmp_path / "other"
+    other.mkdir()
+    monkeypatch.chdir(base.parent)
+    if spelling == "link":
+        (tmp_path / "link").symlink_to(base)
+    name = {"trailing slash": f"{base}/", "link": str(tmp_path / "link"), "relative": base.name}[spelling]
+    config = json.loads((base.parent / "a1" / "adapter_config.json").read_text())
+    (other / "adapter_config.json").write_text(json.dumps({**config, "base_model_name_or_path": name}))
+    (other / "adapter_model.safetensors").write_bytes((base.parent / "a1" / "adapter_model.safetensors").read_bytes())
+    wide = WideModel.from_pretrained([adapters[0], str(other)])
+    references = [alone(LLAMA, base, adapters[0]), alone(LLAMA, base, adapters[1])]  # (other: a1's weights)
+    assert max_member_error(wide, references, LLAMA.inputs(2, padded=True)) <= TOLERANCE
+
+
 def test_a_base_that_cannot_be_found(llama_adapters):
     _, adapters = llama_adapters
     with pytest.raises(MemberLoadError, match="base model 'nobody/nothing'") as refused:
