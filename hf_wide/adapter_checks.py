@@ -47,7 +47,13 @@ def mergeable(config: dict) -> bool:
     except ImportError:  # (a PEFT that keeps it elsewhere: the merge is tried, and its error named by merged())
         return True
     tuner = PEFT_TYPE_TO_TUNER_MAPPING.get(config.get("peft_type"))
-    return tuner is not None and hasattr(tuner, "merge_and_unload")
+    return (tuner is not None and hasattr(tuner, "merge_and_unload")
+            and config.get("peft_type") not in PER_INPUT)
+
+
+# Adapters that mix their updates per input (a router reading task_ids, or the hidden states): no one merge of them
+# is the adapter, though their tuners have PEFT's merge_and_unload
+PER_INPUT = frozenset({"POLY", "XLORA"})
 
 
 def merged(member: nn.Module, name: str) -> nn.Module:
@@ -61,9 +67,9 @@ def merged(member: nn.Module, name: str) -> nn.Module:
 
     member.eval()
     sample = sample_kwargs(member, sample_inputs(member))  # (no cache: a DynamicCache is no pytree to compare)
-    with torch.no_grad():
-        unmerged = member(**sample)
     try:
+        with torch.no_grad():
+            unmerged = member(**sample)
         model = member.merge_and_unload().eval()
     except Exception as exc:
         raise IncompatibleMembersError(f"{name} cannot be merged into its base: {first_line(exc, 300)}") from exc

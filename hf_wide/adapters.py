@@ -41,7 +41,8 @@ from torch import nn
 from .adapter_aligned import as_adapter
 from .adapter_base import (adapter_keys, base_class, base_of, base_revision_of, embedding_tables, grown_tables,
                            head_labels, held_by_every_adapter)
-from .adapter_checks import check_adapter_weights, check_layer_replication, lora_refusal, mergeable, merged
+from .adapter_checks import (PER_INPUT, check_adapter_weights, check_layer_replication, lora_refusal, mergeable,
+                             merged)
 from .adapter_layers import adapter_structure, dora_paths, pad_saved_modules, pad_targets, stack_adapters
 from .adapter_repos import AdapterSources
 from .adapter_trace import alike_structure, module_structure, trace_ahead
@@ -170,8 +171,9 @@ def load_adapter_base(ids, folders, configs, *, base_model=None, base_revision=N
         check_adapter_weights(Path(folder), name, allow_pickle)
         why = lora_refusal(config)
         if why is not None and not mergeable(config):  # (prompt tuning: merge_and_unload raised an AttributeError)
-            raise NotImplementedError(f"{name} {why}, and PEFT cannot merge it into its base (merge=True): run it "
-                                      "with PEFT alone.")
+            cannot = ("it mixes its updates per input, which no merge into its base is" if config.get("peft_type")
+                      in PER_INPUT else "PEFT cannot merge it into its base")
+            raise NotImplementedError(f"{name} {why}, and {cannot} (merge=True): run it with PEFT alone.")
         if why is not None and not merge:
             raise NotImplementedError(f"{name} {why}. Pass merge=True to merge each adapter into its own copy of the "
                                       "base (checked against the adapter unmerged; N full weight sets).")

@@ -83,6 +83,19 @@ def test_unsupported_adapters_are_refused_and_merge_is_the_way_out(llama_adapter
     assert max_member_error(wide, references, LLAMA.inputs(2, padded=True)) <= 1e-4  # merged weights round
 
 
+def test_an_adapter_that_mixes_its_updates_per_input_is_offered_no_merge(llama_adapters, tmp_path):
+    # Poly (a router over task_ids) was offered merge=True, which then failed with PEFT's bare "task_ids should not be
+    # None" (naming no member); no one merge of it is the adapter
+    base, adapters = llama_adapters
+    poly = peft.get_peft_model(LLAMA.model_class.from_pretrained(base), peft.PolyConfig(
+        r=4, target_modules=["q_proj", "v_proj"], n_tasks=2, task_type="CAUSAL_LM"))
+    poly.save_pretrained(tmp_path / "poly")
+    for merge in (False, True):
+        with pytest.raises(NotImplementedError, match=r"member 1 .*poly.* POLY adapter.*mixes its updates per input, "
+                                                      r"which no merge into its base is"):
+            WideModel.from_pretrained([adapters[0], str(tmp_path / "poly")], merge=merge)
+
+
 @pytest.mark.parametrize("init", ["pissa", "olora"])
 def test_an_init_that_changes_the_base_is_refused_and_merge_is_the_way_out(llama_adapters, init, tmp_path):
     """PEFT's PiSSA and OLoRA make the base layer's weight the base's less the adapter's first update, again each time
