@@ -229,11 +229,20 @@ def _require_saved_or_adapted(models: Sequence[nn.Module], adapted: set[str], sa
     """Refuse members of which one saves a module whole (``modules_to_save``) where another has a LoRA on it or
     inside it (an adapter trained without a task type, PEFT's ``all-linear`` then adapting the head the others save):
     no member can be given the other's structure as an exact no-op."""
+    paths = [(saved_paths(m), lora_paths(m)) if hasattr(m, "peft_config") else (set(), set()) for m in models]
+    nested = next(((s, t) for s in sorted(saved) for t in sorted(saved) if t.startswith(f"{s}.")), None)
+    if nested is not None:  # (wrapped inside the other's wrapper, or the other's looked for inside it: crashed)
+        outer, inner = nested
+        i = next(i for i, (s, _) in enumerate(paths) if outer in s)
+        j = next(j for j, (s, _) in enumerate(paths) if inner in s)
+        raise IncompatibleMembersError(
+            f"member {i} saves {outer.removeprefix('base_model.model.')} whole (modules_to_save), and member {j} "
+            f"saves {inner.removeprefix('base_model.model.')} inside it whole: hf-wide lines up the modules adapters "
+            f"save whole where they are the same modules. {MERGE_INSTEAD}")
     both = next(((s, a) for s in sorted(saved) for a in sorted(adapted) if a == s or a.startswith(f"{s}.")), None)
     if both is None:
         return
     path, lora = both
-    paths = [(saved_paths(m), lora_paths(m)) if hasattr(m, "peft_config") else (set(), set()) for m in models]
     i = next(i for i, (s, _) in enumerate(paths) if path in s)
     j = next(j for j, (_, a) in enumerate(paths) if lora in a)
     raise IncompatibleMembersError(

@@ -157,6 +157,22 @@ def test_adapters_that_save_different_modules(tmp_path):
                                alone(BERT, tmp_path / "base", adapter)(**inputs).logits)
 
 
+def test_adapters_that_save_one_module_inside_another_are_refused_and_merge_is_the_way_out(tmp_path):
+    # one saves a Llama MLP whole, the other its down_proj: a wrapper was put inside the other's wrapper, and the load
+    # failed on "member 1 has no tensor ...original_module.weight", naming neither the option nor the way out
+    LLAMA.build(0).save_pretrained(tmp_path / "base")
+    adapters = [save_adapter(LLAMA, tmp_path / "base", tmp_path / f"a{seed}", seed, r=4, target_modules=["q_proj"],
+                             modules_to_save=[saved], task_type="CAUSAL_LM")
+                for seed, saved in enumerate(["mlp", "down_proj"])]
+    for order in (adapters, adapters[::-1]):
+        with pytest.raises(IncompatibleMembersError, match=r"saves model\.layers\.0\.mlp whole \(modules_to_save\), and "
+                                                           r"member \d saves model\.layers\.0\.mlp\.down_proj inside it"):
+            WideModel.from_pretrained(order)
+    wide = WideModel.from_pretrained(adapters, merge=True)
+    references = [alone(LLAMA, tmp_path / "base", a) for a in adapters]
+    assert max_member_error(wide, references, LLAMA.inputs(2, padded=True)) <= 1e-4  # merged weights round
+
+
 def test_an_adapter_that_ties_its_saved_tables_beside_one_that_saves_the_head_alone(tmp_path):
     """Member 0 saves its embeddings tied to its head (``ensure_weight_tying``), member 1 its head alone: the wide
     model's ties were member 0's, so ``member(1)`` (and ``save_members``, and a saved ensemble loaded back) copied
