@@ -65,6 +65,11 @@ def _generate_here(wide, args: tuple, kwargs: dict) -> tuple:
         if returns_dict:
             require_recorded(wide._unrecorded, kwargs, wide.config)
     wide.fold.recording = True  # the pre-hook records the rows of every forward generate() makes
+    # (and before the first, the N*B inputs': a multimodal model's image features, which transformers' generate
+    # computes with get_image_features, no forward: a broadcast inside, SigLIP's positions, made N rows, not N*B)
+    first = next((v for v in (*args, *kwargs.values()) if isinstance(v, torch.Tensor) and v.dim() > 0), None)
+    if first is not None and batch:
+        wide.fold.anchor = first.new_empty(n * batch, 0)
     outer, WIDE_GENERATE.active = getattr(WIDE_GENERATE, "active", False), True
     ends = record_row_ends(wide.model)
     try:

@@ -591,3 +591,28 @@ def test_a_module_that_caches_what_it_derives_from_its_tensors_gives_each_member
         assert_tuples_are_each_members(wide, models, inputs)
     wide.compile(backend=CompileCounter())
     assert worst(wide, models, {"pixel_values": torch.randn(2, 3, 32, 32)}) <= 1e-5
+
+
+def test_a_vision_language_model_generates_each_members_continuation_of_a_batch():
+    # transformers' generate computes the image features itself (get_image_features, before any forward): SigLIP's
+    # positions, a broadcast, were expanded to N rows beside N*B images, and a batch of two raised a shape error
+    models = members(lambda: tf.PaliGemmaForConditionalGeneration(tf.PaliGemmaConfig(
+        vision_config=dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=4, intermediate_size=64,
+                           image_size=16, patch_size=8, projection_dim=32),
+        text_config=dict(model_type="gemma", vocab_size=V, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=1, head_dim=8, intermediate_size=64, pad_token_id=0, bos_token_id=1,
+                         eos_token_id=2), image_token_id=3, projection_dim=32)))
+
+    def inputs(batch: int) -> dict:  # the 4 image tokens (16 / 8 patches squared), then the prompt
+        ids = torch.cat([torch.full((batch, 4), 3), torch.randint(5, V, (batch, 5))], 1)
+        kinds = torch.cat([torch.zeros(batch, 7, dtype=torch.long), torch.ones(batch, 2, dtype=torch.long)], 1)
+        return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "token_type_ids": kinds,
+                "pixel_values": torch.randn(batch, 3, 16, 16)}
+
+    torch.manual_seed(5)
+    wide = fuse(models, inputs(2))
+    for batch in (1, 2):
+        given = inputs(batch)
+        got = wide.generate(**given, max_new_tokens=3, do_sample=False)
+        for i, model in enumerate(models):
+            assert torch.equal(got[i], model.generate(**given, max_new_tokens=3, do_sample=False))
