@@ -106,8 +106,14 @@ def pad_token(kwargs: dict, model: nn.Module) -> int:
 
 
 def _effective_config(kwargs: dict, model: nn.Module):
-    """The generation config ``generate`` will run with: the one passed (or the model's) with ``kwargs`` on it."""
-    config = copy.deepcopy(kwargs.get("generation_config") or getattr(model, "generation_config", None))
+    """The generation config ``generate`` will run with: the one passed, what it leaves unset filled from the model's
+    (as transformers fills it), or the model's; with ``kwargs`` on it."""
+    own, passed = getattr(model, "generation_config", None), kwargs.get("generation_config")
+    config = copy.deepcopy(passed if passed is not None else own)
+    if passed is not None and own is not None:
+        for key, value in vars(own).items():
+            if value is not None and getattr(config, key, None) is None:
+                setattr(config, key, copy.deepcopy(value))
     if config is not None:
         config.update(**{k: v for k, v in kwargs.items() if k != "generation_config"})
     return config

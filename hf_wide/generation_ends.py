@@ -23,10 +23,11 @@ _CALL = threading.local()  # .ends: the RowEnds of the wide generate this thread
 class RowEnds:
     """One generate's rows: the sequence length at which each was first done (-1: not yet)."""
 
-    def __init__(self, outer: RowEnds | None = None):
+    def __init__(self, model: nn.Module, outer: RowEnds | None = None):
+        self.model = model  # the model whose generate it records (not a member(i) copy's, run inside a criterion)
         self.at: torch.Tensor | None = None  # (rows,) long
         self.padded = True  # whether transformers pads the rows that are done itself (an end-of-sequence criterion)
-        self.outer = outer  # an outer generate's, this thread's (a generate inside a criterion, say)
+        self.outer = outer  # an outer generate's, this thread's
 
     def record(self, done: torch.Tensor, length: int) -> None:
         if self.at is None or self.at.shape != done.shape:
@@ -69,7 +70,8 @@ class RecordRowEnds:
     def __call__(self, *args, **kwargs) -> StoppingCriteriaList:
         criteria = self.get(*args, **kwargs)
         ends = getattr(_CALL, "ends", None)
-        return criteria if ends is None else _Recording(criteria, ends)
+        mine = ends is not None and ends.model is getattr(self.get, "__self__", None)
+        return _Recording(criteria, ends) if mine else criteria
 
 
 def record_row_ends(model: nn.Module) -> RowEnds:
@@ -78,7 +80,7 @@ def record_row_ends(model: nn.Module) -> RowEnds:
     generator = next((m for m in model.modules() if hasattr(type(m), "_get_stopping_criteria")), None)
     if generator is not None and not isinstance(generator.__dict__.get("_get_stopping_criteria"), RecordRowEnds):
         generator._get_stopping_criteria = RecordRowEnds(generator._get_stopping_criteria)
-    _CALL.ends = RowEnds(getattr(_CALL, "ends", None))
+    _CALL.ends = RowEnds(generator, getattr(_CALL, "ends", None))
     return _CALL.ends
 
 

@@ -171,3 +171,34 @@ def test_members_done_early_without_an_end_of_sequence_token_are_padded_past_the
         lengths.add(alone.shape[-1])
         assert torch.equal(out[i, :, :alone.shape[-1]], alone) and (out[i, :, alone.shape[-1]:] == 0).all()
     assert len(lengths) > 1  # some members end sooner than others
+
+
+def test_members_done_early_are_padded_with_the_pad_a_passed_config_runs_with_even_inside_a_members_generate():
+    # A generation_config= passed without a pad runs the model's (transformers fills it): the members were padded with
+    # 0, not their 7. A criterion that itself runs wide.member(0).generate (a copy, which keeps the recorder) reset the
+    # outer generate's record, and member 0 ran on with real tokens.
+    case = CASES["llama-causallm"]
+    members = [case.build(seed) for seed in range(3)]
+    inputs = {k: v for k, v in case.inputs(2, padded=True).items() if k in ("input_ids", "attention_mask")}
+    start = inputs["input_ids"].shape[-1]
+    greedy = members[0].generate(**inputs, max_new_tokens=8, do_sample=False, pad_token_id=0, eos_token_id=None)
+    stops = sorted({int(greedy[0, start + 1]), int(greedy[1, start + 2])})  # member 0's rows end at 2 and 3 tokens
+    for member in members:
+        member.generation_config.update(pad_token_id=7, eos_token_id=None)
+    wide = WideModel.from_models(members)
+
+    class Nested(StopAfter):
+        def __call__(self, input_ids, scores, **kwargs):
+            helper.generate(**inputs, max_new_tokens=1, do_sample=False)  # a judge consulted at each step, say
+            return super().__call__(input_ids, scores, **kwargs)
+
+    wide.generate(**inputs, max_new_tokens=1)  # (the recorder installed, and copied by member(i) from now on)
+    helper = wide.member(0)
+    for criterion in (StopAfter(stops), Nested(stops)):
+        options = dict(generation_config=transformers.GenerationConfig(max_new_tokens=8, do_sample=False),
+                       stopping_criteria=transformers.StoppingCriteriaList([criterion]))
+        out = wide.generate(**inputs, **options)
+        for i, member in enumerate(members):
+            alone = member.generate(**inputs, **options)
+            assert torch.equal(out[i, :, :alone.shape[-1]], alone) and (out[i, :, alone.shape[-1]:] == 7).all()
+        assert out.shape[-1] > start + 3  # member 0 ended before the others

@@ -87,6 +87,8 @@ def test_the_same_end_tokens_in_another_order_agree_where_a_pad_token_is_set():
     for i, member in enumerate(members):
         alone = member.generate(**inputs)
         assert torch.equal(out[i, :, :alone.shape[-1]], alone) and (out[i, :, alone.shape[-1]:] == 0).all()
+    with pytest.raises(ValueError, match=r"\(eos_token_id: member 0 \[1, 5\], member 1 \[5, 1\]"):
+        wide.generate(**inputs, pad_token_id=None)  # (unset by the call: each member pads with its first)
     for member in members:
         member.generation_config.pad_token_id = None
     with pytest.raises(ValueError, match=r"\(eos_token_id: member 0 \[1, 5\], member 1 \[5, 1\]"):

@@ -162,10 +162,10 @@ class WidePipeline:
         says so."""
         return False
 
-    def batch_key(self, features: dict[str, torch.Tensor]):
-        """What the inputs of one batch must share for each to get the answer it gets alone (beyond the call's
-        options: :meth:`batch_invariant`): nothing, unless a task says otherwise."""
-        return None
+    def batch_keys(self, features: list[dict[str, torch.Tensor]]) -> list:
+        """For each input, what the inputs of one batch must share for each to get the answer it gets alone (beyond
+        the call's options: :meth:`batch_invariant`): nothing, unless a task says otherwise."""
+        return [None] * len(features)
 
     def batch_invariant(self, fwd: dict) -> bool:
         """Whether an input's answer with these ``_forward`` options is the same in a batch with others as alone
@@ -271,9 +271,9 @@ def _class_names(mapping: dict) -> set[str]:
 
 def batches(pipe: WidePipeline, features: list[dict[str, torch.Tensor]], size: int) -> list[list[int]]:
     """Indices of ``features`` in batches of at most ``size``: similar lengths together (less padding, and few
-    distinct shapes for a compiled model), and inputs of one :meth:`WidePipeline.batch_key` only."""
+    distinct shapes for a compiled model), and inputs of one :meth:`WidePipeline.batch_keys` only."""
     order = sorted(range(len(features)), key=lambda i: -_length(features[i]))
-    keys = [pipe.batch_key(f) for f in features]
+    keys = pipe.batch_keys(features)
     chunks = []
     for key in dict.fromkeys(keys[i] for i in order):
         same = [i for i in order if keys[i] == key]

@@ -56,8 +56,8 @@ class GenerationSettings:
             return None
         return built if len(built) == self.model.num_members else built * self.model.num_members
 
-    def batch_key(self, features: dict[str, torch.Tensor]) -> tuple[int | None, int | None]:
-        """(prompt length, new tokens) where the members' settings make a prompt's continuation depend on them: rows
+    def batch_keys(self, features: list[dict[str, torch.Tensor]]) -> list[tuple[int | None, int | None]]:
+        """Each prompt's (length, new tokens) where the members' settings make its continuation depend on them: rows
         of other lengths or budgets then run in batches of their own, as each would alone. transformers' processors
         read the whole left-padded batch: a repetition penalty or n-gram ban reads the padding too (a pad token that
         is also the end token made less likely, and a row went on past where it ends alone), ``min_length`` and
@@ -67,8 +67,8 @@ class GenerationSettings:
                    [getattr(self.model.model, "generation_config", None)] if c is not None]
         padding = any(getattr(c, name, None) not in absent for c in configs for name, absent in PADDING_READERS)
         budget = any(getattr(c, "forced_eos_token_id", None) is not None for c in configs)
-        return (features["input_ids"].shape[-1] if padding else None,
-                int(features["new_tokens"].reshape(-1)[0]) if budget else None)
+        return [(f["input_ids"].shape[-1] if padding else None, int(f["new_tokens"].reshape(-1)[0]) if budget else None)
+                for f in features]
 
     def _default_new_tokens(self, prompt_length: int) -> int:
         """New tokens for a prompt of ``prompt_length`` tokens, as transformers' generate counts them from the members'
@@ -101,6 +101,14 @@ class GenerationSettings:
                              "continuation for all of them. Pass eos_token_id= to the pipeline to end it at the "
                              "same tokens for every member.")
         return self._configured_eos()
+
+    def _generate_eos(self, given: int | list[int] | None = None) -> list[int]:
+        """The tokens the members' own ``generate`` ends at: ``given`` to the call, else their generation configs'
+        (alike: generate refuses members whose differ), and none where they have none (it runs to its budget,
+        whatever end token the model's config or the tokenizer name)."""
+        eos = given if given is not None else getattr(getattr(self.model.model, "generation_config", None),
+                                                      "eos_token_id", None)
+        return _as_list(eos.tolist() if isinstance(eos, torch.Tensor) else eos) or []
 
     def _configured_eos(self) -> list[int]:
         for source in (getattr(self.model.model, "generation_config", None), self.model.config, self.tokenizer):

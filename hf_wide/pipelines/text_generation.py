@@ -126,7 +126,8 @@ class TextGenerationPipeline(GenerationSettings, WidePipeline):
         if self.combine == Combine.NONE or return_members:
             tokens = self._member_continuations(batch, max_new_tokens, seed, generator, **sampling)  # (N, B, S)
             past = torch.arange(tokens.shape[-1], device=tokens.device) >= budgets[:, None].to(tokens.device)  # (B, S)
-            ended = torch.isin(tokens, torch.tensor(self._eos_ids(eos_token_id), device=tokens.device))  # (N, B, S)
+            ends = torch.tensor(self._generate_eos(eos_token_id), dtype=tokens.dtype, device=tokens.device)
+            ended = torch.isin(tokens, ends)  # (N, B, S)
             out["per_member_tokens"] = tokens
             # each row ends at its own budget, and at its first end token (a padding that is no special token of the
             # tokenizer read as text: a member done before another went on with it)

@@ -397,6 +397,24 @@ def test_prompts_of_other_lengths_in_one_batch_continue_as_each_alone(tmp_path, 
             assert [r["generated_text"] for r in results] == expected[1]
 
 
+def test_each_members_continuation_ends_where_its_generate_does(tmp_path):
+    # cut at an end token generate never stopped at (the model config's, where the generation configs have none):
+    # 'movie' where transformers' pipeline gives eight tokens
+    tokenizer = decoder_tokenizer(tmp_path)
+    members = build_members("llama-causallm", 2)
+    encoded = tokenizer(PROMPTS[0], return_tensors="pt")
+    greedy = members[0].generate(**encoded, max_new_tokens=8, do_sample=False, pad_token_id=0, eos_token_id=None)
+    for member in members:
+        member.generation_config.update(eos_token_id=None, max_new_tokens=8)
+        member.config.eos_token_id = int(greedy[0, encoded["input_ids"].shape[-1] + 2])  # the model config names one
+    wide = WideModel.from_models(members)
+    expected = [transformers.pipeline("text-generation", model=m, tokenizer=tokenizer)(
+        PROMPTS[0], do_sample=False, return_full_text=False)[0]["generated_text"] for m in members]
+    got = pipeline("text-generation", model=wide, tokenizer=tokenizer, combine="none")(PROMPTS[0],
+                                                                                      return_full_text=False)
+    assert [m["generated_text"] for m in got["members"]] == expected and len(expected[0].split()) > 3  # past it
+
+
 def test_members_that_ask_for_beam_search_are_refused_by_ensemble_decoding(tmp_path):
     tokenizer = decoder_tokenizer(tmp_path)
     members = build_members("llama-causallm", 2)
