@@ -230,25 +230,31 @@ def _require_saved_or_adapted(models: Sequence[nn.Module], adapted: set[str], sa
     inside it (an adapter trained without a task type, PEFT's ``all-linear`` then adapting the head the others save):
     no member can be given the other's structure as an exact no-op."""
     paths = [(saved_paths(m), lora_paths(m)) if hasattr(m, "peft_config") else (set(), set()) for m in models]
-    nested = next(((s, t) for s in sorted(saved) for t in sorted(saved) if t.startswith(f"{s}.")), None)
-    if nested is not None:  # (wrapped inside the other's wrapper, or the other's looked for inside it: crashed)
-        outer, inner = nested
-        i = next(i for i, (s, _) in enumerate(paths) if outer in s)
-        j = next(j for j, (s, _) in enumerate(paths) if inner in s)
+
+    def holder(path: str, k: int) -> str:  # the first member that holds ``path`` saved whole (k=0) or adapted (1)
+        return f"member {next(i for i, held in enumerate(paths) if path in held[k])}"
+
+    def inside(outer: str, paths_in: set[str]) -> tuple[str, str] | None:
+        return next(((outer, p) for p in sorted(paths_in) if p == outer or p.startswith(f"{outer}.")), None)
+
+    # (a module saved inside another's: wrapped inside its wrapper, or looked for inside it, and the load crashed)
+    nested = next(filter(None, (inside(s, saved - {s}) for s in sorted(saved))), None)
+    both = next(filter(None, (inside(s, adapted) for s in sorted(saved))), None)
+    if nested is not None:
         raise IncompatibleMembersError(
-            f"member {i} saves {outer.removeprefix('base_model.model.')} whole (modules_to_save), and member {j} "
-            f"saves {inner.removeprefix('base_model.model.')} inside it whole: hf-wide lines up the modules adapters "
-            f"save whole where they are the same modules. {MERGE_INSTEAD}")
-    both = next(((s, a) for s in sorted(saved) for a in sorted(adapted) if a == s or a.startswith(f"{s}.")), None)
-    if both is None:
-        return
-    path, lora = both
-    i = next(i for i, (s, _) in enumerate(paths) if path in s)
-    j = next(j for j, (_, a) in enumerate(paths) if lora in a)
-    raise IncompatibleMembersError(
-        f"member {i} saves {path.removeprefix('base_model.model.')} whole (modules_to_save), but member {j} has a LoRA "
-        f"on {lora.removeprefix('base_model.model.')}: hf-wide fuses a module that the adapters save whole or adapt, "
-        f"not both. {MERGE_INSTEAD}")
+            f"{holder(nested[0], 0)} saves {_short(nested[0])} whole (modules_to_save), and {holder(nested[1], 0)} "
+            f"saves {_short(nested[1])} inside it whole: hf-wide lines up the modules adapters save whole where they "
+            f"are the same modules. {MERGE_INSTEAD}")
+    if both is not None:
+        raise IncompatibleMembersError(
+            f"{holder(both[0], 0)} saves {_short(both[0])} whole (modules_to_save), but {holder(both[1], 1)} has a "
+            f"LoRA on {_short(both[1])}: hf-wide fuses a module that the adapters save whole or adapt, not both. "
+            f"{MERGE_INSTEAD}")
+
+
+def _short(path: str) -> str:
+    """A module's path in the PEFT model as its base model names it."""
+    return path.removeprefix("base_model.model.")
 
 
 def _tokens(counts: dict[str, int]) -> str:

@@ -11,6 +11,14 @@ from conftest import CASES
 from hf_wide import WideModel
 
 
+def assert_each_members_own(wide, members, inputs) -> None:
+    """The wide model's generate gives each member its own continuation, padded (with 0) past its end."""
+    out = wide.generate(**inputs)
+    for i, member in enumerate(members):
+        alone = member.generate(**inputs)
+        assert torch.equal(out[i, :, :alone.shape[-1]], alone) and (out[i, :, alone.shape[-1]:] == 0).all()
+
+
 def test_members_whose_generation_configs_differ_are_refused_unless_the_call_gives_the_settings():
     """Members saved with generation settings of their own: one generate ran member 0's for every member, and member
     1's continuation was not its own (shorter, without its repetition penalty), silently."""
@@ -62,10 +70,7 @@ def test_settings_that_generate_reads_alike_or_not_at_all_do_not_differ():
         member.generation_config.update(pad_token_id=0, do_sample=False, max_new_tokens=4, **own)
     wide = WideModel.from_models(members)
     inputs = case.inputs(2, padded=True)
-    out = wide.generate(**inputs)
-    for i, member in enumerate(members):
-        alone = member.generate(**inputs)
-        assert torch.equal(out[i, :, :alone.shape[-1]], alone) and (out[i, :, alone.shape[-1]:] == 0).all()
+    assert_each_members_own(wide, members, inputs)
     with pytest.raises(ValueError, match=r"temperature: member 0 0\.7, member 1 1\.3; top_k: member 0 10, member 1 20; "
                                          r"top_p: member 0 0\.9, member 1 0\.5\)"):
         wide.generate(**inputs, do_sample=True)  # sampling reads them
@@ -83,10 +88,7 @@ def test_the_same_end_tokens_in_another_order_agree_where_a_pad_token_is_set():
         member.generation_config.update(eos_token_id=eos, pad_token_id=0, max_new_tokens=5)
     wide = WideModel.from_models(members)
     inputs = case.inputs(2, padded=True)
-    out = wide.generate(**inputs)
-    for i, member in enumerate(members):
-        alone = member.generate(**inputs)
-        assert torch.equal(out[i, :, :alone.shape[-1]], alone) and (out[i, :, alone.shape[-1]:] == 0).all()
+    assert_each_members_own(wide, members, inputs)
     with pytest.raises(ValueError, match=r"\(eos_token_id: member 0 \[1, 5\], member 1 \[5, 1\]"):
         wide.generate(**inputs, pad_token_id=None)  # (unset by the call: each member pads with its first)
     for member in members:
