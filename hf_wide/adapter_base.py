@@ -8,7 +8,6 @@ values (:func:`adapter_shapes`).
 from __future__ import annotations
 
 import os
-
 from collections.abc import Sequence
 from pathlib import Path
 

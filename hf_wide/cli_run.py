@@ -11,8 +11,8 @@ from pathlib import Path
 
 from .cli import BAD_FILES, LABEL_MISMATCH_HELP, SUBFOLDER_HELP, TOKEN_HELP, _count, add_adapter_options, as_flags
 from .pipelines import TASKS, pipeline
-from .placement import DTYPES
 from .pipelines.token_classification import AggregationStrategy
+from .placement import DTYPES
 
 
 def register_cli(sub) -> None:

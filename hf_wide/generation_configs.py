@@ -72,8 +72,10 @@ def check_generation_configs(configs, kwargs: dict) -> None:
                  for key, value in c.to_dict().items()} for c in configs]
     for theirs in settings:  # [1, 5] ends where [5, 1] does: the order names the pad token only where none is set
         eos = theirs.get("eos_token_id")
-        pad = kwargs["pad_token_id"] if "pad_token_id" in kwargs else (  # (a None given unsets it)
-            passed.pad_token_id if passed is not None and passed.pad_token_id is not None else theirs.get("pad_token_id"))
+        pad = theirs.get("pad_token_id")
+        if passed is not None and passed.pad_token_id is not None:
+            pad = passed.pad_token_id
+        pad = kwargs.get("pad_token_id", pad)  # (a None given unsets it)
         if isinstance(eos, (list, tuple)) and pad is not None:
             theirs["eos_token_id"] = sorted(eos)
     moot = _moot(settings, kwargs, passed)

@@ -165,8 +165,9 @@ def test_adapters_that_save_one_module_inside_another_are_refused_and_merge_is_t
                              modules_to_save=[saved], task_type="CAUSAL_LM")
                 for seed, saved in enumerate(["mlp", "down_proj"])]
     for order in (adapters, adapters[::-1]):
-        with pytest.raises(IncompatibleMembersError, match=r"saves model\.layers\.0\.mlp whole \(modules_to_save\), and "
-                                                           r"member \d saves model\.layers\.0\.mlp\.down_proj inside it"):
+        with pytest.raises(IncompatibleMembersError, match=r"saves model\.layers\.0\.mlp whole \(modules_to_save\), "
+                                                           r"and member \d saves model\.layers\.0\.mlp\.down_proj "
+                                                           r"inside it"):
             WideModel.from_pretrained(order)
     wide = WideModel.from_pretrained(adapters, merge=True)
     references = [alone(LLAMA, tmp_path / "base", a) for a in adapters]

@@ -7,8 +7,9 @@ pipeline would answer it alone while running them together:
 - each request's options are checked on its own, and the inputs of requests whose preprocess options agree
   are preprocessed in one call (one tokenizer call); where that call refuses one, each request's again on its
   own (a bad one gets its error back, and the others run);
-- requests whose ``_forward`` options agree share forwards (sorted by length, ``batch_size`` at a time, of one batch key), unless
-  the pipeline says an answer with them depends on its batch (sampling: those requests run alone);
+- requests whose ``_forward`` options agree share forwards (sorted by length, ``batch_size`` at a time, of one
+  batch key), unless the pipeline says an answer with them depends on its batch (sampling: those requests run
+  alone);
   ``postprocess`` runs with each request's own options;
 - a forward that raises is run again one request at a time, so that only the request that fails does.
 """
