@@ -6,10 +6,11 @@ embeddings take ``self.position_embedding.weight`` itself and interpolate it. Pl
 child became a wide embedding, whose weight is every member's, ``(N, P, D)``: SigLIP read N as its number of
 positions and raised (verified or not: the sample never went there).
 
-So the planner also runs the template down the sample's path and such paths (:func:`probe_reads`, plain forwards
-without gradients) and records, for each parameter and buffer, the modules whose code calls a torch function on it:
-a module that reads a child's tensor is planned as one that reads it in the trace would be (its tensor's owner
-cannot be a wide primitive of its own).
+So the planner also runs the template down the sample's path, such paths, and a generating model's cache path (a
+prefill with a cache, then one decoding step: Reformer's LSH attention reads its ``query_key.weight`` itself there
+only, and a wide ``generate`` raised) (:func:`probe_reads`, plain forwards without gradients), and records, for each
+parameter and buffer, the modules whose code calls a torch function on it: a module that reads a child's tensor is
+planned as one that reads it in the trace would be (its tensor's owner cannot be a wide primitive of its own).
 """
 
 from __future__ import annotations
@@ -22,6 +23,9 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
+
+from .cache_path import cache_name, decode, token_ids_name
+from .versions import CACHE_NAMES
 
 logger = logging.getLogger(__name__)
 
@@ -96,10 +100,28 @@ def probe_reads(model: nn.Module, args: tuple, kwargs: dict) -> dict[str, set[st
                 logger.info("hf-wide: %s does not run %s (%s: %s)", type(model).__name__,
                             sorted(set(other) - set(kwargs)) or "another path", type(exc).__name__, exc)
             running.clear()
+        try:
+            with torch.no_grad(), _Reads(names, running, found, held):
+                _decode(model, args, kwargs)
+        except Exception as exc:  # the model does not decode with a cache on the sample: nothing learned
+            logger.info("hf-wide: %s does not decode with a cache (%s: %s)", type(model).__name__,
+                        type(exc).__name__, exc)
+        running.clear()
     finally:
         for handle in handles:
             handle.remove()
     return dict(found)
+
+
+def _decode(model: nn.Module, args: tuple, kwargs: dict) -> None:
+    """A prefill of the sample with a cache, then one decoding step with the cache it returned (models that keep
+    none, and samples without token ids, run neither)."""
+    name = cache_name(model)
+    kwargs = {k: v for k, v in kwargs.items() if k not in ("use_cache", *CACHE_NAMES)}
+    ids = token_ids_name(kwargs)
+    if name is None or ids is None or args:
+        return
+    decode(model, kwargs, ids, name)
 
 
 def _containers(model: nn.Module) -> dict[int, dict[str, str]]:

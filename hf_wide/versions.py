@@ -15,7 +15,8 @@ import transformers
 from packaging.version import Version
 
 TRANSFORMERS_BELOW = (5, 25)  # the first release hf-wide does not follow yet
-CACHE_NAMES = ("cache", "past_key_values", "cache_params")  # 5.24 on; before it (Mamba: cache_params)
+CACHE_NAMES = ("cache", "past_key_values", "cache_params",  # 5.24 on; before it (Mamba: cache_params)
+               "past_buckets_states")  # Reformer's, in every release
 
 
 def require_supported_transformers(version: str | None = None) -> None:

@@ -76,3 +76,52 @@ def test_a_modules_read_of_its_childs_shape_is_a_read():
     x = torch.randn(3, 8, 4)
     with torch.no_grad():
         assert max((wide(x)[i] - m(x)).abs().max().item() for i, m in enumerate(models)) <= TOLERANCE
+
+
+def reformer():
+    config = transformers.ReformerConfig(
+        vocab_size=100, hidden_size=32, num_attention_heads=2, attention_head_size=8, feed_forward_size=32,
+        attn_layers=["local", "lsh"], axial_pos_embds_dim=[16, 16], axial_pos_shape=[4, 4], max_position_embeddings=16,
+        local_attn_chunk_length=4, lsh_attn_chunk_length=4, num_buckets=2, num_hashes=1, hash_seed=7, is_decoder=True,
+        hidden_dropout_prob=0.0, local_attention_probs_dropout_prob=0.0, pad_token_id=0, eos_token_id=2)
+    return transformers.ReformerModelWithLMHead(config)
+
+
+def test_a_read_on_the_cache_path_is_a_read():
+    # Reformer's LSH attention reads its child's query_key.weight itself when it decodes with a cache, and nowhere
+    # else: planned from the sample (no cache), the child became a wide linear, and a wide generate with a cache
+    # raised inside transformers (the weight, every member's, reshaped as one's)
+    model = reformer().eval()
+    ids = torch.randint(5, 100, (2, 8))
+    reads = probe_reads(model, (), {"input_ids": ids, "attention_mask": torch.ones_like(ids), "use_cache": False})
+    lsh = "reformer.encoder.layers.1.attention.self_attention"
+    assert lsh in reads[f"{lsh}.query_key.weight"]
+    models = members(reformer)
+    wide = WideModel.from_models(models)
+    assert wide.plan.entries[lsh].kind in (Kind.VECTORISED, Kind.FALLBACK)  # one code reading its own tensors
+    assert max_member_error(wide, models, {"input_ids": ids, "use_cache": False}) <= TOLERANCE
+
+
+def test_reformer_decodes_each_members_continuation_with_its_own_rows_of_the_cache():
+    # Its LSH attention, run member by member, reads its past buckets and states from Reformer's own cache (no
+    # transformers Cache): each member is handed its rows of it (hf_wide.primitives.member_cache.ROW_LISTS)
+    models = members(reformer)
+    wide = WideModel.from_models(models)
+    ids = torch.randint(5, 100, (2, 5), generator=torch.Generator().manual_seed(0))
+    out = wide.generate(input_ids=ids, max_new_tokens=6, do_sample=False, use_cache=True)
+    for i, model in enumerate(models):
+        assert torch.equal(out[i], model.generate(input_ids=ids, max_new_tokens=6, do_sample=False, use_cache=True))
+
+
+def test_members_that_draw_random_numbers_in_eval_mode_are_not_held_to_their_cache_path():
+    # Reformer's hashing unseeded (hash_seed=None, its default) draws new random rotations at every call: a member
+    # differs from itself on the decoding step, and the check of the cache path at fusion refused these members
+    models = members(reformer)
+    for model in models:
+        model.config.hash_seed = None
+        for module in model.modules():
+            if hasattr(module, "hash_seed"):
+                module.hash_seed = None
+    wide = WideModel.from_models(models)
+    ids = torch.randint(5, 100, (2, 8))
+    assert max_member_error(wide, models, {"input_ids": ids, "use_cache": False}) <= TOLERANCE

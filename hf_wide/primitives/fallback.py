@@ -183,7 +183,7 @@ def run_per_member(fold: Fold, members: Sequence, token_rows: bool, args: tuple,
             return t[m * block : (m + 1) * block]  # (B*T, ...): member m's tokens
         return t  # broadcast (1, ...) inputs, tables, scalars and non-tensors are the same for every member
 
-    caches = {id(t): t for t in leaves if isinstance(t, Cache)}
+    caches = {id(t): t for t in leaves if member_cache.is_cache(t)}
     views = {key: member_cache.split(cache, n, batch) for key, cache in caches.items()}  # each member's rows
     outputs = []
     outer = enter_member_code()  # a loss a member computes in it is its own (hf_wide.losses)

@@ -39,6 +39,16 @@ ROW_TENSORS = ("keys", "values")  # (B, H, T, d)
 ROW_STATES = ("conv_states", "recurrent_states")  # {state index: (B, ...)}
 MEMBER_DICTS = ("is_conv_states_initialized", "is_recurrent_states_initialized", "has_previous_state",
                 "conv_kernel_size")  # per-state flags each member sets for itself
+# Caches of a model's own class, no transformers Cache: their lists of a (B, ...) tensor per layer (Reformer's LSH
+# attention reads its past buckets and states there, run member by member: member m's rows only)
+ROW_LISTS = {"ReformerDynamicCache": ("buckets_cache", "states_cache")}
+
+
+def is_cache(value) -> bool:
+    """Whether ``value`` is a cache whose rows a module run member by member must split: a transformers ``Cache``,
+    or one of :data:`ROW_LISTS`."""
+    return isinstance(value, Cache) or (type(value).__name__ in ROW_LISTS
+                                        and type(value).__module__.startswith("transformers."))
 
 
 def split(cache: Cache, num_members: int, batch: int) -> list[Cache]:
@@ -55,6 +65,8 @@ def split(cache: Cache, num_members: int, batch: int) -> list[Cache]:
             view.is_updated = dict(cache.is_updated)
             views.append(view)
         return views
+    if type(cache).__name__ in ROW_LISTS:
+        return [_row_lists(cache, m * batch, batch) for m in range(num_members)]
     _check_shareable(cache)
     views = []
     for m in range(num_members):
@@ -170,6 +182,9 @@ def merge(cache: Cache, views: list[Cache]) -> None:
         merge(cache.cross_attention_cache, [view.cross_attention_cache for view in views])
         cache.is_updated.update(views[0].is_updated)  # the same for every member: they saw the same layers
         return
+    if type(cache).__name__ in ROW_LISTS:
+        _merge_row_lists(cache, views)
+        return
     for index, parts in enumerate(zip(*(view.layers for view in views))):
         if index < len(cache.layers):
             _merge_layer(cache.layers[index], parts)
@@ -196,6 +211,30 @@ def _layer_rows(layer, start, batch):
         if hasattr(layer, name):
             setattr(view, name, dict(getattr(layer, name)))
     return view
+
+
+def _row_lists(cache, start: int, batch: int):
+    """A shallow copy of a :data:`ROW_LISTS` cache whose lists hold views of rows ``[start, start + batch)``."""
+    view = copy.copy(cache)
+    for name in ROW_LISTS[type(cache).__name__]:
+        setattr(view, name, [t.narrow(0, start, batch) if _has_rows(t) else t for t in getattr(cache, name)])
+    return view
+
+
+def _merge_row_lists(cache, views: list) -> None:
+    """Fold the members' lists back into a :data:`ROW_LISTS` cache (entries they added or replaced concatenated,
+    member-major); its other attributes (a count of tokens seen) are member 0's, the same for every member."""
+    names = ROW_LISTS[type(cache).__name__]
+    for name, value in vars(views[0]).items():
+        if name not in names:
+            setattr(cache, name, value)
+    for name in names:
+        old = getattr(cache, name)
+        for index, parts in enumerate(zip(*(getattr(view, name) for view in views))):
+            if index < len(old):
+                old[index] = _rows_of(old[index], list(parts), fresh=False)
+            else:
+                old.append(_rows_of(None, list(parts), fresh=True))
 
 
 def _has_rows(value) -> bool:

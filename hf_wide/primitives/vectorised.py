@@ -220,7 +220,7 @@ class VectorisedFallback(nn.Module):
         leaves, spec = pytree.tree_flatten((args, kwargs))
         grad = torch.is_grad_enabled()
         if (self.loop or (grad and self.__dict__.get("loop_under_autograd"))
-                or any(isinstance(t, Cache) for t in leaves)  # a cache: each member appends to its rows
+                or any(member_cache.is_cache(t) for t in leaves)  # a cache: each member appends to its rows
                 or _autocasting(leaves)
                 or (torch.compiler.is_compiling() and not self.fold.compiled_static)):  # see the class's docstring
             return self._loop(args, kwargs)
