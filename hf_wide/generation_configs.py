@@ -49,11 +49,13 @@ OVERRIDES = {"max_length": "max_new_tokens", "min_length": "min_new_tokens"}
 
 
 class GenerationConfigsDiffer(ValueError):
-    """The members' generation configs differ in ``settings`` (names), which a ``generate`` call does not give."""
+    """The members' generation configs differ in ``settings`` (names), which a ``generate`` call does not give;
+    ``differences`` says how (``"do_sample: member 0 False, member 1 True"``, one per setting, ``; `` between)."""
 
-    def __init__(self, message: str, settings: list[str]):
+    def __init__(self, message: str, settings: list[str], differences: str):
         super().__init__(message)
         self.settings = settings
+        self.differences = differences
 
 
 def check_generation_configs(configs, kwargs: dict) -> None:
@@ -94,7 +96,7 @@ def check_generation_configs(configs, kwargs: dict) -> None:
             f"The members' generation configs differ ({listed}), and one generate runs member 0's for every member: "
             f"member {first} would not continue as it does alone. Give the settings to generate (generate(..., "
             f"{give}), or set in the generation_config= it is given) to run every member with them; or run "
-            "wide.member(i).generate(...) for a member's own.", list(differ))
+            "wide.member(i).generate(...) for a member's own.", list(differ), listed)
 
 
 def with_settings_of(configs: list | None, run, loaded) -> list | None:

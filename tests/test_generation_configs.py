@@ -9,6 +9,7 @@ import transformers
 from conftest import CASES
 
 from hf_wide import WideModel
+from hf_wide.generation_configs import GenerationConfigsDiffer
 
 
 def assert_each_members_own(wide, members, inputs) -> None:
@@ -29,8 +30,13 @@ def test_members_whose_generation_configs_differ_are_refused_unless_the_call_giv
     wide = WideModel.from_models(members)
     inputs = case.inputs(2, padded=True)
     with pytest.raises(ValueError, match=r"max_new_tokens: member 0 3, member 1 5; repetition_penalty: member 0 "
-                                         r"1\.0, member 1 1\.8\).*member 1 would not continue as it does alone"):
+                                         r"1\.0, member 1 1\.8\).*member 1 would not continue as it does "
+                                         r"alone") as caught:
         wide.generate(**inputs)
+    assert isinstance(caught.value, GenerationConfigsDiffer) and caught.value.settings == ["max_new_tokens",
+                                                                                           "repetition_penalty"]
+    assert caught.value.differences == ("max_new_tokens: member 0 3, member 1 5; repetition_penalty: member 0 1.0, "
+                                        "member 1 1.8")
     given = dict(max_new_tokens=4, repetition_penalty=1.3)  # every member with these
     out = wide.generate(**inputs, **given)
     for i, member in enumerate(members):

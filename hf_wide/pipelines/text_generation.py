@@ -237,10 +237,11 @@ class TextGenerationPipeline(GenerationSettings, WidePipeline):
             return self._generate(batch, max_new_tokens, seed, generator, options, temperature, top_k, top_p)
         except GenerationConfigsDiffer as exc:  # generate's way out (its options) is no option of the pipeline's
             raise ValueError(
-                f"{exc.args[0].split(', and one generate')[0]}: each member's own continuation (combine='none', "
-                "return_members=True) runs one generate, which runs one generation config for every member. Make "
-                "the settings every member's (a GenerationConfig assigned to pipe.model.generation_config is), or "
-                "take the ensemble's continuation alone, which reads each member's own settings.") from None
+                f"The members' generation configs differ ({exc.differences}): each member's own continuation "
+                "(combine='none', return_members=True) runs one generate, which runs one generation config for every "
+                "member. Make the settings every member's (a GenerationConfig assigned to "
+                "pipe.model.generation_config is), or take the ensemble's continuation alone, which reads each "
+                "member's own settings.") from None
 
     def _generate(self, batch, max_new_tokens: int, seed: int | None, generator: torch.Generator | None,
                   options: dict, temperature: float | None, top_k: int | None, top_p: float | None) -> torch.Tensor:
