@@ -48,7 +48,8 @@ def next_step(kwargs: dict, ids: str) -> dict:
 def decode(model: nn.Module, kwargs: dict, ids: str, name: str):
     """A prefill of ``kwargs`` with a cache and one decoding step with the cache it returned: (prefill output, step
     output), or None if the model returned no cache (an encoder given ``use_cache``). The step takes its mask one
-    longer; a model that refuses it there gets none, as its generate passes none (Reformer computes its own)."""
+    longer; a model that refuses it there gets none, as its generate passes none (Reformer computes its own), after
+    a prefill again (the failed step may have extended the cache's first layers)."""
     first = model(**kwargs, use_cache=True)
     cache = getattr(first, name, None)
     if cache is None:
@@ -62,4 +63,5 @@ def decode(model: nn.Module, kwargs: dict, ids: str, name: str):
         unmasked = {k: v for k, v in step.items() if k not in ("attention_mask", "decoder_attention_mask")}
         if len(unmasked) == len(step):
             raise
-        return first, model(**unmasked, **{name: cache}, use_cache=True)
+        first = model(**kwargs, use_cache=True)
+        return first, model(**unmasked, **{name: getattr(first, name)}, use_cache=True)
