@@ -579,9 +579,7 @@ def test_a_member_taken_out_of_code_that_caches_holds_no_other_members_cache():
 def test_a_module_that_caches_what_it_derives_from_its_tensors_gives_each_member_its_own():
     # LeViT's attentions keep their bias table in a dict in eval mode. Run as one code for every member, the copy of
     # that code held member 0's table, filled when the trace ran member 0, and every member read it (member 2: 8.5e-5
-    # off, more the more their biases differ); compiled, member 0's call filled it for the others
-    from torch._dynamo.testing import CompileCounter
-
+    # off, more the more their biases differ)
     models = levit_members(_near_alike)
     wide = fuse(models)
     assert any(type(m).__name__ == "VectorisedFallback" for m in wide.modules())
@@ -589,8 +587,24 @@ def test_a_module_that_caches_what_it_derives_from_its_tensors_gives_each_member
         torch.manual_seed(seed)
         inputs = {"pixel_values": torch.randn(2, 3, 32, 32), "output_hidden_states": True}
         assert_tuples_are_each_members(wide, models, inputs)
-    wide.compile(backend=CompileCounter())
-    assert worst(wide, models, {"pixel_values": torch.randn(2, 3, 32, 32)}) <= 1e-5
+
+
+def test_compiled_code_that_caches_what_it_derives_gives_each_member_its_own():
+    # Compiled, member 0's call filled LeViT's bias table for the others: without the graph break that takes it back
+    # (code_state.restore_apart), the first stage's attention is 1.2e-4 off and its subsample 3.3e-4. Only those two
+    # are compiled: the later stages attend over one position, where a bias changes nothing. (The whole model of
+    # near-alike members, compiled, took 147 s of dynamo and stayed within 1e-5 without that break.)
+    from torch._dynamo.testing import CompileCounter
+
+    models = levit_members(_randomised)
+    wide = fuse(models)
+    first_stage = [module for name, module in wide.named_modules()
+                   if type(module).__name__ == "VectorisedFallback" and ".stages.0." in name]
+    assert len(first_stage) == 2
+    for module in first_stage:
+        module.compile(backend=CompileCounter())
+    pixels = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(0))
+    assert worst(wide, models, {"pixel_values": pixels}) <= 1e-5
 
 
 def test_a_vision_language_model_generates_each_members_continuation_of_a_batch():
