@@ -206,6 +206,7 @@ def run(num_requests: int = 2000, clients: int = 16, num_members: int = 8, hidde
                   "forward_alone": forwards, "ways": {}}
         done: dict[str, list[dict]] = {way: [] for way in ways}
         try:
+            apps = []  # deployed at once: their replicas start side by side
             for way in ways:
                 batch = 1 if way in ("wide_unbatched", "members") else max_batch_size
                 options = {"num_replicas": replicas, "ray_actor_options": {"num_cpus": num_cpus}}
@@ -216,7 +217,9 @@ def run(num_requests: int = 2000, clients: int = 16, num_members: int = 8, hidde
                     app = NoModelServer.options(**options).bind(batch, batch_wait_ms)
                 else:
                     app = MembersServer.options(**options).bind(paths, batch, batch_wait_ms)
-                serve.run(app, name=way, route_prefix=f"/{way}")
+                apps.append(serve.RunTarget(app, name=way, route_prefix=f"/{way}"))
+            serve.run_many(apps)
+            for way in ways:
                 load(port, f"/{way}", texts[:clients * 2], None, clients)  # warm-up
             share = -(-num_requests // rounds)
             cpu: dict[str, dict[str, float]] = {way: dict.fromkeys(cpu_share.GROUPS, 0.0) for way in ways}

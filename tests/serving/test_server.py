@@ -102,6 +102,7 @@ def servers(tmp_path_factory):
         try:
             url = f"http://127.0.0.1:{port}"
             found = {"text-classification": (url, pipeline("text-classification", model=ids))}
+            apps = []  # deployed at once: their replicas start side by side
             for task in ("token-classification", "feature-extraction", "image-classification", "text-generation"):
                 paths = members_of(root, task)
                 if task == "feature-extraction":  # as `serve run hf_wide.serving.app:app_builder models=...` builds
@@ -112,8 +113,9 @@ def servers(tmp_path_factory):
                                        "num_cpus": str(SMALL), "batch_wait_ms": "20"})
                 else:
                     app = build_app(paths, task, num_cpus=SMALL, batch_wait_ms=20)
-                ray_serve.run(app, name=task, route_prefix=f"/{task}")
+                apps.append(ray_serve.RunTarget(app, name=task, route_prefix=f"/{task}"))
                 found[task] = (f"{url}/{task}", pipeline(task, model=paths))
+            ray_serve.run_many(apps)
             yield found
         finally:
             ray_serve.shutdown()
