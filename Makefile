@@ -30,9 +30,10 @@ $(VENV)/.dev: pyproject.toml
 $(VENV)/.demo: pyproject.toml
 	$(call install,demo)
 
-# Bytecode is compiled as modules are first imported and kept in the venv (not beside the sources), whatever
-# PYTHONDONTWRITEBYTECODE says: the suite imports ~4,800 of the venv's ~48,000 modules, ~20 s to compile once, which a
-# Python that may not write them compiled again in every process it started (each test worker, each subprocess).
+# Bytecode is compiled as modules are first imported, and kept in the venv (not beside the sources), whatever
+# PYTHONDONTWRITEBYTECODE says: the suite imports ~7,200 of the venv's ~48,000 modules (compileall over all of them
+# took 53 s), and a Python that may not write them compiles them again in every process it starts (each test worker,
+# each subprocess: ~20 s of an import of hf_wide, peft, Ray Serve and gradio).
 RUN := PYTHONDONTWRITEBYTECODE= PYTHONPYCACHEPREFIX=$(abspath $(VENV))/pycache
 
 demo: $(VENV)/.demo
@@ -52,7 +53,7 @@ browser:
 # it starts) takes its share of the cores, OMP_NUM_THREADS (tests/conftest.py): 2 x 2 threads on 2 cores ran 25% slower.
 TEST_WORKERS ?= 2
 
-# The venv and the browser install at once (a fresh CI machine fetches Debian's chromium while pip works).
+# The venv and the browser install at once (a fresh CI machine fetches Debian's chromium while the venv is made).
 test:
 	@$(MAKE) --no-print-directory -j2 $(VENV)/.dev browser
 	$(RUN) $(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile
