@@ -14,8 +14,9 @@ TORCH ?= torch==2.13.0
 .PHONY: demo test browser cuda-check clean
 
 # torch with pip, which finds the local wheel (uv does not look there); the rest with uv, which resolves and installs
-# the dev extra in 10 s where pip took 2 minutes (a fresh venv: 2.6 minutes before, 45 s now), keeping that torch
-# (asked for again, so that nothing can swap it for a newer build). Where uv cannot be installed, pip does it all.
+# the dev extra in 10 s where pip took over a minute (a fresh venv: 156 s before, compileall's 53 s included; 42 s
+# now), keeping that torch (asked for again, so that nothing can swap it for another build). Where uv cannot be
+# installed or cannot resolve, pip does it all.
 define install
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --no-compile $(TORCH)
