@@ -3,12 +3,12 @@
     torchrun --nproc-per-node K tests/member_parallel_worker.py SCENARIO OUT_DIR [ARGS...]
 
 ``run LLAMA_DIRS BERT_DIRS FUSED_DIR MOE_DIRS XLNET_DIRS`` (comma-separated member folders, a fused repo of the
-Llama members): forward, per-member generation, ensemble decoding, the text-classification pipeline, a mixture of experts'
-router logits and balancing losses, XLNet's time-major memories and a multiple-choice head's layers (per-member
-outputs whose second dim is not the batch), parameter bytes, inputs that
-differ across ranks, saving one fused repo (``OUT_DIR/saved``) and pushing it to the test Hub, and reading a
-fused repo's slices; ``load IDS``: loading
-only, expected to fail on some rank. Each rank writes ``rank{r}.pt`` (what it computed, or the error it raised)."""
+Llama members): forward, per-member generation, ensemble decoding, the text-classification pipeline, a mixture of
+experts' router logits and balancing losses, XLNet's time-major memories and a multiple-choice head's layers
+(per-member outputs whose second dim is not the batch), parameter bytes, inputs that differ across ranks, saving one
+fused repo (``OUT_DIR/saved``) and pushing it to the test Hub, reading a fused repo's slices, and last, a load that
+must fail on every rank (a member missing on rank 1); ``load IDS``: loading only, expected to fail on some rank (as
+more ranks than members). Each rank writes ``rank{r}.pt`` (what it computed, or the error it raised)."""
 
 import sys
 from pathlib import Path
@@ -91,6 +91,8 @@ def run(llama_dirs: str, bert_dirs: str, fused_dir: str, moe_dirs: str, xlnet_di
     with torch.no_grad():  # (N, T, B*C, D) memories and (N, B*C, T, D) layers: they stayed each rank's own
         chose = WideModel.from_pretrained(xlnet_dirs.split(","), member_parallel=True)(**choices())
     result["choices"] = {key: chose[key] for key in ("logits", "mems", "hidden_states")}
+    missing = str(Path(out_dir) / "missing")
+    result["missing_member"] = load([*llama_dirs.split(",")[:2], missing])  # member 2: rank 1's second
     return result
 
 
@@ -147,9 +149,9 @@ def generation_configs(dirs: list[str], out_dir: Path) -> dict:
     return result
 
 
-def load(ids: str) -> dict:
+def load(ids: list[str]) -> dict:
     try:
-        WideModel.from_pretrained(ids.split(","), member_parallel=True)
+        WideModel.from_pretrained(ids, member_parallel=True)
         return {"error": None}
     except Exception as exc:
         return {"error": f"{type(exc).__name__}: {exc}"}
@@ -158,7 +160,7 @@ def load(ids: str) -> dict:
 def main(scenario: str, out_dir: str, *args: str) -> None:
     init(timeout=120)  # gloo here: no GPU
     try:
-        result = run(*args, out_dir) if scenario == "run" else load(*args)
+        result = run(*args, out_dir) if scenario == "run" else load(args[0].split(","))
         torch.save(result, Path(out_dir) / f"rank{dist.get_rank()}.pt")
     finally:
         dist.destroy_process_group()

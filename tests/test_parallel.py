@@ -189,11 +189,10 @@ def test_members_done_early_are_padded_as_one_process_pads_them():
     assert pad_token({"generation_config": GenerationConfig(eos_token_id=[7, 8])}, model) == 7
 
 
-def test_a_member_that_cannot_be_loaded_fails_every_rank(members, tmp_path):
-    _, llama, _, _, _ = members
-    results = torchrun(2, "load", ",".join([*llama[:2], str(tmp_path / "missing")]), out=tmp_path)
-    for result in results:
-        assert "MemberParallelError" in result["error"] and "rank 1 (member 2)" in result["error"]
+def test_a_member_that_cannot_be_loaded_fails_every_rank(ranks):
+    for rank in ranks:
+        assert "MemberParallelError" in rank["missing_member"]["error"]
+        assert "rank 1 (member 2)" in rank["missing_member"]["error"]
 
 
 def test_more_ranks_than_members_fails_every_rank(members, tmp_path):
