@@ -13,11 +13,16 @@ Lookup walks the module's MRO, so a subclass of ``nn.Linear`` finds ``WideLinear
 specific builder is registered for it, but only while the subclass keeps its ancestor's ``forward``:
 Gemma 3's ``Gemma3TextScaledWordEmbedding`` subclasses ``nn.Embedding`` and scales its output, which a
 ``WideEmbedding`` would silently leave out (it has a builder of its own).
+
+hf-wide's own builders (:mod:`hf_wide.primitives`, :mod:`hf_wide.blocks`, :mod:`hf_wide.rewrites`) register as their
+modules are imported: every lookup, and every registration from outside hf-wide, imports them first (``import
+hf_wide`` alone imports none of them), so that a user's builder for a class replaces hf-wide's own.
 """
 
 from __future__ import annotations
 
 import importlib
+import sys
 
 from torch import nn
 
@@ -27,7 +32,31 @@ _STACKED_READS: dict[type[nn.Module], dict[str, tuple[type[nn.Module], ...]]] = 
 _REWRITES: dict[type[nn.Module], tuple[type[nn.Module], tuple[str, ...]]] = {}
 
 
+_OWN_MODULES = ("hf_wide.primitives", "hf_wide.blocks", "hf_wide.rewrites")
+_own_imported = False
+
+
+def _import_own() -> None:
+    """Import hf-wide's own builders (each registers as its module is imported). The flag is set only once the
+    imports are done: a thread that comes here while another imports them waits on Python's import lock, and finds
+    every builder when it returns."""
+    global _own_imported
+    if not _own_imported:
+        for name in _OWN_MODULES:
+            importlib.import_module(name)
+        _own_imported = True
+
+
+def _before_a_users(depth: int = 2) -> None:
+    """A registration from outside hf-wide imports hf-wide's own first, so that the user's replaces them, as when
+    ``import hf_wide`` imported them all. (hf-wide's own never register one class twice.)"""
+    if not sys._getframe(depth).f_globals.get("__name__", "").startswith("hf_wide."):
+        _import_own()
+
+
 def _registrar(table: dict[type[nn.Module], type], module_classes: tuple[type[nn.Module], ...]):
+    _before_a_users(depth=3)  # the caller of register_wide or register_block
+
     def decorator(wide_cls: type) -> type:
         for module_class in module_classes:
             table[module_class] = wide_cls
@@ -66,16 +95,19 @@ def register_stacked_read(module_class: type[nn.Module], tensor: str, consumers:
     layers and to modules of the ``consumers`` classes. When every such consumer is a fused block that takes
     the tensor stacked, ``(N, ...)``, the planner stacks the tensor's module like any other instead of
     running the reader member by member."""
+    _before_a_users()
     _STACKED_READS.setdefault(module_class, {})[tensor] = consumers
 
 
 def stacked_read_consumers(module: nn.Module, tensor: str) -> tuple[type[nn.Module], ...] | None:
     """The consumer classes declared for ``module`` (exact class) reading ``tensor``, or None."""
+    _import_own()
     return _STACKED_READS.get(type(module), {}).get(tensor)
 
 
 def declares_stacked_reads(module: nn.Module) -> bool:
     """Whether ``module``'s exact class declared a stacked read (its forward hands a table to its blocks)."""
+    _import_own()
     return type(module) in _STACKED_READS
 
 
@@ -85,6 +117,7 @@ def register_rewrite(module_class: type[nn.Module], reads: tuple[str, ...]):
     table), reading the stacked tensors of the children named in ``reads`` to compute every member's result at
     once. The module stays the template's, its children planned as usual; in the wide model its class becomes
     the decorated one (:mod:`hf_wide.rewrites`)."""
+    _before_a_users()
 
     def decorator(rewrite_cls: type[nn.Module]) -> type[nn.Module]:
         if not issubclass(rewrite_cls, module_class):
@@ -98,22 +131,26 @@ def register_rewrite(module_class: type[nn.Module], reads: tuple[str, ...]):
 
 def find_rewrite(module: nn.Module) -> tuple[type[nn.Module], tuple[str, ...]] | None:
     """(rewrite class, the children it reads) for this exact module class, or None."""
+    _import_own()
     return _REWRITES.get(type(module))
 
 
 def rewrite_classes() -> tuple[type[nn.Module], ...]:
+    _import_own()
     return tuple(cls for cls, _ in _REWRITES.values())
 
 
 def find_block(module: nn.Module) -> type | None:
     """The fused block for this exact module class, if one is registered and accepts the instance.
     Exact class, not MRO: a subclass may change the forward the block reimplements."""
+    _import_own()
     return _BLOCKS.get(type(module))
 
 
 def find_wide(module_class: type[nn.Module]) -> type | None:
     """The wide builder for ``module_class`` (first match along its MRO, if ``module_class`` runs that
     class's ``forward``), or None."""
+    _import_own()
     for klass in module_class.__mro__:
         if klass in _REGISTRY:
             return _REGISTRY[klass] if module_class.forward is klass.forward else None
@@ -122,11 +159,13 @@ def find_wide(module_class: type[nn.Module]) -> type | None:
 
 def has_exact_builder(module_class: type[nn.Module]) -> bool:
     """Whether a builder is registered for exactly this class (not an ancestor): what a fused block may hold."""
+    _import_own()
     return module_class in _REGISTRY
 
 
 def get_wide(module_class: type[nn.Module]) -> type:
     """Like :func:`find_wide`, but raise with the supported list when nothing matches."""
+    _import_own()
     wide_cls = find_wide(module_class)
     if wide_cls is None:
         supported = ", ".join(sorted(k.__name__ for k in _REGISTRY))
@@ -135,4 +174,5 @@ def get_wide(module_class: type[nn.Module]) -> type:
 
 
 def supported_classes() -> list[type[nn.Module]]:
+    _import_own()
     return list(_REGISTRY)
