@@ -1,5 +1,8 @@
 """Builder lookup along the MRO: a subclass finds its ancestor's wide builder only if it keeps its forward."""
 
+import subprocess
+import sys
+
 import torch
 import transformers as tf
 from torch import nn
@@ -49,3 +52,21 @@ def test_gemmas_scaled_embedding_is_not_fused_as_a_plain_one():
         got = wide(input_ids=ids).logits
         for i, m in enumerate(members):
             assert (got[i] - m(input_ids=ids).logits).abs().max().item() <= 1e-5  # was 7e-2: the scale was lost
+
+
+def test_a_users_builder_registered_before_any_lookup_replaces_hf_wides_own():
+    """hf-wide's own builders register when a lookup first needs them (``import hf_wide`` no longer imports them):
+    a user's registration made before that still wins, as it did when they were all imported first. In a fresh
+    process: the registry is process-wide."""
+    code = """
+from torch import nn
+from hf_wide.registry import find_wide, register_wide
+
+@register_wide(nn.Linear)
+class Mine:
+    pass
+
+print(find_wide(nn.Linear) is Mine, find_wide(nn.Embedding).__name__)
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["True", "WideEmbedding"]
