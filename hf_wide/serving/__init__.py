@@ -49,13 +49,14 @@ DRAINING_ENV = {"RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "2"}
 
 
 def haproxy_ports() -> dict[str, str]:
-    """The environment that gives HAProxy's stats and metrics ports: Ray's defaults where they are free, any free
-    port where one is taken (by another hf-wide serve, say); a port set in the environment is left as it is."""
+    """The environment that gives HAProxy's stats and metrics ports: Ray's defaults where they are free, the next
+    free port above one where it is taken (by another hf-wide serve, say); a port set in the environment is left as
+    it is."""
     ports = {}
     for name, default in HAPROXY_PORTS.items():
         if name in os.environ:
             continue
-        port = default if _bindable(default) else _free_port()
+        port = _next_free(default)
         if port != default:
             logger.warning("Port %d (%s) is taken, by another server in high-throughput mode perhaps: HAProxy "
                            "takes port %d for it.", default, name, port)
@@ -101,10 +102,27 @@ def _bindable(port: int) -> bool:
     return True
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.bind(("0.0.0.0", 0))
-        return probe.getsockname()[1]
+def _next_free(port: int, tries: int = 100) -> int:
+    """``port`` or the first free one above it. Never one of the kernel's ephemeral ports: one free when probed may be
+    the local end of a connection by the time HAProxy binds it, seconds later, with Ray's processes starting and
+    connecting to each other meanwhile (so it failed once in CI, "cannot bind socket" for port 51277)."""
+    low, high = _ephemeral_ports()
+    candidates = [p for p in range(port, 65536) if not low <= p <= high][:tries]
+    for candidate in candidates:
+        if _bindable(candidate):
+            return candidate
+    raise ValueError(f"Port {port} and the {len(candidates) - 1} after it (the system's ephemeral ports left out) are "
+                     "in use: set RAY_SERVE_HAPROXY_STATS_PORT and RAY_SERVE_HAPROXY_METRICS_PORT to free ones.")
+
+
+def _ephemeral_ports() -> tuple[int, int]:
+    """The range from which the kernel takes the local ports of outgoing connections (Linux's setting; elsewhere the
+    IANA range, which macOS and Windows use)."""
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 49152, 65535
 
 
 @contextlib.contextmanager

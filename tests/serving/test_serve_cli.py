@@ -228,20 +228,24 @@ def test_only_replicas_that_load_what_was_fetched_try_once(tmp_path):
 
 
 def test_haproxy_takes_free_ports_where_rays_are_taken(monkeypatch):
-    from hf_wide.serving import DRAINING_ENV, HIGH_THROUGHPUT_ENV, haproxy_ports, ray_environment
+    from hf_wide.serving import DRAINING_ENV, HIGH_THROUGHPUT_ENV, _bindable, haproxy_ports, ray_environment
 
     for name in ("RAY_SERVE_HAPROXY_STATS_PORT", *HIGH_THROUGHPUT_ENV, *DRAINING_ENV):
         monkeypatch.delenv(name, raising=False)
-    with socket.socket() as busy:
-        busy.bind(("0.0.0.0", 0))
-        busy.listen()
-        taken = busy.getsockname()[1]
-        monkeypatch.setattr("hf_wide.serving.HAPROXY_PORTS", {"RAY_SERVE_HAPROXY_STATS_PORT": taken})
+    pair = next(port for port in range(8404, 8504) if _bindable(port) and _bindable(port + 1))
+    monkeypatch.setattr("hf_wide.serving.HAPROXY_PORTS", {"RAY_SERVE_HAPROXY_STATS_PORT": pair})
+    with _listening(pair), _listening(pair + 1):
         (name, port), = haproxy_ports().items()
-        assert name == "RAY_SERVE_HAPROXY_STATS_PORT" and int(port) != taken
-        with socket.socket() as probe:
-            probe.bind(("0.0.0.0", int(port)))  # free
-    free = int(port)
+        assert name == "RAY_SERVE_HAPROXY_STATS_PORT" and int(port) > pair + 1  # the next free port above
+    with socket.socket() as probe:
+        probe.bind(("0.0.0.0", int(port)))  # free
+    # Never one of the kernel's ephemeral ports (the local ends of connections: one free when probed may be taken by
+    # the time HAProxy starts, Ray's processes connecting meanwhile).
+    low, high = (int(p) for p in Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+    monkeypatch.setattr("hf_wide.serving.HAPROXY_PORTS", {"RAY_SERVE_HAPROXY_STATS_PORT": low - 1})
+    with _listening(low - 1):
+        assert int(haproxy_ports()["RAY_SERVE_HAPROXY_STATS_PORT"]) > high
+    free = next(port for port in range(9101, 9201) if _bindable(port))
     monkeypatch.setattr("hf_wide.serving.HAPROXY_PORTS", {"RAY_SERVE_HAPROXY_STATS_PORT": free})
     assert haproxy_ports() == {"RAY_SERVE_HAPROXY_STATS_PORT": str(free)}  # Ray's default, where it is free
     with ray_environment(True) as values:
