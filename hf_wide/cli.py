@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import re
 import sys
+from collections.abc import Collection
 from pathlib import Path
 
 from safetensors import SafetensorError
@@ -123,7 +125,20 @@ def _count(text: str) -> int:
     return number
 
 
-def build_parser() -> argparse.ArgumentParser:
+# The commands whose code lives in modules of their own: each one's help line, and the module whose
+# ``add_arguments(parser)`` gives its arguments. That module is imported for its own command only: the pipelines, the
+# benchmark and torch take seconds to import, which `hf-wide --help`, `env` or `trace` need not wait for.
+COMMANDS = {
+    "run": ("run a pipeline on N members: ensemble answer, member answers, uncertainty", "hf_wide.cli_run"),
+    "fuse": ("fuse the members into one repo: save it to a folder or push it to the Hub", "hf_wide.cli_fuse"),
+    "benchmark": ("time wide against sequential, vmap and the ideal (one model on N*B rows)", "hf_wide.benchmark"),
+    "serve": ("serve the ensemble over HTTP (Hugging Face Inference API payloads) on Ray Serve", "hf_wide.serving.cli"),
+}
+
+
+def build_parser(commands: Collection[str] | None = None) -> argparse.ArgumentParser:
+    """The command line's parser. ``commands``: those of :data:`COMMANDS` to give their arguments (default: all); the
+    others are listed, with their help, and their modules are not imported."""
     parser = argparse.ArgumentParser(prog="hf-wide", description="Run N fine-tuned checkpoints as one wide model.")
     parser.add_argument("--version", action="version", version=f"hf-wide {__version__}")
     parser.add_argument("--default-allocator", action="store_true",
@@ -150,15 +165,10 @@ def build_parser() -> argparse.ArgumentParser:
     make.add_argument("--seed", type=int, default=0)
     make.set_defaults(func=_make_demo_members)
 
-    from .benchmark import register_cli
-    from .cli_fuse import register_cli as register_fuse
-    from .cli_run import register_cli as register_run
-    from .serving.cli import register_cli as register_serve
-
-    register_run(sub)
-    register_fuse(sub)
-    register_cli(sub)
-    register_serve(sub)
+    for name, (line, module) in COMMANDS.items():
+        command = sub.add_parser(name, help=line)
+        if commands is None or name in commands:
+            importlib.import_module(module).add_arguments(command)
 
     env = sub.add_parser("env", help="print the versions and settings a bug report needs",
                          description="Prints hf-wide's, Python's and the libraries' versions, the accelerator and the "
@@ -168,7 +178,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    named = [word for word in argv if not word.startswith("-")][:1]  # the command (the options before it take no value)
+    args = build_parser(named).parse_args(argv)
     if not args.default_allocator:
         tune_cpu_allocator()
     return args.func(args)

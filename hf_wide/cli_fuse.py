@@ -12,14 +12,14 @@ from .cli import TOKEN_HELP, add_adapter_options, as_flags
 from .placement import DTYPES
 
 
-def register_cli(sub) -> None:
-    fuse = sub.add_parser(
-        "fuse", help="fuse the members into one repo: save it to a folder or push it to the Hub",
-        description="Downloads (or reads) the members, fuses and verifies them as WideModel.from_pretrained does, "
-                    "prints what became of their modules, and writes the fused repo (stacked weights, a config with "
-                    "an hf_wide section, the tokenizer, a model card naming the members at their commits) to --output, "
-                    "to the Hub repo --push-to-hub (created if needed, in one commit), or both. Adapters of one base "
-                    "are saved as their base's id and their own weights, not the base's.")
+def add_arguments(fuse: argparse.ArgumentParser) -> None:
+    """``hf-wide fuse``'s arguments (:data:`hf_wide.cli.COMMANDS`)."""
+    fuse.description = (
+        "Downloads (or reads) the members, fuses and verifies them as WideModel.from_pretrained does, prints what "
+        "became of their modules, and writes the fused repo (stacked weights, a config with an hf_wide section, the "
+        "tokenizer, a model card naming the members at their commits) to --output, to the Hub repo --push-to-hub "
+        "(created if needed, in one commit), or both. Adapters of one base are saved as their base's id and their own "
+        "weights, not the base's.")
     fuse.add_argument("models", nargs="+", metavar="ID",
                       help="member repo ids or local folders, or PEFT adapters of one base")
     fuse.add_argument("--output", metavar="DIR", help="save the fused repo to this folder")

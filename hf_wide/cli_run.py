@@ -15,11 +15,11 @@ from .pipelines.token_classification import AggregationStrategy
 from .placement import DTYPES
 
 
-def register_cli(sub) -> None:
-    run = sub.add_parser("run", help="run a pipeline on N members: ensemble answer, member answers, uncertainty",
-                         description="Runs TASK on the members fused into one wide model and prints, per input, the "
-                                     "ensemble's answer, every member's answer and the uncertainty (a table, or JSON "
-                                     "lines with --json); the throughput goes to stderr.")
+def add_arguments(run: argparse.ArgumentParser) -> None:
+    """``hf-wide run``'s arguments (:data:`hf_wide.cli.COMMANDS`)."""
+    run.description = ("Runs TASK on the members fused into one wide model and prints, per input, the ensemble's "
+                       "answer, every member's answer and the uncertainty (a table, or JSON lines with --json); the "
+                       "throughput goes to stderr.")
     run.add_argument("task", choices=sorted(TASKS))
     run.add_argument("--model", nargs="+", required=True, metavar="ID", help="member repo ids or local folders")
     run.add_argument("--input", required=True, metavar="FILE_OR_TEXT",

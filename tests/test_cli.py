@@ -10,7 +10,7 @@ import transformers
 from conftest import CASES
 from hub_server import TOKEN, hub  # noqa: F401  (the fixture)
 
-from hf_wide.cli import main
+from hf_wide.cli import COMMANDS, main
 
 
 def test_trace_prints_the_plan_of_saved_members(tmp_path, capsys):
@@ -138,6 +138,18 @@ def test_console_script_help():
     result = subprocess.run([sys.executable, "-m", "hf_wide.cli", "--help"], capture_output=True, text=True)
     assert result.returncode == 0
     assert "trace" in result.stdout and "demo" in result.stdout
+    assert all(line in " ".join(result.stdout.split()) for line, _ in COMMANDS.values())
+
+
+@pytest.mark.parametrize("argv, imported", [(["--help"], []), (["env"], []), (["--default-allocator", "fuse", "--help"],
+                                                                                ["hf_wide.cli_fuse"])])
+def test_a_command_imports_only_its_own_module(argv, imported):
+    # The pipelines, the benchmark and torch take seconds to import: `hf-wide --help` printed after 8 s.
+    code = ("import sys\nfrom hf_wide.cli import COMMANDS, main\ntry:\n    main(sys.argv[1:])\nexcept SystemExit:\n"
+            "    pass\nprint(sorted(m for _, m in COMMANDS.values() if m in sys.modules))")
+    result = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines()[-1] == repr(imported)
 
 
 def test_trace_of_members_in_subfolders_of_one_folder(tmp_path, capsys):

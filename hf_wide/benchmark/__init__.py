@@ -27,7 +27,7 @@ from . import report
 from .configs import COMPILE_POLICIES, PRESETS, BenchConfig, apply_compile_policy, make_inputs, preset_configs
 from .methods import matmul_gflops, measure
 
-__all__ = ["run_benchmark", "register_cli"]
+__all__ = ["run_benchmark", "add_arguments"]
 
 MODELS_TARGET_S = 1.0  # timing target per method for user checkpoints (--models)
 
@@ -223,16 +223,15 @@ def _device(text: str) -> str:
     return text
 
 
-def register_cli(subparsers) -> argparse.ArgumentParser:
-    """Add the ``benchmark`` subcommand to an ``argparse`` subparsers object (its ``func`` runs it)."""
+def add_arguments(bench: argparse.ArgumentParser) -> None:
+    """``hf-wide benchmark``'s arguments (:data:`hf_wide.cli.COMMANDS`; its ``func`` runs it)."""
     from ..cli import _count
 
-    bench = subparsers.add_parser(
-        "benchmark", help="time wide against sequential, vmap and the ideal (one model on N*B rows)",
-        description="Times, on the same inputs: the N checkpoints one after another (sequential), the torch.func "
-                    "vmap recipe, the wide model eager and compiled, and the ideal: one checkpoint on all N*B rows, "
-                    "eager and compiled. Prints a table; every method's outputs are checked against the members "
-                    "run alone (exit code 1 when one differs).")
+    bench.description = (
+        "Times, on the same inputs: the N checkpoints one after another (sequential), the torch.func vmap recipe, "
+        "the wide model eager and compiled, and the ideal: one checkpoint on all N*B rows, eager and compiled. "
+        "Prints a table; every method's outputs are checked against the members run alone (exit code 1 when one "
+        "differs).")
     bench.add_argument("--preset", choices=PRESETS, default="quick",
                        help="tiny: seconds, for tests; quick: under 2 minutes; full: the whole grid (long); "
                             "lora: the LoRA configs, each method timed longer (2 minutes)")
@@ -253,4 +252,3 @@ def register_cli(subparsers) -> argparse.ArgumentParser:
                             "pipelines, and ensemble decoding with 4 Llama members against stepping them apart")
     bench.add_argument("--plot", metavar="PATH", help="write a PNG of the speedup over sequential vs N (matplotlib)")
     bench.set_defaults(func=_cli)
-    return bench

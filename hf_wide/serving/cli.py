@@ -9,14 +9,14 @@ from . import BATCH_WAIT_MS
 from .tasks import FORMATS
 
 
-def register_cli(sub) -> None:
+def add_arguments(serve: argparse.ArgumentParser) -> None:
+    """``hf-wide serve``'s arguments (:data:`hf_wide.cli.COMMANDS`)."""
     from ..cli import LABEL_MISMATCH_HELP, _count
 
-    serve = sub.add_parser(
-        "serve", help="serve the ensemble over HTTP (Hugging Face Inference API payloads) on Ray Serve",
-        description="Fuses the members into one wide model and serves TASK at http://HOST:PORT/ (POST, the payloads "
-                    "huggingface_hub.InferenceClient sends), /health and /info, batching concurrent requests into "
-                    "one forward with Ray Serve. Ctrl-C (or SIGTERM) stops it. Needs: pip install \"hf-wide[serve]\".")
+    serve.description = (
+        "Fuses the members into one wide model and serves TASK at http://HOST:PORT/ (POST, the payloads "
+        "huggingface_hub.InferenceClient sends), /health and /info, batching concurrent requests into one forward "
+        "with Ray Serve. Ctrl-C (or SIGTERM) stops it. Needs: pip install \"hf-wide[serve]\".")
     serve.add_argument("models", nargs="+", metavar="ID", help="member repo ids or local folders, a fused repo, or adapters")
     serve.add_argument("--task", default="text-classification", choices=sorted(FORMATS))
     serve.add_argument("--host", default="127.0.0.1")

@@ -1,17 +1,17 @@
 """``hf-wide benchmark``: the tiny preset through the API and its CLI entry, saved checkpoints through
 ``--models``, the FLOP budget and the compile policies."""
 
-import argparse
 import json
 
 import pytest
 import torch
 from conftest import CASES
 
-from hf_wide.benchmark import register_cli, run_benchmark
+from hf_wide.benchmark import run_benchmark
 from hf_wide.benchmark.configs import BenchConfig, ModelSpec, apply_compile_policy, preset_configs
 from hf_wide.benchmark.methods import METHOD_NAMES, synchronized
 from hf_wide.benchmark.report import ATOL
+from hf_wide.cli import build_parser
 
 METHOD_KEYS = {"ms", "runs", "gflops", "build_s", "first_call_s", "max_abs_diff", "error", "skipped"}
 
@@ -44,8 +44,7 @@ def test_tiny_preset_through_the_api(tmp_path, capsys):
 
 
 def test_tiny_preset_through_the_cli_entry(tmp_path, capsys):
-    parser = argparse.ArgumentParser(prog="hf-wide")
-    register_cli(parser.add_subparsers(dest="command", required=True))
+    parser = build_parser(["benchmark"])
     path, plot = tmp_path / "bench.json", tmp_path / "speedup.png"
     args = parser.parse_args(["benchmark", "--preset", "tiny", "--device", "cpu", "--json", str(path),
                               "--plot", str(plot)])
@@ -121,8 +120,7 @@ def test_lora_configs_time_the_base_as_the_ideal_and_peft_mixed_batches():
 
 
 def _cli_args(*argv):
-    parser = argparse.ArgumentParser(prog="hf-wide")
-    register_cli(parser.add_subparsers(dest="command", required=True))
+    parser = build_parser(["benchmark"])
     return parser.parse_args(["benchmark", *argv])
 
 
