@@ -6,7 +6,6 @@ import json
 import os
 import re
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -14,6 +13,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from ports import free_port
 
 from hf_wide.demo import DemoEnsemble, make_demo_members
 
@@ -34,16 +34,10 @@ def members_dir(tmp_path_factory):
     return root
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def space_url(members_dir, tmp_path_factory):
     """The app started as a Space starts it, ``python app.py``, on a free port; stopped afterwards."""
-    port = _free_port()
+    port = free_port()
     log = tmp_path_factory.mktemp("space-log") / "app.log"
     env = {**os.environ, "GRADIO_SERVER_NAME": "127.0.0.1", "GRADIO_SERVER_PORT": str(port),
            "GRADIO_ANALYTICS_ENABLED": "False", "HF_WIDE_DEMO_MEMBERS_DIR": str(members_dir), "HF_HUB_OFFLINE": "1"}

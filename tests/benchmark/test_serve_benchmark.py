@@ -5,15 +5,11 @@ import pytest
 pytest.importorskip("ray.serve")
 
 from hf_wide.benchmark.serve import WAYS, run  # noqa: E402
+from ports import free_port  # noqa: E402
 
 
 def test_every_way_answers_every_request_right():
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    report = run(num_requests=24, clients=4, num_members=2, hidden=32, max_batch_size=4, port=port, num_cpus=2)
+    report = run(num_requests=24, clients=4, num_members=2, hidden=32, max_batch_size=4, port=free_port(), num_cpus=2)
     assert set(report["ways"]) == set(WAYS) and report["num_cpus"] == 2  # every way's replica reserves two
     for way, r in report["ways"].items():
         assert (r["errors"], r["wrong"]) == (0, 0), (way, r["first_error"])

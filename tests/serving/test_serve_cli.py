@@ -18,7 +18,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "pipelines"))  # the text members
 
-from test_server import free_port
+from ports import free_port
 from text_members import bert_tokenizer, build_members, save_members
 
 pytest.importorskip("ray.serve")

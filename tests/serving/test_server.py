@@ -7,8 +7,6 @@ import base64
 import concurrent.futures
 import io
 import json
-import random
-import socket
 import sys
 import urllib.error
 import urllib.request
@@ -26,6 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the test Hub
 from answers import close  # noqa: E402
 from hub_server import running_hub  # noqa: E402
 from lora_members import adapted  # noqa: E402
+from ports import free_port  # noqa: E402
 from text_members import CASES, bert_tokenizer, build_members, decoder_tokenizer, save_members, sentences  # noqa: E402
 
 pytest.importorskip("ray.serve")
@@ -39,24 +38,6 @@ from hf_wide.serving.app import app_builder  # noqa: E402
 
 TAGS = {0: "O", 1: "B-ENT", 2: "I-ENT"}
 SMALL = 0.25  # CPUs Ray reserves per replica: six replicas on a 2-core machine
-
-
-def free_port() -> int:
-    """A port nobody listens on, for a server a test starts. Not one the kernel picks (``bind(0)``): that is from its
-    ephemeral range, which it hands out again to whatever binds next, and a Ray server's own parts bind many such
-    ports as it starts, before its HTTP proxy binds this one (a run met Ray's gRPC on it). Below that range and above
-    Ray's worker ports (10002-19999), only an explicit bind can take it."""
-    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0]) if sys.platform == "linux" else 0
-    for port in random.Random().sample(range(20000, low), min(100, max(0, low - 20000))):
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    with socket.socket() as s:  # no such range here: the kernel's pick
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def members_of(root: Path, task: str) -> list[str]:
