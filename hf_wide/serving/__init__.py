@@ -103,16 +103,20 @@ def _bindable(port: int) -> bool:
 
 
 def _next_free(port: int, tries: int = 100) -> int:
-    """``port`` or the first free one above it. Never one of the kernel's ephemeral ports: one free when probed may be
-    the local end of a connection by the time HAProxy binds it, seconds later, with Ray's processes starting and
-    connecting to each other meanwhile (so it failed once in CI, "cannot bind socket" for port 51277)."""
+    """``port`` (Ray's default) where it is free, else the first free one above it that is not one of the kernel's
+    ephemeral ports: one of those free when probed may be the local end of a connection by the time HAProxy binds it,
+    seconds later, Ray's processes starting and connecting to each other meanwhile (so it failed once in CI, "cannot
+    bind socket" for port 51277)."""
     low, high = _ephemeral_ports()
-    candidates = [p for p in range(port, 65536) if not low <= p <= high][:tries]
+    above = range(port + 1, 65536)
+    above = [p for p in above if not low <= p <= high] or list(above)  # (all, where every port is ephemeral)
+    candidates = [port, *above[:tries - 1]]
     for candidate in candidates:
         if _bindable(candidate):
             return candidate
-    raise ValueError(f"Port {port} and the {len(candidates) - 1} after it (the system's ephemeral ports left out) are "
-                     "in use: set RAY_SERVE_HAPROXY_STATS_PORT and RAY_SERVE_HAPROXY_METRICS_PORT to free ones.")
+    raise ValueError(f"Port {port} and the {len(candidates) - 1} tried after it (the system's ephemeral ports left "
+                     "out) are in use: set RAY_SERVE_HAPROXY_STATS_PORT and RAY_SERVE_HAPROXY_METRICS_PORT to free "
+                     "ones.")
 
 
 def _ephemeral_ports() -> tuple[int, int]:

@@ -245,6 +245,14 @@ def test_haproxy_takes_free_ports_where_rays_are_taken(monkeypatch):
     monkeypatch.setattr("hf_wide.serving.HAPROXY_PORTS", {"RAY_SERVE_HAPROXY_STATS_PORT": low - 1})
     with _listening(low - 1):
         assert int(haproxy_ports()["RAY_SERVE_HAPROXY_STATS_PORT"]) > high
+    monkeypatch.setattr("hf_wide.serving.HAPROXY_PORTS", {"RAY_SERVE_HAPROXY_STATS_PORT": pair})
+    with monkeypatch.context() as m:  # a system that hands out every port for connections: the next free one
+        m.setattr("hf_wide.serving._ephemeral_ports", lambda: (1, 65535))
+        with _listening(pair), _listening(pair + 1):
+            assert int(haproxy_ports()["RAY_SERVE_HAPROXY_STATS_PORT"]) > pair + 1
+        m.setattr("hf_wide.serving._bindable", lambda port: False)
+        with pytest.raises(ValueError, match="set RAY_SERVE_HAPROXY_STATS_PORT and RAY_SERVE_HAPROXY_METRICS_PORT"):
+            haproxy_ports()
     free = next(port for port in range(9101, 9201) if _bindable(port))
     monkeypatch.setattr("hf_wide.serving.HAPROXY_PORTS", {"RAY_SERVE_HAPROXY_STATS_PORT": free})
     assert haproxy_ports() == {"RAY_SERVE_HAPROXY_STATS_PORT": str(free)}  # Ray's default, where it is free
