@@ -141,8 +141,8 @@ def test_console_script_help():
     assert all(line in " ".join(result.stdout.split()) for line, _ in COMMANDS.values())
 
 
-@pytest.mark.parametrize("argv, imported", [(["--help"], []), (["env"], []), (["--default-allocator", "fuse", "--help"],
-                                                                                ["hf_wide.cli_fuse"])])
+@pytest.mark.parametrize("argv, imported", [
+    (["--help"], []), (["env"], []), (["--default-allocator", "fuse", "--help"], ["hf_wide.cli_fuse"])])
 def test_a_command_imports_only_its_own_module(argv, imported):
     # The pipelines, the benchmark and torch take seconds to import: `hf-wide --help` printed after 8 s.
     code = ("import sys\nfrom hf_wide.cli import COMMANDS, main\ntry:\n    main(sys.argv[1:])\nexcept SystemExit:\n"
