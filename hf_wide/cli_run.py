@@ -10,9 +10,13 @@ import time
 from pathlib import Path
 
 from .cli import BAD_FILES, LABEL_MISMATCH_HELP, SUBFOLDER_HELP, TOKEN_HELP, _count, add_adapter_options, as_flags
-from .pipelines import TASKS, pipeline
-from .pipelines.token_classification import AggregationStrategy
-from .placement import DTYPES
+
+# The choices, by name: the pipelines (and torch under them) take seconds to import, which `hf-wide run --help`
+# need not wait for. tests/test_cli_run.py holds them to hf_wide.pipelines.TASKS, AggregationStrategy and DTYPES.
+TASK_NAMES = ("feature-extraction", "image-classification", "text-classification", "text-generation",
+              "token-classification")
+AGGREGATIONS = ("none", "simple", "first", "average", "max")
+DTYPE_NAMES = ("float32", "float16", "bfloat16", "float64")
 
 
 def add_arguments(run: argparse.ArgumentParser) -> None:
@@ -20,7 +24,7 @@ def add_arguments(run: argparse.ArgumentParser) -> None:
     run.description = ("Runs TASK on the members fused into one wide model and prints, per input, the ensemble's "
                        "answer, every member's answer and the uncertainty (a table, or JSON lines with --json); the "
                        "throughput goes to stderr.")
-    run.add_argument("task", choices=sorted(TASKS))
+    run.add_argument("task", choices=TASK_NAMES)
     run.add_argument("--model", nargs="+", required=True, metavar="ID", help="member repo ids or local folders")
     run.add_argument("--input", required=True, metavar="FILE_OR_TEXT",
                      help="a text file (one input per line), an image file or folder of images, or else the text "
@@ -30,7 +34,7 @@ def add_arguments(run: argparse.ArgumentParser) -> None:
     run.add_argument("--json", action="store_true", help="print one JSON object per input instead of a table")
     run.add_argument("--batch-size", type=_count, default=32)
     run.add_argument("--top-k", type=_count, default=None, help="classification: also list the k best labels")
-    run.add_argument("--aggregation", default=None, choices=[s.value for s in AggregationStrategy],
+    run.add_argument("--aggregation", default=None, choices=AGGREGATIONS,
                      help="token-classification: how tokens become entities (default simple)")
     run.add_argument("--max-new-tokens", type=_count, default=None,
                      help="text-generation: tokens to generate (default: the members' own, else 20)")
@@ -39,7 +43,7 @@ def add_arguments(run: argparse.ArgumentParser) -> None:
                           "members' own, or their base's)")
     run.add_argument("--image-processor", metavar="ID", default=None,
                      help="image-classification: the image processor, a repo id or folder (default: the members' own)")
-    run.add_argument("--dtype", choices=[*DTYPES, "auto"], default=None,
+    run.add_argument("--dtype", choices=[*DTYPE_NAMES, "auto"], default=None,
                      help="load the members in this dtype (default: transformers' default)")
     run.add_argument("--revision", default=None)
     run.add_argument("--subfolder", nargs="+", metavar="DIR", default=None, help=SUBFOLDER_HELP)
@@ -52,6 +56,8 @@ def add_arguments(run: argparse.ArgumentParser) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
+    from .pipelines import pipeline
+
     if args.weights is not None and args.combine != "weighted":  # the pipeline would run the rule without them
         print(f"hf-wide run: error: --weights apply to --combine weighted, not to --combine {args.combine}.",
               file=sys.stderr)
