@@ -16,6 +16,8 @@ from .cpu import tune_cpu_allocator
 
 SUBFOLDER_HELP = "where in its repo each member is (a training run's checkpoint-N, say): one for all, or one per member"
 TOKEN_HELP = "a Hub token (default: HF_TOKEN or the one `hf auth login` saved)"
+# hf_wide.placement.DTYPES by name (tests/test_cli.py holds them equal): the commands' --help imports no torch
+DTYPE_NAMES = ("float32", "float16", "bfloat16", "float64")
 LABEL_MISMATCH_HELP = "take members whose id2label holds the same labels in another order (realigned by name)"
 # What a member's files can raise beyond ValueError and OSError: a checkpoint cut short (hf-wide's reader, or
 # safetensors' own on its header)
@@ -131,7 +133,7 @@ def _count(text: str) -> int:
 COMMANDS = {
     "run": ("run a pipeline on N members: ensemble answer, member answers, uncertainty", "hf_wide.cli_run"),
     "fuse": ("fuse the members into one repo: save it to a folder or push it to the Hub", "hf_wide.cli_fuse"),
-    "benchmark": ("time wide against sequential, vmap and the ideal (one model on N*B rows)", "hf_wide.benchmark"),
+    "benchmark": ("time wide against sequential, vmap and the ideal (one model on N*B rows)", "hf_wide.benchmark.cli"),
     "serve": ("serve the ensemble over HTTP (Hugging Face Inference API payloads) on Ray Serve", "hf_wide.serving.cli"),
 }
 

@@ -8,8 +8,7 @@ import shutil
 import sys
 from pathlib import Path
 
-from .cli import TOKEN_HELP, add_adapter_options, as_flags
-from .placement import DTYPES
+from .cli import DTYPE_NAMES, TOKEN_HELP, add_adapter_options, as_flags
 
 
 def add_arguments(fuse: argparse.ArgumentParser) -> None:
@@ -30,7 +29,7 @@ def add_arguments(fuse: argparse.ArgumentParser) -> None:
                       help="where in its repo each member is (a training run's checkpoint-N, say): one for all, or "
                            "one per member")
     add_adapter_options(fuse)
-    fuse.add_argument("--dtype", choices=[*DTYPES, "auto"], default=None,
+    fuse.add_argument("--dtype", choices=[*DTYPE_NAMES, "auto"], default=None,
                       help="load the members in this dtype (default: transformers' default)")
     fuse.add_argument("--offline", action="store_true", help="use the local cache only")
     fuse.add_argument("--token", default=None, help=TOKEN_HELP)

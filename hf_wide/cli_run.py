@@ -9,14 +9,14 @@ import sys
 import time
 from pathlib import Path
 
-from .cli import BAD_FILES, LABEL_MISMATCH_HELP, SUBFOLDER_HELP, TOKEN_HELP, _count, add_adapter_options, as_flags
+from .cli import (BAD_FILES, DTYPE_NAMES, LABEL_MISMATCH_HELP, SUBFOLDER_HELP, TOKEN_HELP, _count, add_adapter_options,
+                  as_flags)
 
 # The choices, by name: the pipelines (and torch under them) take seconds to import, which `hf-wide run --help`
-# need not wait for. tests/test_cli_run.py holds them to hf_wide.pipelines.TASKS, AggregationStrategy and DTYPES.
+# need not wait for. tests/test_cli_run.py holds them to hf_wide.pipelines.TASKS and AggregationStrategy.
 TASK_NAMES = ("feature-extraction", "image-classification", "text-classification", "text-generation",
               "token-classification")
 AGGREGATIONS = ("none", "simple", "first", "average", "max")
-DTYPE_NAMES = ("float32", "float16", "bfloat16", "float64")
 
 
 def add_arguments(run: argparse.ArgumentParser) -> None:

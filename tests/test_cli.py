@@ -10,7 +10,8 @@ import transformers
 from conftest import CASES
 from hub_server import TOKEN, hub  # noqa: F401  (the fixture)
 
-from hf_wide.cli import COMMANDS, main
+from hf_wide.cli import COMMANDS, DTYPE_NAMES, main
+from hf_wide.placement import DTYPES
 
 
 def test_trace_prints_the_plan_of_saved_members(tmp_path, capsys):
@@ -150,6 +151,24 @@ def test_a_command_imports_only_its_own_module(argv, imported):
     result = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
     assert result.stdout.splitlines()[-1] == repr(imported)
+
+
+@pytest.mark.parametrize("command, choices", [
+    ("run", "{feature-extraction,image-classification,text-classification,text-generation,token-classification}"),
+    ("fuse", "{float32,float16,bfloat16,float64,auto}"), ("benchmark", "{tiny,quick,full,lora}"),
+    ("serve", "{feature-extraction,")])
+def test_a_commands_help_imports_no_torch(command, choices):
+    # Their choices came from the pipelines, the placement and the benchmark's configs: 5-13 s before the help.
+    code = (f"import sys\nfrom hf_wide.cli import main\ntry:\n    main([{command!r}, '--help'])\nexcept SystemExit:\n"
+            "    pass\nprint([m for m in ('torch', 'hf_wide.pipelines') if m in sys.modules])")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert choices in result.stdout
+    assert result.stdout.splitlines()[-1] == "[]"
+
+
+def test_the_dtypes_named_in_the_parser_are_placements():
+    assert DTYPE_NAMES == tuple(DTYPES)
 
 
 def test_trace_of_members_in_subfolders_of_one_folder(tmp_path, capsys):

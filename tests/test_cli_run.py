@@ -2,8 +2,6 @@
 
 import json
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -19,7 +17,6 @@ from pipelines.text_members import bert_tokenizer, build_members, decoder_tokeni
 from hf_wide import cli, cli_run
 from hf_wide.pipelines import TASKS, pipeline
 from hf_wide.pipelines.token_classification import AggregationStrategy
-from hf_wide.placement import DTYPES
 
 TEXTS = sentences(3, seed=31)
 TASK_MEMBERS = {  # task -> (family case, tokenizer, labels)
@@ -45,18 +42,8 @@ def test_the_choices_named_in_the_parser_are_the_pipelines_own():
     # Named in cli_run rather than read from the pipelines, whose import `hf-wide run --help` would wait for
     assert cli_run.TASK_NAMES == tuple(sorted(TASKS))
     assert cli_run.AGGREGATIONS == tuple(s.value for s in AggregationStrategy)
-    assert cli_run.DTYPE_NAMES == tuple(DTYPES)
     assert set(cli_run.TEXT_TASKS) == set(TASKS) - {"image-classification"}
 
-
-def test_run_help_imports_no_pipeline_and_no_torch():
-    # It imported the pipelines for its choices: 9-13 s before the help was printed.
-    code = ("import sys\nfrom hf_wide.cli import main\ntry:\n    main(['run', '--help'])\nexcept SystemExit:\n"
-            "    pass\nprint([m for m in ('hf_wide.pipelines', 'torch') if m in sys.modules])")
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
-    assert result.returncode == 0, result.stderr
-    assert "text-generation" in result.stdout and "--aggregation {none,simple,first,average,max}" in result.stdout
-    assert result.stdout.splitlines()[-1] == "[]"
 
 def run_json(capsys, *argv):
     assert cli.main(["run", *argv, "--json"]) == 0

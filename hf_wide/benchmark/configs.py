@@ -17,6 +17,7 @@ import transformers as tf
 from torch import nn
 
 from ..samples import sample_inputs
+from . import COMPILE_POLICIES, PRESETS
 
 VOCAB = 2048
 MAX_POSITIONS = 512
@@ -140,8 +141,6 @@ class BenchConfig:
     compile: bool = True  # run the torch.compile methods (compiling costs seconds per config)
 
 
-COMPILE_POLICIES = ("all", "subset", "none")
-
 
 @dataclasses.dataclass(frozen=True)
 class Preset:
@@ -174,8 +173,6 @@ def preset_configs(name: str) -> Preset:
         return Preset(_lora_configs(), "none", 1.0, 100.0)
     raise ValueError(f"Unknown preset {name!r}; supported: {PRESETS}")
 
-
-PRESETS = ("tiny", "quick", "full", "lora")
 
 
 def _relative_bias_configs() -> list[BenchConfig]:

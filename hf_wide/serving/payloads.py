@@ -16,7 +16,6 @@ import json
 import re
 from typing import Any
 
-from ..pipelines.options import sampling_seed
 
 MAX_INPUTS = 256  # texts in one request
 
@@ -159,6 +158,8 @@ def boolean(name: str, value) -> bool:
 def seed(name: str, value) -> int:
     """A sampling seed, checked as the pipeline checks one (torch's generators take 0 to 2**64 - 1): a larger one
     reached torch, whose refusal named no parameter."""
+    from ..pipelines.options import sampling_seed  # here: importing hf_wide.pipelines takes seconds (serve --help)
+
     try:
         return sampling_seed(value)
     except ValueError as exc:

@@ -109,7 +109,7 @@ def test_saved_checkpoints_through_models(tmp_path, capsys):
 
 
 def test_lora_configs_time_the_base_as_the_ideal_and_peft_mixed_batches():
-    from hf_wide.benchmark import _preset_records
+    from hf_wide.benchmark.runner import _preset_records
 
     (record,), _ = _preset_records([BenchConfig(ModelSpec("llama-lora", 64, 1), 2, 1, 8, compile=False)], 0.02, 1.0)
     methods = record["methods"]
