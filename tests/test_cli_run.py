@@ -37,7 +37,6 @@ def saved(tmp_path_factory):
     return folders
 
 
-
 def test_the_choices_named_in_the_parser_are_the_pipelines_own():
     # Named in cli_run rather than read from the pipelines, whose import `hf-wide run --help` would wait for
     assert cli_run.TASK_NAMES == tuple(sorted(TASKS))

@@ -141,7 +141,6 @@ class BenchConfig:
     compile: bool = True  # run the torch.compile methods (compiling costs seconds per config)
 
 
-
 @dataclasses.dataclass(frozen=True)
 class Preset:
     configs: list[BenchConfig]
@@ -172,7 +171,6 @@ def preset_configs(name: str) -> Preset:
     if name == "lora":
         return Preset(_lora_configs(), "none", 1.0, 100.0)
     raise ValueError(f"Unknown preset {name!r}; supported: {PRESETS}")
-
 
 
 def _relative_bias_configs() -> list[BenchConfig]:
