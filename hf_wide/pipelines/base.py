@@ -23,6 +23,7 @@ from torch.nn.utils.rnn import pad_sequence
 from ..model import WideModel
 from ..packing import packed, worth_packing
 from .combine import Combine, check_weights, label_permutations
+from .heads import head_refusal
 from .options import positive_temperature, whole_number
 from .packing import enable_first_tokens, enable_packing
 
@@ -239,34 +240,6 @@ def _device(device: str | int | torch.device) -> torch.device:
         return torch.device("cpu")
     accelerator = torch.accelerator.current_accelerator()
     return torch.device(accelerator.type if accelerator is not None else "cuda", device)
-
-
-def head_refusal(model: WideModel, task: str, heads: tuple[str, str] | None) -> str | None:
-    """Why ``task`` cannot run the members, whose class transformers knows for another task (a causal LM for text
-    classification, say: its outputs would be misread, or fail deep inside); None where it can, or where their class
-    is none transformers knows (a model of its own code: its outputs will tell)."""
-    module = model.model.get_base_model() if hasattr(model.model, "get_base_model") else model.model  # PEFT's
-    return class_refusal(type(module).__name__, task, heads)
-
-
-def class_refusal(name: str, task: str, heads: tuple[str, str] | None) -> str | None:
-    """:func:`head_refusal` for members of the transformers class ``name``."""
-    if heads is None:
-        return None
-    from transformers.models.auto import modeling_auto
-
-    mapping, head = heads
-    if name in _class_names(getattr(modeling_auto, mapping)):
-        return None
-    known = set().union(*(_class_names(m) for key, m in vars(modeling_auto).items()
-                          if key.startswith("MODEL_") and key.endswith("_MAPPING_NAMES") and isinstance(m, dict)))
-    if name not in known:
-        return None
-    return f"{task} runs members with {head}; these are {name} models. Load members with such a head for it."
-
-
-def _class_names(mapping: dict) -> set[str]:
-    return {name for value in mapping.values() for name in ((value,) if isinstance(value, str) else value)}
 
 
 def batches(pipe: WidePipeline, features: list[dict[str, torch.Tensor]], size: int) -> list[list[int]]:

@@ -242,10 +242,10 @@ def fetch_members(model_ids: Sequence[str] | str, options: dict) -> list[Path]:
 
 def check_head(folder: Path, task: str) -> None:
     """A ``ValueError`` where the members' class (the ``architectures`` of the first one's config) has another task's
-    head, as the task's pipeline would refuse it in each replica (:func:`hf_wide.pipelines.base.head_refusal`).
+    head, as the task's pipeline would refuse it in each replica (:func:`hf_wide.pipelines.heads.head_refusal`).
     Adapters, which have no config of their own, are checked there."""
     from ..pipelines import TASKS
-    from ..pipelines.base import class_refusal
+    from ..pipelines.heads import class_refusal
 
     config = Path(folder) / "config.json"
     if not config.is_file():
