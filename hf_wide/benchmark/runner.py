@@ -12,8 +12,8 @@ import torch
 from torch import nn
 
 from ..tracer import module_flops
-from . import report
-from .configs import COMPILE_POLICIES, BenchConfig, apply_compile_policy, make_inputs, preset_configs
+from . import COMPILE_POLICIES, report
+from .configs import BenchConfig, apply_compile_policy, make_inputs, preset_configs
 from .methods import matmul_gflops, measure
 
 MODELS_TARGET_S = 1.0  # timing target per method for user checkpoints (--models)
