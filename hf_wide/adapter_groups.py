@@ -48,11 +48,12 @@ JOINED = (Kind.BLOCK, Kind.PRIMITIVE)  # the wide modules concatenate() builds a
 
 
 def fuse_adapters(cls, ids: Sequence[str], folders: Sequence, configs: Sequence[dict | None], *, load: dict,
-                  fuse: dict):
+                  fuse: dict, saved_plan: WidePlan | None = None):
     """The wide model of a list that holds adapters (``load``: :func:`~hf_wide.adapters.load_adapter_members`'
     options; ``fuse``: :func:`~hf_wide.fuse.fuse_models`'), their sources and each member's no-ops, as
     :func:`~hf_wide.adapters.load_adapter_members` gives them. In groups where :func:`grouped`; else, or where the
-    groups do not join, all at once."""
+    groups do not join, all at once. ``saved_plan``: the plan of a saved ensemble of these adapters, for
+    :func:`~hf_wide.fuse.fuse_models` to verify rather than trace member 0 (not in groups: each traces its own)."""
     from .fuse import fuse_models
 
     ids, folders, configs = list(ids), list(folders), list(configs)
@@ -63,8 +64,10 @@ def fuse_adapters(cls, ids: Sequence[str], folders: Sequence, configs: Sequence[
             return joined
         gc.collect()  # the groups' wide models, before all the members load
         release_freed_memory()
-    models, sources, padded, traced = load_adapter_members(ids, folders, configs, base=base, **load)
-    wide = fuse_models(cls, models, member_ids=ids, traced=traced, copy_shared=False, **fuse)
+    planned = saved_plan is not None and fuse.get("verify", True) and fuse.get("share_identical", True)
+    models, sources, padded, traced = load_adapter_members(ids, folders, configs, base=base, trace_first=not planned,
+                                                           **load)
+    wide = fuse_models(cls, models, member_ids=ids, traced=traced, copy_shared=False, saved_plan=saved_plan, **fuse)
     return wide, sources, padded
 
 

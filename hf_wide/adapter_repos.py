@@ -4,13 +4,14 @@ A wide model loaded from adapters (:mod:`hf_wide.adapters`) remembers its base (
 loaded at) and each member's adapter config. ``save_pretrained`` then writes::
 
     config.json                       the base's config, with an ``hf_wide`` section: the base, its revision, the
-                                      members' ids and revisions, and ``adapters`` (one entry per member)
+                                      members' ids and revisions, ``adapters`` (one entry per member) and the
+                                      ``plan`` they were fused by
     members/member-{i}/               member i's adapter as PEFT writes one (adapter_config.json and
                                       adapter_model.safetensors), or nothing where member i is the base itself
     README.md                         the model card
 
 and ``from_pretrained`` of that folder or repo loads the base (at its revision) and the adapters, as when they
-were first loaded. ``save_members`` writes the same adapter folders, each naming the base it was loaded over
+were first loaded, and fuses them by the saved plan, verified rather than traced (``fuse_models``' ``saved_plan``). ``save_members`` writes the same adapter folders, each naming the base it was loaded over
 (:func:`loaded_over`): ``PeftModel.from_pretrained(base, folder)`` loads each. The zero updates that gave members
 without an adapter on a module the same structure are not saved.
 """

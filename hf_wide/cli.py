@@ -57,6 +57,10 @@ def _print_saved_plan(ids: list[str], folders: list[Path]) -> bool:
         return False
     if len(ids) > 1:
         raise ValueError(f"{ids[fused[0]]} is a fused hf-wide repo: trace it on its own, not as a member.")
+    if "plan" not in sections[0]:  # (a KeyError's traceback)
+        raise ValueError(f"{ids[0]} is an ensemble of adapters saved without its plan, by an earlier hf-wide: trace "
+                         "its adapters (its members/member-*/ folders), or load it and save it again, which stores "
+                         "its plan.")
     print(f"{ids[0]} is a fused hf-wide repo of {sections[0]['num_members']} members "
           f"({', '.join(sections[0]['member_ids'])}); the plan it was saved with:")
     print(plan_from_dict(sections[0]["plan"]))

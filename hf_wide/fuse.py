@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import logging
 import warnings
 from collections.abc import Sequence
 
@@ -20,12 +21,13 @@ import torch
 from torch import nn
 
 from .adapter_aligned import aligned_adapters
+from .compare import device_lost
 from .compat import check_compatible
 from .cpu import release_freed_memory
 from .fold import Fold
 from .forward_state import StateSnapshot, refuse_changes
 from .model import WideModel, WideValidationError
-from .plan import Demotions
+from .plan import Demotions, WidePlan
 from .planner import make_plan, tensor_aliases
 from .primitives.base import keeping_storage
 from .sample_trace import trace_members
@@ -48,18 +50,23 @@ def needs_verifying(method: str, model_class: str) -> bool:
     return True
 
 
+logger = logging.getLogger(__name__)
 MAX_VERIFY_ROUNDS = 16  # each round moves every module that disagreed one strategy down
 
 
 def fuse_models(cls: type[WideModel], models: Sequence[nn.Module], sample_inputs: dict | tuple | None = None, *,
                 validate: bool = False, allow_label_mismatch: bool = False, member_ids: Sequence[str] | None = None,
                 share_identical: bool = True, verify: bool = True, atol: float | None = None,
-                copy_shared: bool = True, traced: tuple | None = None, outputs: list | None = None) -> WideModel:
+                copy_shared: bool = True, traced: tuple | None = None, outputs: list | None = None,
+                saved_plan: WidePlan | None = None) -> WideModel:
     """``cls.from_models(models, ...)``: see :meth:`WideModel.from_models` for the options. ``traced``: (sample,
     :func:`~hf_wide.sample_trace.trace_members`' result) of ``models[0]`` as it is, traced already
     (:func:`hf_wide.adapter_trace.trace_ahead`): the sample to check the members on, and its trace. ``outputs``: a
     list that each member's whole output on that sample, as verification recorded it, is added to (a
-    :func:`~hf_wide.verify.check_whole` record; nothing without ``verify``), for :mod:`hf_wide.adapter_groups`."""
+    :func:`~hf_wide.verify.check_whole` record; nothing without ``verify``), for :mod:`hf_wide.adapter_groups`.
+    ``saved_plan``: the plan a saved ensemble of adapters was fused by (:mod:`hf_wide.adapter_repos`), built without a
+    trace where it is these members' and verification runs; where verification finds a module that disagrees, the
+    members are traced and planned afresh, as without it."""
     if traced is not None and sample_inputs is not None:
         raise ValueError("Pass sample inputs or a trace taken on its own sample, not both.")
     models, padded, full = aligned_adapters(models)  # LoRA members that differ, or beside plain models: views
@@ -74,18 +81,23 @@ def fuse_models(cls: type[WideModel], models: Sequence[nn.Module], sample_inputs
     for m in models:
         m.eval()
     given = StateSnapshot(models)  # the members as given: fusion runs them (hf_wide.forward_state)
+    saved_plan = saved_plan if verify and share_identical and _plans_these(saved_plan, models) else None
     try:
         opaque = opaque_modules(models)  # before the trace runs member 0
-        if traced is not None:
+        if saved_plan is not None:
+            trace = None
+        elif traced is not None:
             trace = traced[1]
         else:
             trace = trace_members(template, args, kwargs, built=sample_inputs is None)
             release_freed_memory()  # after each phase, its temporaries: see hf_wide.cpu
         refuse_changes(given, ids)  # (the trace runs member 0)
-        verify = verify or needs_verifying(trace[0].method, type(template).__name__)
+        if trace is not None:  # (a saved plan is built only to be verified)
+            verify = verify or needs_verifying(trace[0].method, type(template).__name__)
         wide, demotions, recorded = None, Demotions(), None
         for _ in range(MAX_VERIFY_ROUNDS):
-            plan = make_plan(models, *trace, share_identical=share_identical, demotions=demotions, opaque=opaque)
+            plan = saved_plan if trace is None else make_plan(models, *trace, share_identical=share_identical,
+                                                              demotions=demotions, opaque=opaque)
             fold = Fold(len(models))
             if verify and recorded is None:  # the whole outputs, before the build shares the members' tensors
                 given.restore()
@@ -93,27 +105,39 @@ def fuse_models(cls: type[WideModel], models: Sequence[nn.Module], sample_inputs
                 release_freed_memory()
                 refuse_changes(given, ids)  # (before any build, which shares tensors)
             given.restore()  # built from the members as given, not as the trace or the checks left them
-            with contextlib.nullcontext() if copy_shared else keeping_storage():
-                folded = build_wide(models, plan, fold)
-            release_freed_memory()
-            wide = cls(
-                folded,
-                plan,
-                fold,
-                tensor_aliases(*models),  # the ties every member holds
-                ids,
-                [copy.deepcopy(m.config) for m in models] if hasattr(template, "config") else None,
-                [copy.deepcopy(getattr(m, "generation_config", None)) for m in models],
-            ).eval()
-            built = StateSnapshot([wide], parameters=False)
-            if hasattr(template, "peft_config"):
-                wide.member_peft_configs = [copy.deepcopy(m.peft_config) for m in models]
-            if not verify:
-                break
-            failures, recorded = diagnose(wide, models, args, kwargs, recorded)
-            built.restore()
+            try:
+                with contextlib.nullcontext() if copy_shared else keeping_storage():
+                    folded = build_wide(models, plan, fold)
+                release_freed_memory()
+                wide = cls(
+                    folded,
+                    plan,
+                    fold,
+                    tensor_aliases(*models),  # the ties every member holds
+                    ids,
+                    [copy.deepcopy(m.config) for m in models] if hasattr(template, "config") else None,
+                    [copy.deepcopy(getattr(m, "generation_config", None)) for m in models],
+                ).eval()
+                built = StateSnapshot([wide], parameters=False)
+                if hasattr(template, "peft_config"):
+                    wide.member_peft_configs = [copy.deepcopy(m.peft_config) for m in models]
+                if not verify:
+                    break
+                failures, recorded = diagnose(wide, models, args, kwargs, recorded)
+                built.restore()
+            except Exception as exc:
+                if trace is not None or device_lost(exc):
+                    raise
+                # the saved plan does not build these members, or its modules' outputs have other shapes than theirs
+                failures, recorded = {"": f"{type(exc).__name__}: {exc}"}, None
             if not failures:
                 break
+            if trace is None:  # the saved plan is not these members' after all: traced and planned as any fusion
+                logger.info("hf-wide: the saved plan is not these members' (%s): tracing them", _describe(failures))
+                given.restore()
+                trace = trace_members(template, args, kwargs, built=sample_inputs is None)
+                refuse_changes(given, ids)
+                continue
             if not demotions.add(plan, failures):
                 raise WideValidationError(
                     f"hf-wide cannot fuse these members exactly: {_describe(failures)} on the sample input, and "
@@ -141,6 +165,15 @@ def fuse_models(cls: type[WideModel], models: Sequence[nn.Module], sample_inputs
             given.restore()
             built.restore()
     return wide
+
+
+def _plans_these(plan: WidePlan | None, models: Sequence[nn.Module]) -> bool:
+    """Whether ``plan`` (a saved one) was made for as many members of the class of ``models`` and names only their
+    modules; verification then holds it to them."""
+    if plan is None or plan.num_members != len(models) or plan.model_class != type(models[0]).__name__:
+        return False
+    paths = {path for path, _ in models[0].named_modules()}
+    return all(fqn in paths for fqn in plan.entries)
 
 
 def differently_trained(models: Sequence[nn.Module]) -> tuple[str, ...]:

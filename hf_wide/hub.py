@@ -23,7 +23,7 @@ from .fuse import needs_verifying
 from .loading import load_models, load_streaming, verified, weights_format
 from .placement import resolve_device, resolve_dtype
 from .fused_load import load_fused
-from .saving import read_section, saved_dtype
+from .saving import plan_from_dict, read_section, saved_dtype
 from .samples import sample_inputs
 
 
@@ -145,7 +145,8 @@ def _fuse_adapter_list(cls, ids, folders, adapters, saved: dict | None, load: di
     else:
         member_folders, revisions, source_dirs = folders, [commit_sha(folder) for folder in folders], folders
     # (fused with copy_shared=False: our own members, whose base's tensors become the wide model's)
-    wide, sources, padded = fuse_adapters(cls, ids, member_folders, adapters, load=load, fuse=fuse)
+    plan = plan_from_dict(saved["plan"]) if saved is not None and "plan" in saved else None  # (older saves: none)
+    wide, sources, padded = fuse_adapters(cls, ids, member_folders, adapters, load=load, fuse=fuse, saved_plan=plan)
     wide.adapter_sources, wide._source_dirs = sources, source_dirs
     if not load["merge"]:  # (merged, every member is a plain model already)
         wide.full_members = frozenset(i for i, config in enumerate(adapters) if config is None)

@@ -167,7 +167,7 @@ def save_wide(wide, save_directory: str | Path, *, max_shard_size: int | str = D
         from .adapter_repos import save_adapter_ensemble
 
         section = {k: v for k, v in wide_config_section(wide, []).items() if k in (
-            "format_version", "num_members", "member_ids", "member_revisions", "member_subfolders")}
+            "format_version", "num_members", "member_ids", "member_revisions", "member_subfolders", "plan")}
         if earlier is not None:
             _clear_earlier(directory, earlier)
         save_adapter_ensemble(wide, directory, section, repo_id, overwrite_readme)

@@ -1,6 +1,7 @@
 """The hf-wide command line."""
 
 import importlib.metadata
+import json
 import subprocess
 import sys
 
@@ -10,6 +11,7 @@ import transformers
 from conftest import CASES
 from hub_server import TOKEN, hub  # noqa: F401  (the fixture)
 
+from hf_wide import WideModel
 from hf_wide.cli import COMMANDS, DTYPE_NAMES, main
 from hf_wide.placement import DTYPES
 
@@ -48,6 +50,14 @@ def test_trace_of_peft_adapters(tmp_path, capsys):
     assert main(["trace", *adapters]) == 0
     out = capsys.readouterr().out
     assert "x 2 members" in out and "WideLoraLinear" in out
+    WideModel.from_pretrained(adapters).save_pretrained(tmp_path / "saved")  # the plan it was fused by, read
+    assert main(["trace", str(tmp_path / "saved")]) == 0
+    assert "the plan it was saved with" in capsys.readouterr().out
+    config = json.loads((tmp_path / "saved" / "config.json").read_text())
+    del config["hf_wide"]["plan"]  # saved by an earlier hf-wide: it was a KeyError's traceback
+    (tmp_path / "saved" / "config.json").write_text(json.dumps(config))
+    assert main(["trace", str(tmp_path / "saved")]) == 2
+    assert "is an ensemble of adapters saved without its plan" in capsys.readouterr().err
 
 
 def test_trace_of_one_checkpoint_shows_the_architectures_plan(tmp_path, capsys):
