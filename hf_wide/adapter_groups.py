@@ -54,7 +54,7 @@ def fuse_adapters(cls, ids: Sequence[str], folders: Sequence, configs: Sequence[
     :func:`~hf_wide.adapters.load_adapter_members` gives them. In groups where :func:`grouped`; else, or where the
     groups do not join, all at once. ``saved_plan``: the plan of a saved ensemble of these adapters, for
     :func:`~hf_wide.fuse.fuse_models` to verify rather than trace member 0 (not in groups: each traces its own)."""
-    from .fuse import fuse_models
+    from .fuse import fuse_models, uses_saved_plan
 
     ids, folders, configs = list(ids), list(folders), list(configs)
     base = load_adapter_base(ids, folders, configs, **load)
@@ -64,7 +64,7 @@ def fuse_adapters(cls, ids: Sequence[str], folders: Sequence, configs: Sequence[
             return joined
         gc.collect()  # the groups' wide models, before all the members load
         release_freed_memory()
-    planned = saved_plan is not None and fuse.get("verify", True) and fuse.get("share_identical", True)
+    planned = saved_plan is not None and uses_saved_plan(fuse.get("verify", True), fuse.get("share_identical", True))
     models, sources, padded, traced = load_adapter_members(ids, folders, configs, base=base, trace_first=not planned,
                                                            **load)
     wide = fuse_models(cls, models, member_ids=ids, traced=traced, copy_shared=False, saved_plan=saved_plan, **fuse)

@@ -11,9 +11,10 @@ loaded at) and each member's adapter config. ``save_pretrained`` then writes::
     README.md                         the model card
 
 and ``from_pretrained`` of that folder or repo loads the base (at its revision) and the adapters, as when they
-were first loaded, and fuses them by the saved plan, verified rather than traced (``fuse_models``' ``saved_plan``). ``save_members`` writes the same adapter folders, each naming the base it was loaded over
-(:func:`loaded_over`): ``PeftModel.from_pretrained(base, folder)`` loads each. The zero updates that gave members
-without an adapter on a module the same structure are not saved.
+were first loaded, and fuses them by the saved plan, verified rather than traced (``fuse_models``' ``saved_plan``).
+``save_members`` writes the same adapter folders, each naming the base it was loaded over (:func:`loaded_over`):
+``PeftModel.from_pretrained(base, folder)`` loads each. The zero updates that gave members without an adapter on a
+module the same structure are not saved.
 """
 
 from __future__ import annotations

@@ -37,6 +37,9 @@ from .swap import build_wide
 from .verify import diagnose, record_members
 from .verify_cache import require_cache_agrees
 
+logger = logging.getLogger(__name__)
+
+
 def needs_verifying(method: str, model_class: str) -> bool:
     """Whether an unverified fusion must be verified after all: planned without a trace over a dynamic batch (export
     specialised the batch, or failed), no op that mixes rows or runs a tensor on an input without the batch dim was
@@ -50,7 +53,6 @@ def needs_verifying(method: str, model_class: str) -> bool:
     return True
 
 
-logger = logging.getLogger(__name__)
 MAX_VERIFY_ROUNDS = 16  # each round moves every module that disagreed one strategy down
 
 
@@ -81,7 +83,7 @@ def fuse_models(cls: type[WideModel], models: Sequence[nn.Module], sample_inputs
     for m in models:
         m.eval()
     given = StateSnapshot(models)  # the members as given: fusion runs them (hf_wide.forward_state)
-    saved_plan = saved_plan if verify and share_identical and _plans_these(saved_plan, models) else None
+    saved_plan = saved_plan if uses_saved_plan(verify, share_identical) and _plans_these(saved_plan, models) else None
     try:
         opaque = opaque_modules(models)  # before the trace runs member 0
         if saved_plan is not None:
@@ -165,6 +167,12 @@ def fuse_models(cls: type[WideModel], models: Sequence[nn.Module], sample_inputs
             given.restore()
             built.restore()
     return wide
+
+
+def uses_saved_plan(verify: bool, share_identical: bool) -> bool:
+    """Whether a fusion with these options builds by a saved plan rather than a trace: one it verifies (a plan is
+    never used unchecked), of members that keep once what they hold alike (as the plan was made)."""
+    return verify and share_identical
 
 
 def _plans_these(plan: WidePlan | None, models: Sequence[nn.Module]) -> bool:
