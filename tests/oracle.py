@@ -37,3 +37,30 @@ def member_gradients(wide, i: int) -> dict[str, torch.Tensor]:
             offset = view.storage_offset() - owner.storage_offset() + owner.grad.storage_offset()
             found[name] = owner.grad.as_strided(view.shape, view.stride(), offset)
     return found
+
+
+def assert_gradients_are_the_members(wide, members, inputs, names=None) -> None:
+    """Each member's gradients read off the wide model's (for a cotangent of its own) equal the member's own, for
+    every parameter it trains (or those in ``names``)."""
+    out = main_output(wide(**inputs))
+    cotangent = torch.randn(out.shape, generator=torch.Generator().manual_seed(0)).to(out)
+    out.backward(cotangent)
+    for i, member in enumerate(members):
+        main_output(member(**inputs)).backward(cotangent[i])
+        got = member_gradients(wide, i)
+        want = {name: p.grad for name, p in member.named_parameters()
+                if p.grad is not None and (names is None or name in names)}
+        assert want and got.keys() >= want.keys()
+        for name, grad in want.items():
+            torch.testing.assert_close(got[name], grad, atol=1e-5, rtol=1e-4,
+                                       msg=lambda m, name=name: f"member {i}'s {name}: {m}")
+
+
+def zero_dropout(model):
+    """No dropout, in training mode too (transformers' configs leave some as floats that their modules read), so that
+    gradients in training mode can be held to the members'."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+        module.__dict__.update({k: 0.0 for k, v in vars(module).items() if "dropout" in k and isinstance(v, float)})
+    return model

@@ -17,7 +17,7 @@ import torch
 import transformers as tf
 from conftest import CASES
 from lora_members import LLAMA, alone, save_adapter, save_llama_adapters
-from oracle import TOLERANCE, main_output, max_member_error
+from oracle import TOLERANCE, assert_gradients_are_the_members, main_output, max_member_error, zero_dropout
 
 import test_architectures as arch
 from hf_wide import WideModel, pipeline
@@ -226,6 +226,51 @@ def test_loaded_saved_and_loaded_back_on_the_device(tmp_path):
     assert back.device.type == DEVICE.type
     with torch.no_grad():
         assert torch.equal(main_output(back(**inputs)), main_output(wide(**inputs)))
+
+
+@pytest.mark.parametrize("where", ["fused on the device", "fused on the CPU", "checkpointed"])
+@pytest.mark.parametrize("case_id", ["bert-seqcls", "llama-causallm", "t5-encoder", "vit-imgcls"])
+def test_each_members_gradients_are_its_own(case_id, where):
+    """Training on the device (``share_identical=False``): each member's gradients through the wide model are its
+    own, fused there, fused on the CPU and moved, and under activation checkpointing. A T5 encoder fused on the CPU
+    and moved to CUDA raised in its backward (an H200, session 38: memory-efficient attention's backward over the
+    vectorised first attention, "LSE is not correctly aligned (strideH)")."""
+    case = CASES[case_id]
+    members = [zero_dropout(case.build(seed)) for seed in range(3)]
+    if where == "fused on the CPU":
+        wide = WideModel.from_models(members, share_identical=False).to(DEVICE)
+        members = [zero_dropout(case.build(seed)) for seed in range(3)]  # (the same, apart from what the wide holds)
+    members = on_device(members)
+    if where != "fused on the CPU":
+        wide = WideModel.from_models(members, share_identical=False)
+    if where == "checkpointed":
+        if not members[0].supports_gradient_checkpointing:
+            pytest.skip(f"{type(members[0]).__name__} does not support gradient checkpointing")
+        for model in (*members, wide.model):
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            model.train()
+    assert wide.device.type == DEVICE.type
+    assert_gradients_are_the_members(wide, members, to_device(case.inputs(2, padded=True)))
+
+
+def test_lora_members_saved_and_loaded_back_by_their_plan(tmp_path, monkeypatch):
+    """A saved ensemble of adapters loads on the device by the plan it was fused by, verified there (not traced), and
+    gives the wide model's outputs; so does one fused on the CPU, whose plan declines the fused LoRA projections."""
+    from hf_wide import fuse, sample_trace
+
+    traced = []
+    monkeypatch.setattr(fuse, "trace_members", lambda *args, **kwargs: traced.append(args) or
+                        sample_trace.trace_members(*args, **kwargs))
+    base, adapters = save_llama_adapters(tmp_path)
+    inputs = to_device(LLAMA.inputs(3, padded=True))
+    for fused_on in (DEVICE, torch.device("cpu")):
+        wide = WideModel.from_pretrained(adapters, device=fused_on).to(DEVICE)
+        wide.save_pretrained(tmp_path / f"ensemble-{fused_on.type}")
+        traced.clear()
+        back = WideModel.from_pretrained(str(tmp_path / f"ensemble-{fused_on.type}"), device=DEVICE)
+        assert not traced and back.device.type == DEVICE.type
+        with torch.no_grad():
+            assert torch.equal(back(**inputs).logits, wide(**inputs).logits), f"fused on {fused_on}"
 
 
 def test_half_precision():

@@ -6,7 +6,7 @@ import copy
 import pytest
 import torch
 from conftest import CASES, NUM_MEMBERS
-from oracle import TOLERANCE, main_output, max_member_error, member_gradients
+from oracle import TOLERANCE, assert_gradients_are_the_members, main_output, max_member_error
 
 import test_architectures as arch
 from hf_wide import Kind, PerMember, WideModel
@@ -33,23 +33,6 @@ def test_member_round_trip_state_dict(fused, case_id):
             assert torch.equal(got[key], expected[key]), key
 
 
-def _gradients_are_the_members(wide, members, inputs, names=None):
-    """Each member's gradients read off the wide model's (for a cotangent of its own) equal the member's own, for
-    every parameter it trains (or those in ``names``)."""
-    out = main_output(wide(**inputs))
-    cotangent = torch.randn(out.shape, generator=torch.Generator().manual_seed(0))
-    out.backward(cotangent)
-    for i, member in enumerate(members):
-        main_output(member(**inputs)).backward(cotangent[i])
-        got = member_gradients(wide, i)
-        want = {name: p.grad for name, p in member.named_parameters()
-                if p.grad is not None and (names is None or name in names)}
-        assert want and got.keys() >= want.keys()
-        for name, grad in want.items():
-            torch.testing.assert_close(got[name], grad, atol=1e-5, rtol=1e-4,
-                                       msg=lambda m, name=name: f"member {i}'s {name}: {m}")
-
-
 @pytest.mark.parametrize("case_id", ["bert-seqcls", "llama-causallm", "gpt2-causallm", "t5-encoder", "mpnet-seqcls",
                                      "deberta-v2-seqcls", "resnet-imgcls", "vit-imgcls"])
 def test_each_members_gradients_are_its_own(case_id):
@@ -60,7 +43,7 @@ def test_each_members_gradients_are_its_own(case_id):
     case = CASES[case_id]
     members = [case.build(seed) for seed in range(NUM_MEMBERS)]
     wide = WideModel.from_models(members, share_identical=False)
-    _gradients_are_the_members(wide, members, case.inputs(2, padded=True))
+    assert_gradients_are_the_members(wide, members, case.inputs(2, padded=True))
 
 
 @pytest.mark.parametrize("frozen", ["all but the head", "q only"])
@@ -127,7 +110,7 @@ def test_a_masked_lms_decoder_trains_its_embeddings_as_its_members_do():
     models = arch.members(arch.ENCODERS["bert-mlm"])
     wide = WideModel.from_models(models, share_identical=False)
     assert wide.plan.entries["bert.embeddings"].kind == Kind.VECTORISED
-    _gradients_are_the_members(wide, models, arch.text_batch(0))
+    assert_gradients_are_the_members(wide, models, arch.text_batch(0))
 
 
 def test_embeddings_each_member_runs_stay_one_tensor_with_their_ties():
@@ -142,7 +125,7 @@ def test_embeddings_each_member_runs_stay_one_tensor_with_their_ties():
     assert wide.plan.entries["shared"].wide_class == "PerMemberFallback"
     for i in range(NUM_MEMBERS):
         assert wide.model.shared.members[i].weight is wide.model.encoder.embed_tokens.members[i].weight
-    _gradients_are_the_members(wide, members, case.inputs(2, padded=True), {"shared.weight"})
+    assert_gradients_are_the_members(wide, members, case.inputs(2, padded=True), {"shared.weight"})
 
 
 def test_a_head_tied_to_a_module_each_member_runs_runs_per_member_too():

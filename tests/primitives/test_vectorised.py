@@ -8,7 +8,7 @@ import torch
 import transformers
 from conftest import CASES
 from families import members_from
-from oracle import TOLERANCE, max_member_error, member_gradients
+from oracle import TOLERANCE, max_member_error, member_gradients, zero_dropout
 from torch import nn
 
 from hf_wide import Kind, PerMember, WideModel
@@ -276,14 +276,6 @@ def test_jetmoes_experts_count_their_tokens_in_a_loop_and_return_token_rows(veri
     assert torch.allclose(got.loss, torch.stack([w.loss for w in want]), atol=TOLERANCE)
 
 
-def _zero_dropout(model: nn.Module) -> nn.Module:
-    for module in model.modules():
-        if isinstance(module, nn.Dropout):
-            module.p = 0.0
-        module.__dict__.update({k: 0.0 for k, v in vars(module).items() if "dropout" in k and isinstance(v, float)})
-    return model
-
-
 def _checkpointed(model, on: bool = True):
     if on:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -295,7 +287,7 @@ def test_t5s_position_bias_attention_trains_under_activation_checkpointing():
     # bias) and failed after saving tensors, then ran member by member. Checkpointing counted the failed try's
     # tensors in the forward, and the recomputation (member by member from the start) saved fewer: CheckpointError.
     case = CASES["t5-encoder"]
-    members = [_zero_dropout(case.build(seed)) for seed in range(3)]
+    members = [zero_dropout(case.build(seed)) for seed in range(3)]
     wide = WideModel.from_models(members, share_identical=False)
     for model in (*members, wide.model):
         _checkpointed(model)
