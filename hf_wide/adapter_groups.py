@@ -30,6 +30,7 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
+from . import plan_cache
 from .adapter_trace import alike_structure, module_structure, trace_ahead
 from .adapters import AdapterBase, load_adapter_base, load_adapter_members
 from .configs import configs_in_place, configs_replaced, module_configs
@@ -53,7 +54,9 @@ def fuse_adapters(cls, ids: Sequence[str], folders: Sequence, configs: Sequence[
     options; ``fuse``: :func:`~hf_wide.fuse.fuse_models`'), their sources and each member's no-ops, as
     :func:`~hf_wide.adapters.load_adapter_members` gives them. In groups where :func:`grouped`; else, or where the
     groups do not join, all at once. ``saved_plan``: the plan of a saved ensemble of these adapters, for
-    :func:`~hf_wide.fuse.fuse_models` to verify rather than trace member 0 (not in groups: each traces its own)."""
+    :func:`~hf_wide.fuse.fuse_models` to verify rather than trace member 0 (not in groups: each traces its own);
+    without one, the plan a list of the same structure was fused by before (:mod:`hf_wide.plan_cache`), used
+    alike, and the plan kept there where the members were traced."""
     from .fuse import fuse_models, uses_saved_plan
 
     ids, folders, configs = list(ids), list(folders), list(configs)
@@ -64,10 +67,16 @@ def fuse_adapters(cls, ids: Sequence[str], folders: Sequence, configs: Sequence[
             return joined
         gc.collect()  # the groups' wide models, before all the members load
         release_freed_memory()
-    planned = saved_plan is not None and uses_saved_plan(fuse.get("verify", True), fuse.get("share_identical", True))
-    models, sources, padded, traced = load_adapter_members(ids, folders, configs, base=base, trace_first=not planned,
-                                                           **load)
+    checked = uses_saved_plan(fuse.get("verify", True), fuse.get("share_identical", True))
+    key = None
+    if saved_plan is None and checked and plan_cache.enabled():  # a list loaded before: by the plan it was fused by
+        key = plan_cache.plan_key(base.model, configs, {**fuse, "merge": load.get("merge", False)})
+        saved_plan = plan_cache.load_plan(key)
+    models, sources, padded, traced = load_adapter_members(
+        ids, folders, configs, base=base, trace_first=not (checked and saved_plan is not None), **load)
     wide = fuse_models(cls, models, member_ids=ids, traced=traced, copy_shared=False, saved_plan=saved_plan, **fuse)
+    if key is not None and wide.plan is not saved_plan:  # traced (none was cached, or it was not these members')
+        plan_cache.store_plan(key, dataclasses.replace(wide.plan, num_members=wide.num_members))
     return wide, sources, padded
 
 

@@ -27,8 +27,9 @@ from .cpu import release_freed_memory
 from .fold import Fold
 from .forward_state import StateSnapshot, refuse_changes
 from .model import WideModel, WideValidationError
-from .plan import Demotions, WidePlan
+from .plan import Demotions, Kind, WidePlan
 from .planner import make_plan, tensor_aliases
+from .planner_rules import direct_tensors, same_tensors
 from .primitives.base import keeping_storage
 from .sample_trace import trace_members
 from .samples import sample_inputs as build_sample_inputs
@@ -176,12 +177,22 @@ def uses_saved_plan(verify: bool, share_identical: bool) -> bool:
 
 
 def _plans_these(plan: WidePlan | None, models: Sequence[nn.Module]) -> bool:
-    """Whether ``plan`` (a saved one) was made for as many members of the class of ``models`` and names only their
-    modules; verification then holds it to them."""
+    """Whether ``plan`` (a saved or cached one) was made for as many members of the class of ``models``, names only
+    their modules, and keeps once only modules that hold the same tensors in every member (as a plan made for them
+    would); verification then holds the rest of it to them."""
     if plan is None or plan.num_members != len(models) or plan.model_class != type(models[0]).__name__:
         return False
-    paths = {path for path, _ in models[0].named_modules()}
-    return all(fqn in paths for fqn in plan.entries)
+    modules = [dict(m.named_modules()) for m in models]
+    if not all(fqn in modules[0] for fqn in plan.entries):
+        return False
+    for fqn, entry in plan.entries.items():
+        if entry.kind == Kind.SHARED:
+            tensors = [direct_tensors(member[fqn]) if fqn in member else None for member in modules]
+            if any(t is None or t.keys() != tensors[0].keys() for t in tensors) or not all(
+                    same_tensors([t[name] for t in tensors]) for name in tensors[0]):
+                logger.info("hf-wide: the saved plan keeps %s once, which the members hold apart: tracing them", fqn)
+                return False
+    return True
 
 
 def differently_trained(models: Sequence[nn.Module]) -> tuple[str, ...]:

@@ -3,6 +3,7 @@ over pytest-xdist's workers (``make test`` runs two)."""
 
 import os
 import sys
+import tempfile
 
 import pytest
 
@@ -16,12 +17,39 @@ _WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 if _WORKERS > 1:
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // _WORKERS)))
 
+# Plans of adapter lists are cached on disk (hf_wide.plan_cache): here under a folder of the run's own, which the
+# processes the tests start inherit, and a folder of each test's own within the test (below), so that a test traces
+# what it loads unless it loads it twice itself.
+os.environ.setdefault("HF_WIDE_PLAN_CACHE", tempfile.mkdtemp(prefix="hf-wide-plans-"))
+
 from families import FAMILIES  # noqa: E402
 
-from hf_wide import WideModel  # noqa: E402
+from hf_wide import WideModel, fuse, sample_trace  # noqa: E402
 
 CASES = {case.id: case for case in FAMILIES}
 NUM_MEMBERS = 3
+
+
+@pytest.fixture(autouse=True)
+def plan_cache(tmp_path_factory, monkeypatch):
+    """This test's own cache of plans (hf_wide.plan_cache), empty at its start."""
+    folder = tmp_path_factory.mktemp("plans")
+    monkeypatch.setenv("HF_WIDE_PLAN_CACHE", str(folder))
+    return folder
+
+
+@pytest.fixture
+def traces(monkeypatch):
+    """The traces hf-wide takes (:func:`hf_wide.sample_trace.trace_members`), counted."""
+    taken, trace = [], sample_trace.trace_members
+
+    def counted(*args, **kwargs):
+        taken.append(type(args[0]).__name__)
+        return trace(*args, **kwargs)
+
+    monkeypatch.setattr(sample_trace, "trace_members", counted)  # (trace_ahead's)
+    monkeypatch.setattr(fuse, "trace_members", counted)
+    return taken
 
 
 @pytest.fixture(scope="session")

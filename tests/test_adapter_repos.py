@@ -16,7 +16,7 @@ from lora_members import EVERY_LINEAR, LLAMA, alone, lora_keys, save_adapter, sa
 from oracle import TOLERANCE, max_member_error
 from pipelines.text_members import decoder_tokenizer
 
-from hf_wide import IncompatibleMembersError, WideModel, fuse, pipeline, sample_trace
+from hf_wide import IncompatibleMembersError, WideModel, pipeline
 from hf_wide.download import MemberLoadError
 from hf_wide.preprocessor_files import preprocessor_files
 
@@ -231,20 +231,6 @@ def test_an_ensemble_of_adapters_saved_and_loaded_back(llama_adapters, tmp_path)
     assert back.dtype == torch.bfloat16 and {p.dtype for p in back.parameters()} == {p.dtype for p in over.parameters()}
     with torch.no_grad():
         assert torch.equal(back(**inputs).logits, over(**inputs).logits)
-
-
-@pytest.fixture
-def traces(monkeypatch):
-    """The traces hf-wide takes (:func:`hf_wide.sample_trace.trace_members`), counted."""
-    taken, trace = [], sample_trace.trace_members
-
-    def counted(*args, **kwargs):
-        taken.append(type(args[0]).__name__)
-        return trace(*args, **kwargs)
-
-    monkeypatch.setattr(sample_trace, "trace_members", counted)  # (trace_ahead's)
-    monkeypatch.setattr(fuse, "trace_members", counted)
-    return taken
 
 
 def test_a_saved_ensemble_of_adapters_is_built_by_its_plan_and_verified_not_traced(llama_adapters, tmp_path, traces):

@@ -253,22 +253,17 @@ def test_each_members_gradients_are_its_own(case_id, where):
     assert_gradients_are_the_members(wide, members, to_device(case.inputs(2, padded=True)))
 
 
-def test_lora_members_saved_and_loaded_back_by_their_plan(tmp_path, monkeypatch):
+def test_lora_members_saved_and_loaded_back_by_their_plan(tmp_path, traces):
     """A saved ensemble of adapters loads on the device by the plan it was fused by, verified there (not traced), and
     gives the wide model's outputs; so does one fused on the CPU, whose plan declines the fused LoRA projections."""
-    from hf_wide import fuse, sample_trace
-
-    traced = []
-    monkeypatch.setattr(fuse, "trace_members", lambda *args, **kwargs: traced.append(args) or
-                        sample_trace.trace_members(*args, **kwargs))
     base, adapters = save_llama_adapters(tmp_path)
     inputs = to_device(LLAMA.inputs(3, padded=True))
     for fused_on in (DEVICE, torch.device("cpu")):
         wide = WideModel.from_pretrained(adapters, device=fused_on).to(DEVICE)
         wide.save_pretrained(tmp_path / f"ensemble-{fused_on.type}")
-        traced.clear()
+        traces.clear()
         back = WideModel.from_pretrained(str(tmp_path / f"ensemble-{fused_on.type}"), device=DEVICE)
-        assert not traced and back.device.type == DEVICE.type
+        assert not traces and back.device.type == DEVICE.type
         with torch.no_grad():
             assert torch.equal(back(**inputs).logits, wide(**inputs).logits), f"fused on {fused_on}"
 

@@ -11,6 +11,8 @@ to a temporary folder, then loads them in fresh subprocesses:
 - ``adapters``: ``WideModel.from_pretrained(adapter folders)``: N LoRA adapters (rank 8 on every linear of the
   layers, the classifier saved whole) of one such base, whose cost is measured against the base plus the
   adapters (their files' bytes) rather than the fused model;
+- ``cached``: the same adapters loaded again, by the plan their first load cached (:mod:`hf_wide.plan_cache`),
+  verified rather than traced (``adapters`` and the others load with a cache of their own, empty);
 - ``unverified``: the same, ``verify=False`` (what hf-wide's check of every fused module against its members
   adds to the peak);
 - ``peft``: the same adapters as PEFT itself holds them, for reference: one ``PeftModel`` with the N adapters
@@ -44,7 +46,7 @@ import threading
 import time
 from pathlib import Path
 
-ADAPTER_MODES = {"adapters", "unverified", "peft", "traced"}  # measured against the base and the adapters
+ADAPTER_MODES = {"adapters", "cached", "unverified", "peft", "traced"}  # measured against the base and the adapters
 
 CHILD = r"""
 import gc, json, os, sys
@@ -61,7 +63,7 @@ if warmup != "-":  # for adapters, peft's imports and the adapter path too: on t
     gc.collect()  # the tiny model's mapped files with it
 result["warm"] = peak()
 with HeldPeak(root) as held:
-    if mode in ("members", "fused", "adapters"):
+    if mode in ("members", "fused", "adapters", "cached"):
         wide = WideModel.from_pretrained(paths)
     elif mode == "unverified":
         wide = WideModel.from_pretrained(paths, verify=False)
@@ -228,8 +230,9 @@ def load_with_peft(paths: list[str], trace: bool = False):
     return model
 
 
-def _run_child(mode: str, warmup: str, root: Path, paths: list[str]) -> dict:
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1", "TRANSFORMERS_VERBOSITY": "error"}
+def _run_child(mode: str, warmup: str, root: Path, paths: list[str], plans: Path) -> dict:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1", "TRANSFORMERS_VERBOSITY": "error",
+           "HF_WIDE_PLAN_CACHE": str(plans)}
     out = subprocess.run([sys.executable, "-c", CHILD, mode, warmup, str(root), *paths], env=env, check=True,
                          capture_output=True, text=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -246,12 +249,17 @@ def measure_load_memory(num_members: int = 4, hidden: int = 256, layers: int = 4
         paths = write_members(root, num_members, hidden, layers, vocab) if full else []
         adapter_paths, adapter_bytes = write_adapters(root, num_members, hidden, layers, vocab) if (
             set(modes) & ADAPTER_MODES) else ([], None)
-        baseline = _run_child("baseline", "-", root, [])
+        baseline = _run_child("baseline", "-", root, [], root / "plans-baseline")
         report = {"num_members": num_members, "hidden": hidden, "layers": layers, "vocab": vocab,
                   "baseline_peak": baseline["peak"], "loads": {}}
         for mode in modes:
             sources = adapter_paths if mode in ADAPTER_MODES else [str(root / "fused")] if mode == "fused" else paths
-            cold, warm = _run_child(mode, "-", root, sources), _run_child(mode, str(root), root, sources)
+            plans = [root / f"plans-{mode}-{child}" for child in ("cold", "warm")]  # each a first load
+            if mode == "cached":  # a load of the same adapters before, which cached their plan
+                plans = [root / "plans-cached"] * 2
+                _run_child("adapters", "-", root, sources, plans[0])
+            cold, warm = _run_child(mode, "-", root, sources, plans[0]), _run_child(mode, str(root), root, sources,
+                                                                                      plans[1])
             size = adapter_bytes if mode in ADAPTER_MODES else cold["fused_bytes"]
             if mode not in ADAPTER_MODES:
                 report["fused_bytes"] = size
@@ -299,7 +307,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--vocab", type=int, default=30_000)
     parser.add_argument("--modes", nargs="+", default=["members", "fused", "whole", "adapters"],
-                        choices=["members", "fused", "whole", "adapters", "unverified", "peft", "traced"])
+                        choices=["members", "fused", "whole", "adapters", "cached", "unverified", "peft", "traced"])
     parser.add_argument("--json", help="also write the figures to this file")
     args = parser.parse_args(argv)
     report = measure_load_memory(args.members, args.hidden, args.layers, args.vocab, tuple(args.modes))

@@ -1,0 +1,115 @@
+"""Plans of adapter lists, kept on disk: a list loaded again is verified by the plan it was fused by, not traced.
+
+Over adapters of one base the trace of member 0 is most of a load's time and a share of what it holds (README,
+"LoRA members"). The plan it leads to depends on the base's architecture and config,
+the adapters' configs (targets, ranks, ``modules_to_save``), the device type and dtype, and the versions of the code
+that traced and planned, not on the weights, so it is kept under a key of those in
+``$HF_WIDE_PLAN_CACHE`` (by default ``plans/`` in hf-wide's cache: ``$HF_WIDE_CACHE`` or ``~/.cache/hf-wide``)::
+
+    key = plan_key(base_model, configs, fuse_options)   # a hex digest
+    plan = load_plan(key)                               # None where there is none, or it does not read
+    store_plan(key, wide.plan)                          # after a verified fusion that traced
+
+A cached plan is never trusted: :func:`hf_wide.fuse.fuse_models` builds by it only where it names these members'
+modules and every module it keeps once holds the same tensors in every member, verifies what it built as any fusion,
+and traces the members afresh where the check disagrees (a plan read from a saved ensemble is used the same way).
+``HF_WIDE_DISABLE_PLAN_CACHE=1`` turns the cache off; nothing is read or written then.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+
+from torch import nn
+
+from .plan import WidePlan
+
+logger = logging.getLogger(__name__)
+
+KEY_VERSION = 1  # raised where what a key covers changes
+
+
+def cache_folder() -> Path:
+    """Where plans are kept: ``$HF_WIDE_PLAN_CACHE``, else ``plans/`` in hf-wide's cache folder."""
+    folder = os.environ.get("HF_WIDE_PLAN_CACHE")
+    if folder:
+        return Path(folder)
+    return Path(os.environ.get("HF_WIDE_CACHE") or Path.home() / ".cache" / "hf-wide") / "plans"
+
+
+def enabled() -> bool:
+    return os.environ.get("HF_WIDE_DISABLE_PLAN_CACHE", "").strip().lower() not in ("1", "true", "yes", "on")
+
+
+def plan_key(base: nn.Module, configs: Sequence[dict | None], options: dict) -> str:
+    """A digest of what a plan of these adapters over ``base`` depends on: the base's class, config (not where it
+    was loaded from), attention implementation, dtype and device type; each member's adapter config (None for a
+    full member) less the base it names; the fusion's ``options``; and the versions of hf-wide, torch,
+    transformers and peft."""
+    import peft
+    import torch
+    import transformers
+
+    from . import __version__
+
+    config = base.config.to_dict() if hasattr(base, "config") else {}
+    for where in ("_name_or_path", "_commit_hash", "transformers_version"):
+        config.pop(where, None)
+    tensor = next(iter(base.parameters()), None)
+    adapters = [None if c is None else {k: v for k, v in c.items() if k not in ("base_model_name_or_path", "revision")}
+                for c in configs]
+    what = {
+        "key_version": KEY_VERSION,
+        "versions": [__version__, torch.__version__, transformers.__version__, peft.__version__],
+        "class": f"{type(base).__module__}.{type(base).__qualname__}",
+        "config": config,
+        "attention": getattr(getattr(base, "config", None), "_attn_implementation", None),
+        "tensors": None if tensor is None else [str(tensor.dtype), tensor.device.type],
+        "adapters": adapters,
+        "options": sorted(options.items()),
+    }
+    return hashlib.sha256(json.dumps(what, sort_keys=True, default=repr).encode()).hexdigest()
+
+
+def load_plan(key: str) -> WidePlan | None:
+    """The plan kept under ``key``, or None: none kept, the cache off, or a file that does not read as a plan."""
+    from .saving import plan_from_dict
+
+    path = cache_folder() / f"{key}.json"
+    if not enabled() or not path.is_file():
+        return None
+    try:
+        plan = plan_from_dict(json.loads(path.read_text()))
+    except (OSError, ValueError, TypeError, KeyError) as exc:  # (a torn or foreign file: traced, and written anew)
+        logger.info("hf-wide: the cached plan %s does not read (%s): tracing", path, exc)
+        return None
+    logger.info("hf-wide: fusing by the plan cached in %s, verified", path)
+    return plan
+
+
+def store_plan(key: str, plan: WidePlan) -> None:
+    """Keep ``plan`` under ``key`` (written whole, then renamed: a reader never sees part of it). A cache that
+    cannot be written (a read-only home) is passed over: the next load traces again."""
+    from .saving import plan_to_dict
+
+    if not enabled():
+        return
+    folder = cache_folder()
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        handle, temporary = tempfile.mkstemp(dir=folder, suffix=".tmp")
+        try:
+            with os.fdopen(handle, "w") as file:
+                json.dump(plan_to_dict(plan), file)
+            os.replace(temporary, folder / f"{key}.json")
+        except BaseException:
+            Path(temporary).unlink(missing_ok=True)
+            raise
+    except OSError as exc:
+        logger.info("hf-wide: the plan was not cached in %s (%s)", folder, exc)

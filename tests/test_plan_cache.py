@@ -1,0 +1,106 @@
+"""The plans of adapter lists kept on disk (hf_wide/plan_cache.py): a list loaded again is fused by the plan it was
+fused by, verified, not traced; a cached plan that is not the members' is traced past; with the cache off, a file that
+does not read, or a cache that cannot be written, the members are traced as before."""
+
+import json
+import logging
+
+import pytest
+import torch
+from lora_members import LLAMA, alone, save_adapter, save_llama_adapters
+from oracle import TOLERANCE, max_member_error
+
+from hf_wide import WideModel, plan_cache
+
+
+@pytest.fixture(scope="module")
+def llama_adapters(tmp_path_factory):
+    return save_llama_adapters(tmp_path_factory.mktemp("llama"))  # ranks 4, 8 and 16 on different targets
+
+
+def kinds(wide: WideModel) -> dict:
+    return {fqn: (e.kind, e.wide_class) for fqn, e in wide.plan.entries.items()}
+
+
+def test_a_list_loaded_again_is_fused_by_its_cached_plan_verified_not_traced(llama_adapters, traces, plan_cache,
+                                                                            monkeypatch):
+    # Every load traced member 0 again: most of a load's time over adapters of one base
+    base, adapters = llama_adapters
+    ids = [str(base), *adapters]
+    wide = WideModel.from_pretrained(ids)
+    assert len(traces) == 1 and len(list(plan_cache.glob("*.json"))) == 1
+    again = WideModel.from_pretrained(ids)
+    assert len(traces) == 1 and kinds(again) == kinds(wide)
+    inputs = LLAMA.inputs(3, padded=True)
+    with torch.no_grad():
+        assert torch.equal(again(**inputs).logits, wide(**inputs).logits)
+    members = [LLAMA.model_class.from_pretrained(base).eval(), *(alone(LLAMA, base, a) for a in adapters)]
+    assert max_member_error(again, members, inputs) <= TOLERANCE
+    WideModel.from_pretrained(ids, verify=False)  # a plan is never used unchecked: traced
+    assert len(traces) == 2
+    monkeypatch.setenv("HF_WIDE_DISABLE_PLAN_CACHE", "1")
+    WideModel.from_pretrained(ids)
+    assert len(traces) == 3
+
+
+def test_a_cached_plan_that_keeps_once_what_the_members_hold_apart_is_traced_past(llama_adapters, traces, tmp_path,
+                                                                                 caplog):
+    # A full checkpoint of the base's architecture in the base's place keys alike (no adapter config either way),
+    # and the plan made with the base kept its modules once: member 0's would have run with the base's weights
+    base, adapters = llama_adapters
+    WideModel.from_pretrained([str(base), *adapters[:2]])
+    other = tmp_path / "other"
+    LLAMA.build(7).save_pretrained(other)
+    with caplog.at_level(logging.INFO, logger="hf_wide.fuse"):
+        wide = WideModel.from_pretrained([str(other), *adapters[:2]])
+    assert len(traces) == 2 and "which the members hold apart" in caplog.text
+    members = [LLAMA.model_class.from_pretrained(other).eval(), *(alone(LLAMA, base, a) for a in adapters[:2])]
+    assert max_member_error(wide, members, LLAMA.inputs(3, padded=True)) <= TOLERANCE
+
+
+def test_adapters_of_other_ranks_or_targets_are_planned_apart(llama_adapters, tmp_path, traces, plan_cache):
+    base, adapters = llama_adapters
+    WideModel.from_pretrained(adapters[:2])
+    wider = save_adapter(LLAMA, base, tmp_path / "wider", 1, r=12, lora_alpha=16, target_modules=["q_proj", "v_proj"],
+                         task_type="CAUSAL_LM")  # adapters[1] at another rank
+    wide = WideModel.from_pretrained([adapters[0], wider])
+    assert len(traces) == 2 and len(list(plan_cache.glob("*.json"))) == 2
+    members = [alone(LLAMA, base, a) for a in (adapters[0], wider)]
+    assert max_member_error(wide, members, LLAMA.inputs(2, padded=True)) <= TOLERANCE
+
+
+def test_the_key_holds_the_structure_not_where_it_came_from(llama_adapters):
+    base = LLAMA.model_class.from_pretrained(llama_adapters[0])
+    configs = [json.loads((llama_adapters[0].parent / f"a{i}" / "adapter_config.json").read_text()) for i in range(2)]
+    key = plan_cache.plan_key(base, configs, {"verify": True})
+    moved = [{**c, "base_model_name_or_path": "elsewhere/base", "revision": "main"} for c in configs]
+    assert plan_cache.plan_key(base, moved, {"verify": True}) == key
+    base.config._name_or_path = "elsewhere/base"
+    assert plan_cache.plan_key(base, configs, {"verify": True}) == key
+    assert plan_cache.plan_key(base, [configs[0], {**configs[1], "r": 2}], {"verify": True}) != key
+    assert plan_cache.plan_key(base, configs[::-1], {"verify": True}) != key
+    assert plan_cache.plan_key(base, configs, {"verify": True, "share_identical": False}) != key
+    assert plan_cache.plan_key(base.to(torch.bfloat16), configs, {"verify": True}) != key
+
+
+@pytest.mark.parametrize("damage", ["torn", "foreign"])
+def test_a_cached_plan_that_does_not_read_is_traced_past_and_written_anew(llama_adapters, traces, plan_cache, damage):
+    _, adapters = llama_adapters
+    wide = WideModel.from_pretrained(adapters[:2])
+    (path,) = plan_cache.glob("*.json")
+    path.write_text(path.read_text()[:100] if damage == "torn" else json.dumps({"entries": {"x": {"kind": "odd"}}}))
+    again = WideModel.from_pretrained(adapters[:2])
+    assert len(traces) == 2 and kinds(again) == kinds(wide)
+    assert json.loads(path.read_text())["entries"].keys() == wide.plan.entries.keys()
+    WideModel.from_pretrained(adapters[:2])
+    assert len(traces) == 2
+
+
+def test_a_cache_that_cannot_be_written_is_passed_over(llama_adapters, traces, tmp_path, monkeypatch):
+    _, adapters = llama_adapters
+    (tmp_path / "a-file").write_text("")
+    monkeypatch.setenv("HF_WIDE_PLAN_CACHE", str(tmp_path / "a-file" / "plans"))  # (no folder can be made there)
+    for _ in range(2):
+        WideModel.from_pretrained(adapters[:2])
+    assert len(traces) == 2
+    assert not list(tmp_path.glob("**/*.tmp"))
