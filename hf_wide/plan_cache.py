@@ -1,9 +1,9 @@
 """Plans of adapter lists, kept on disk: a list loaded again is verified by the plan it was fused by, not traced.
 
 Over adapters of one base the trace of member 0 is most of a load's time and a share of what it holds (README,
-"LoRA members"). The plan it leads to depends on the base's architecture and config,
-the adapters' configs (targets, ranks, ``modules_to_save``), the device type and dtype, and the versions of the code
-that traced and planned, not on the weights, so it is kept under a key of those in
+"LoRA members"). The plan it leads to depends on the base's architecture and config, the adapters' configs (targets,
+ranks, ``modules_to_save``), the device type and dtype, and the code that traced and planned (hf-wide's own source,
+and the versions of torch, transformers and peft), not on the weights, so it is kept under a key of those in
 ``$HF_WIDE_PLAN_CACHE`` (by default ``plans/`` in hf-wide's cache: ``$HF_WIDE_CACHE`` or ``~/.cache/hf-wide``)::
 
     key = plan_key(base_model, configs, fuse_options)   # a hex digest
@@ -18,6 +18,7 @@ and traces the members afresh where the check disagrees (a plan read from a save
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -47,16 +48,24 @@ def enabled() -> bool:
     return os.environ.get("HF_WIDE_DISABLE_PLAN_CACHE", "").strip().lower() not in ("1", "true", "yes", "on")
 
 
+@functools.cache
+def code_digest() -> str:
+    """A digest of hf-wide's own source (its version number changes less often than the planner and builders)."""
+    package = Path(__file__).parent
+    digest = hashlib.sha256()
+    for path in sorted(package.rglob("*.py")):
+        digest.update(path.relative_to(package).as_posix().encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()
+
+
 def plan_key(base: nn.Module, configs: Sequence[dict | None], options: dict) -> str:
     """A digest of what a plan of these adapters over ``base`` depends on: the base's class, config (not where it
     was loaded from), attention implementation, dtype and device type; each member's adapter config (None for a
-    full member) less the base it names; the fusion's ``options``; and the versions of hf-wide, torch,
+    full member) less the base it names; the fusion's ``options``; and hf-wide's code and the versions of torch,
     transformers and peft."""
     import peft
     import torch
     import transformers
-
-    from . import __version__
 
     config = base.config.to_dict() if hasattr(base, "config") else {}
     for where in ("_name_or_path", "_commit_hash", "transformers_version"):
@@ -66,7 +75,7 @@ def plan_key(base: nn.Module, configs: Sequence[dict | None], options: dict) -> 
                 for c in configs]
     what = {
         "key_version": KEY_VERSION,
-        "versions": [__version__, torch.__version__, transformers.__version__, peft.__version__],
+        "versions": [code_digest(), torch.__version__, transformers.__version__, peft.__version__],
         "class": f"{type(base).__module__}.{type(base).__qualname__}",
         "config": config,
         "attention": getattr(getattr(base, "config", None), "_attn_implementation", None),

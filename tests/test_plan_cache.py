@@ -69,7 +69,7 @@ def test_adapters_of_other_ranks_or_targets_are_planned_apart(llama_adapters, tm
     assert max_member_error(wide, members, LLAMA.inputs(2, padded=True)) <= TOLERANCE
 
 
-def test_the_key_holds_the_structure_not_where_it_came_from(llama_adapters):
+def test_the_key_holds_the_structure_not_where_it_came_from(llama_adapters, monkeypatch):
     base = LLAMA.model_class.from_pretrained(llama_adapters[0])
     configs = [json.loads((llama_adapters[0].parent / f"a{i}" / "adapter_config.json").read_text()) for i in range(2)]
     key = plan_cache.plan_key(base, configs, {"verify": True})
@@ -80,6 +80,10 @@ def test_the_key_holds_the_structure_not_where_it_came_from(llama_adapters):
     assert plan_cache.plan_key(base, [configs[0], {**configs[1], "r": 2}], {"verify": True}) != key
     assert plan_cache.plan_key(base, configs[::-1], {"verify": True}) != key
     assert plan_cache.plan_key(base, configs, {"verify": True, "share_identical": False}) != key
+    monkeypatch.setattr(plan_cache, "code_digest", lambda: "another hf-wide")  # (its version number unchanged)
+    assert plan_cache.plan_key(base, configs, {"verify": True}) != key
+    monkeypatch.setattr(plan_cache, "code_digest", plan_cache.code_digest.__wrapped__)
+    assert plan_cache.plan_key(base, configs, {"verify": True}) == key
     assert plan_cache.plan_key(base.to(torch.bfloat16), configs, {"verify": True}) != key
 
 
