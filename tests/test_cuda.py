@@ -236,16 +236,17 @@ def test_each_members_gradients_are_its_own(case_id, where):
     and moved to CUDA raised in its backward (an H200, session 38: memory-efficient attention's backward over the
     vectorised first attention, "LSE is not correctly aligned (strideH)")."""
     case = CASES[case_id]
-    members = [zero_dropout(case.build(seed)) for seed in range(3)]
+
+    def build():
+        return [zero_dropout(case.build(seed)) for seed in range(3)]
+
     if where == "fused on the CPU":
-        wide = WideModel.from_models(members, share_identical=False).to(DEVICE)
-        members = [zero_dropout(case.build(seed)) for seed in range(3)]  # (the same, apart from what the wide holds)
-    members = on_device(members)
-    if where != "fused on the CPU":
+        wide = WideModel.from_models(build(), share_identical=False).to(DEVICE)
+        members = on_device(build())
+    else:
+        members = on_device(build())
         wide = WideModel.from_models(members, share_identical=False)
     if where == "checkpointed":
-        if not members[0].supports_gradient_checkpointing:
-            pytest.skip(f"{type(members[0]).__name__} does not support gradient checkpointing")
         for model in (*members, wide.model):
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
             model.train()
