@@ -54,29 +54,33 @@ def fuse_adapters(cls, ids: Sequence[str], folders: Sequence, configs: Sequence[
     options; ``fuse``: :func:`~hf_wide.fuse.fuse_models`'), their sources and each member's no-ops, as
     :func:`~hf_wide.adapters.load_adapter_members` gives them. In groups where :func:`grouped`; else, or where the
     groups do not join, all at once. ``saved_plan``: the plan of a saved ensemble of these adapters, for
-    :func:`~hf_wide.fuse.fuse_models` to verify rather than trace member 0 (not in groups: each traces its own);
-    without one, the plan a list of the same structure was fused by before (:mod:`hf_wide.plan_cache`), used
-    alike, and the plan kept there where the members were traced."""
+    :func:`~hf_wide.fuse.fuse_models` to verify rather than trace member 0 (each group by it, in groups); without
+    one, the plan a list of the same structure was fused by before (:mod:`hf_wide.plan_cache`), used alike, and the
+    plan kept there where the members were traced."""
     from .fuse import fuse_models, uses_saved_plan
 
     ids, folders, configs = list(ids), list(folders), list(configs)
     base = load_adapter_base(ids, folders, configs, **load)
-    if grouped(configs, load.get("merge", False)):
-        joined = _fuse_in_groups(cls, ids, folders, configs, base, load, fuse)
-        if joined is not None:
-            return joined
-        gc.collect()  # the groups' wide models, before all the members load
-        release_freed_memory()
     checked = uses_saved_plan(fuse.get("verify", True), fuse.get("share_identical", True))
     key = None
     if saved_plan is None and checked and plan_cache.enabled():  # a list loaded before: by the plan it was fused by
         key = plan_cache.plan_key(base.model, configs, {**fuse, "merge": load.get("merge", False)})
         saved_plan = plan_cache.load_plan(key)
-    models, sources, padded, traced = load_adapter_members(
-        ids, folders, configs, base=base, trace_first=not (checked and saved_plan is not None), **load)
-    wide = fuse_models(cls, models, member_ids=ids, traced=traced, copy_shared=False, saved_plan=saved_plan, **fuse)
-    if key is not None and wide.plan is not saved_plan:  # traced (none was cached, or it was not these members')
-        plan_cache.store_plan(key, dataclasses.replace(wide.plan, num_members=wide.num_members))
+    known = saved_plan if checked else None  # (a plan is never used unchecked)
+    if grouped(configs, load.get("merge", False)):
+        joined = _fuse_in_groups(cls, ids, folders, configs, base, load, fuse, known)
+        if joined is not None:
+            if key is not None and known is None:  # (traced: the groups' one plan)
+                plan_cache.store_plan(key, joined[0].plan)
+            return joined
+        gc.collect()  # the groups' wide models, before all the members load
+        release_freed_memory()
+    known = None if known is None else dataclasses.replace(known, num_members=len(ids))  # (another grouping's)
+    models, sources, padded, traced = load_adapter_members(ids, folders, configs, base=base,
+                                                           trace_first=known is None, **load)
+    wide = fuse_models(cls, models, member_ids=ids, traced=traced, copy_shared=False, saved_plan=known, **fuse)
+    if key is not None and wide.plan is not known:  # traced (none was cached, or it was not these members')
+        plan_cache.store_plan(key, wide.plan)
     return wide, sources, padded
 
 
@@ -94,10 +98,13 @@ def group_slices(n: int, size: int) -> list[slice]:
     return [slice(a, b) for a, b in zip(bounds, bounds[1:])]
 
 
-def _fuse_in_groups(cls, ids, folders, configs, base: AdapterBase, load: dict, fuse: dict):
+def _fuse_in_groups(cls, ids, folders, configs, base: AdapterBase, load: dict, fuse: dict,
+                    known: WidePlan | None = None):
     """(wide model, sources, no-ops) of the adapters fused in groups and joined; None where they cannot be (the
-    caller then fuses them all at once)."""
+    caller then fuses them all at once). ``known``: the plan these adapters were fused by before (saved with them, or
+    cached: :mod:`hf_wide.plan_cache`), by which every group is fused, verified, rather than by member 0's trace."""
     from .fuse import as_args_kwargs, fuse_models
+    from .samples import sample_inputs
 
     n, wides, outputs, padded = len(ids), [], [], []
     traced = structure = sources = None
@@ -105,9 +112,12 @@ def _fuse_in_groups(cls, ids, folders, configs, base: AdapterBase, load: dict, f
         start = part.start
         with collected():  # the group's module trees (PEFT's wrappers hold reference cycles), for the next group's
             models, group_sources, group_padded, ahead = load_adapter_members(
-                ids[part], folders[part], configs[part], base=base, first=start, trace_first=start == 0,
-                desc=f"Loading members {part.start + 1}-{part.stop} of {n}", **load)
-            if start == 0:
+                ids[part], folders[part], configs[part], base=base, first=start,
+                trace_first=start == 0 and known is None, desc=f"Loading members {part.start + 1}-{part.stop} of {n}",
+                **load)
+            if start == 0 and known is not None:  # (no trace: the sample the groups are checked on)
+                traced, structure, sources = (sample_inputs(models[0]), None), module_structure(models[0]), group_sources
+            elif start == 0:
                 if ahead is None:  # not taken as member 0 loaded, or member 0 has changed since (padded): now
                     ahead = trace_ahead(models[0])
                     ahead = None if ahead is None else ahead[:2]
@@ -115,8 +125,17 @@ def _fuse_in_groups(cls, ids, folders, configs, base: AdapterBase, load: dict, f
             if traced is None or module_structure(models[0]) != structure:
                 logger.info("hf-wide: fusing the adapters all at once (member %d is not traced as member 0 is)", start)
                 return None  # (member 0 not traced ahead: the fusion says why, all at once)
-            wides.append(fuse_models(cls, models, member_ids=ids[part], traced=traced, copy_shared=False,
-                                     outputs=outputs, **fuse))
+            if known is None:
+                wides.append(fuse_models(cls, models, member_ids=ids[part], traced=traced, copy_shared=False,
+                                         outputs=outputs, **fuse))
+            else:
+                plan = dataclasses.replace(known, num_members=len(models))
+                wides.append(fuse_models(cls, models, traced[0], member_ids=ids[part], copy_shared=False,
+                                         outputs=outputs, saved_plan=plan, **fuse))
+                if wides[-1].plan is not plan:  # (traced: not these members' plan after all)
+                    logger.info("hf-wide: fusing the adapters all at once (the known plan is not group %d's)",
+                                len(wides) - 1)
+                    return None
             padded += group_padded
             del models
             why = unjoinable(wides[0]) if start == 0 else None

@@ -108,3 +108,51 @@ def test_a_cache_that_cannot_be_written_is_passed_over(llama_adapters, traces, t
         WideModel.from_pretrained(adapters[:2])
     assert len(traces) == 2
     assert not list(tmp_path.glob("**/*.tmp"))
+
+
+@pytest.mark.parametrize("saved", [False, True], ids=["loaded-again", "saved-ensemble"])
+def test_adapters_fused_in_groups_are_fused_by_the_known_plan_group_by_group(tmp_path, traces, monkeypatch, saved):
+    """Adapters of one recipe, fused a group at a time (hf_wide/adapter_groups.py; groups of two here), loaded again
+    or saved and loaded back: each group built by the plan, verified, none traced; the joined model exact."""
+    import hf_wide.adapter_groups as groups
+
+    monkeypatch.setattr(groups, "GROUP_SIZE", 2)
+    base = tmp_path / "base"
+    LLAMA.build(0).save_pretrained(base)
+    adapters = [save_adapter(LLAMA, base, tmp_path / f"a{seed}", seed, r=4, lora_alpha=4 + seed,
+                             target_modules=["o_proj", "down_proj"], task_type="CAUSAL_LM") for seed in range(4)]
+    wide = WideModel.from_pretrained(adapters)
+    assert len(traces) == 1
+    if saved:
+        wide.save_pretrained(tmp_path / "ensemble")
+        monkeypatch.setenv("HF_WIDE_DISABLE_PLAN_CACHE", "1")
+    joins, concatenate = [], groups.concatenate
+    monkeypatch.setattr(groups, "concatenate", lambda *args: joins.append(1) or concatenate(*args))
+    again = WideModel.from_pretrained(str(tmp_path / "ensemble") if saved else adapters)
+    assert len(traces) == 1 and joins == [1] and kinds(again) == kinds(wide)
+    inputs = LLAMA.inputs(3, padded=True)
+    with torch.no_grad():
+        assert torch.equal(again(**inputs).logits, wide(**inputs).logits)
+    assert max_member_error(again, [alone(LLAMA, base, a) for a in adapters], inputs) <= TOLERANCE
+
+
+def test_a_known_plan_a_group_disagrees_with_is_traced_past_all_at_once(tmp_path, traces, plan_cache, monkeypatch,
+                                                                        caplog):
+    import hf_wide.adapter_groups as groups
+
+    monkeypatch.setattr(groups, "GROUP_SIZE", 2)
+    base = tmp_path / "base"
+    LLAMA.build(0).save_pretrained(base)
+    adapters = [save_adapter(LLAMA, base, tmp_path / f"a{seed}", seed, r=4, lora_alpha=8,
+                             target_modules=["o_proj"], task_type="CAUSAL_LM") for seed in range(4)]
+    WideModel.from_pretrained(adapters)
+    (path,) = plan_cache.glob("*.json")
+    plan = json.loads(path.read_text())  # one adapted layer kept once: member 0's update for all
+    fqn = next(fqn for fqn, e in plan["entries"].items() if e["wide_class"] == "WideLoraLinear")
+    plan["entries"][fqn].update(kind="shared", wide_class=None)
+    path.write_text(json.dumps(plan))
+    with caplog.at_level(logging.INFO, logger="hf_wide"):
+        wide = WideModel.from_pretrained(adapters)
+    assert "the known plan is not group 0's" in caplog.text and len(traces) >= 2
+    assert wide.plan.entries[fqn].wide_class == "WideLoraLinear"
+    assert max_member_error(wide, [alone(LLAMA, base, a) for a in adapters], LLAMA.inputs(3, padded=True)) <= TOLERANCE
