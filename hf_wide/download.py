@@ -24,6 +24,12 @@ class MemberLoadError(OSError):
     ``huggingface_hub`` error (``RepositoryNotFoundError``, ``RevisionNotFoundError``, ...)."""
 
 
+def cache_home() -> Path:
+    """hf-wide's own cache folder (the demo's members, the plans of adapter lists): ``$HF_WIDE_CACHE``, else
+    ``~/.cache/hf-wide``."""
+    return Path(os.environ.get("HF_WIDE_CACHE") or Path.home() / ".cache" / "hf-wide")
+
+
 SAFETENSORS_PATTERNS = ["*.safetensors", "*.safetensors.index.json"]
 PICKLE_PATTERNS = ["*.bin", "*.bin.index.json"]
 # Config, tokenizer, processor and chat-template files: small, and what a pipeline needs besides the weights.

@@ -29,6 +29,7 @@ from pathlib import Path
 
 from torch import nn
 
+from .download import cache_home
 from .plan import WidePlan
 
 logger = logging.getLogger(__name__)
@@ -41,7 +42,7 @@ def cache_folder() -> Path:
     folder = os.environ.get("HF_WIDE_PLAN_CACHE")
     if folder:
         return Path(folder)
-    return Path(os.environ.get("HF_WIDE_CACHE") or Path.home() / ".cache" / "hf-wide") / "plans"
+    return cache_home() / "plans"
 
 
 def enabled() -> bool:

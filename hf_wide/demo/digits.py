@@ -4,7 +4,6 @@ handwritten digits; what ``hf-wide demo`` prints of their ensemble (:func:`run_d
 from __future__ import annotations
 
 import json
-import os
 import statistics
 import time
 from pathlib import Path
@@ -13,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import metrics
+from ..download import cache_home
 from ..inputs import PerMember
 from ..model import WideModel
 
@@ -26,8 +26,7 @@ STROKE = 4 / 32  # stroke width as a fraction of the digit's height
 
 
 def default_members_dir() -> Path:
-    root = os.environ.get("HF_WIDE_CACHE") or Path.home() / ".cache" / "hf-wide"
-    return Path(root) / DEMO_VERSION
+    return cache_home() / DEMO_VERSION
 
 
 def image_processor():
