@@ -262,13 +262,19 @@ def materialize_(model: nn.Module, device: torch.device) -> int:
     return sum(t.numel() for key, t in state.items() if key in created)
 
 
+class HeldOnce(ValueError):
+    """A plan keeps one tensor for several members whose checkpoints hold it apart (:func:`fill_`'s ``alike``)."""
+
+
 @torch.no_grad()
 def fill_(model: nn.Module, aliases: dict[str, list[str]], num_members: int,
-          read: Callable[[int, str, torch.Tensor], None]) -> int:
+          read: Callable[[int, str, torch.Tensor], None], alike: Callable[[str], bool] | None = None) -> int:
     """Fill a materialised wide model member by member: ``read(i, name, dst)`` writes member i's tensor ``name``
     into ``dst``, a view into the wide model's storage (``member(i, share=True)`` gives those views). A tensor
-    that all members share (a shared module's) is read once. Returns the number of elements written."""
-    done: dict[tuple, torch.Tensor] = {}  # by place in storage: two views of one tied tensor are read once
+    that all members share (a shared module's) is read once, from member 0: ``alike(name)``, where given, says
+    whether every member's checkpoint holds the same tensor ``name``, and :class:`HeldOnce` is raised for one that
+    is read once and does not. Returns the number of elements written."""
+    done: dict[tuple, tuple[torch.Tensor, int]] = {}  # by place in storage: two views of one tied tensor read once
     fallbacks = [(path, m) for path, m in model.named_modules() if isinstance(m, (PerMemberFallback, VectorisedFallback))]
     for i in range(num_members):
         view = member_copy(model, i, aliases, share=True)
@@ -284,19 +290,23 @@ def fill_(model: nn.Module, aliases: dict[str, list[str]], num_members: int,
         for name, t in tensors:
             place = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride())
             if place not in done:
-                done[place] = t
+                done[place] = t, i
                 read(i, name, t)
-    return sum(t.numel() for t in done.values())
+            elif alike is not None and done[place][1] != i and not alike(name):
+                raise HeldOnce(f"the plan holds {name} once for members {done[place][1]} and {i}, whose checkpoints "
+                               "hold it apart")
+    return sum(t.numel() for t, _ in done.values())
 
 
-def assemble(skeletons: Sequence[nn.Module], plan: WidePlan, device, read) -> tuple[nn.Module, Fold, dict]:
-    """The wide model of ``skeletons`` under ``plan``, with its storage on ``device`` and filled by ``read``.
-    Returns the folded model, its fold and the template's tensor aliases."""
+def assemble(skeletons: Sequence[nn.Module], plan: WidePlan, device, read,
+             alike: Callable[[str], bool] | None = None) -> tuple[nn.Module, Fold, dict]:
+    """The wide model of ``skeletons`` under ``plan``, with its storage on ``device`` and filled by ``read``
+    (``alike``: see :func:`fill_`). Returns the folded model, its fold and the template's tensor aliases."""
     fold = Fold(len(skeletons))
     model = build_wide(skeletons, plan, fold)
     empty = materialize_(model, torch.device(device or "cpu"))
     aliases = tensor_aliases(skeletons[0])
-    filled = fill_(model, aliases, len(skeletons), read)
+    filled = fill_(model, aliases, len(skeletons), read, alike)
     if filled != empty:  # every element the members' views reach, and nothing else, must be written once
         raise RuntimeError(f"hf-wide filled {filled} of the {empty} elements of the wide model's new tensors.")
     return model.to(device) if device is not None else model, fold, aliases

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from . import plan_cache
 from .adapter_repos import adapter_folders
 from .adapters import adapter_config, load_adapter_members
 from .compat import refuse_unfused_attention
@@ -168,9 +169,13 @@ def _fuse_checkpoints(cls, ids, folders, names, load: dict, fuse: dict):
                                   "checkpoint (config.json and its weights) or a PEFT adapter (adapter_config.json).")
     if all(weights_format(folder, name, load["allow_pickle"]) for folder, name in zip(folders, names)):
         wide = load_streaming(cls, ids, folders, names, load["dtype"], load["device"], load["trust_remote_code"],
-                              fuse["allow_label_mismatch"], fuse["share_identical"], load["model_kwargs"])
+                              fuse["allow_label_mismatch"], fuse["share_identical"], load["model_kwargs"],
+                              cached=fuse["verify"])  # (a plan is never used unchecked)
+        streamed, (key, traced) = wide, (None, True) if wide is None else wide.__dict__.pop("_plan_cache")
         if wide is not None and (fuse["verify"] or needs_verifying(wide.plan.trace_method, wide.plan.model_class)):
             wide = verified(wide, fuse["share_identical"])
+            if key is not None and (traced or wide is not streamed):  # kept for the next load: a plan verified
+                plan_cache.store_plan(key, wide.plan)
     validated = wide is None
     if wide is None:
         models = load_models(ids, folders, load["dtype"], load["device"], load["allow_pickle"],

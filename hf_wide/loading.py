@@ -23,6 +23,7 @@ from safetensors import SafetensorError
 from huggingface_hub.utils import tqdm as hf_tqdm
 from torch import nn
 
+from . import plan_cache
 from .checkpoints import Checkpoint, assemble, same_bytes, skeleton_like, state_tensors
 from .compat import IncompatibleMembersError, check_configs, refuse_other_class, require_one_dtype
 from .fallback_roots import STAND_IN
@@ -63,9 +64,13 @@ def _auto_dtypes(configs: list, stored: list[dict]) -> list[torch.dtype]:
 
 
 def load_streaming(cls, ids, folders, names, dtype, device, trust_remote_code, allow_label_mismatch,
-                    share_identical, model_kwargs: dict | None = None):
+                    share_identical, model_kwargs: dict | None = None, cached: bool = False, read_cache: bool = True):
     """The low-memory path: member 0 alone for the trace, then the wide model filled from the files.
-    Returns None when a checkpoint's tensor names differ from its model's (transformers must convert them)."""
+    Returns None when a checkpoint's tensor names differ from its model's (transformers must convert them).
+    ``cached`` (the caller verifies what this returns): a list of the same structure fused before is filled by the
+    plan it was fused by (:mod:`hf_wide.plan_cache`), not traced, unless it keeps once a tensor the files hold apart;
+    the wide model's ``_plan_cache`` is (the key to keep its plan under once verified, or None without ``cached``;
+    whether it was traced). ``read_cache=False``: traced, the plan kept all the same."""
     raw = [transformers.AutoConfig.from_pretrained(f, trust_remote_code=trust_remote_code) for f in folders]
     classes = [model_class_for(raw[0], names[0], folders[0], trust_remote_code)]
     classes += [model_class_for(config, name, folder, trust_remote_code, like=classes[0])
@@ -74,7 +79,7 @@ def load_streaming(cls, ids, folders, names, dtype, device, trust_remote_code, a
         if klass is not classes[0]:
             refuse_other_class(classes[0], klass, names[0], name)
         check_configs(raw[0], config, names[0], name, allow_label_mismatch)
-    checkpoints = [Checkpoint(folder) for folder in folders]
+    checkpoints, stale = [Checkpoint(folder) for folder in folders], None
     try:
         template = load_member(folders[0], names[0], dtype, device=None, use_safetensors=True,
                                 trust_remote_code=trust_remote_code, **(model_kwargs or {}))
@@ -90,24 +95,44 @@ def load_streaming(cls, ids, folders, names, dtype, device, trust_remote_code, a
         generation_configs = [_generation_config(template, folder) for folder in folders]
         skeletons = [skeleton_like(template, c, g) for c, g in zip(configs, generation_configs)]
         identical = {k for k in keys[0] if share_identical and same_bytes(checkpoints, [ks[k] for ks in keys])}
-        stand_ins = [_stand_in(template, identical) for _ in folders[1:]]
-        given = StateSnapshot([template])  # (the skeletons are copies of it as loaded; see hf_wide.forward_state)
-        plan = plan_members([template, *stand_ins], share_identical=share_identical)
-        refuse_changes(given, names)
-        names = tensor_aliases(template)
-        del template, stand_ins  # free member 0 before the wide model takes its memory
+        cache_key = plan_cache.checkpoints_key(template, [_differing(c, raw[0]) for c in raw], identical, dict(
+            share_identical=share_identical, allow_label_mismatch=allow_label_mismatch)) if (
+            cached and plan_cache.enabled()) else None
+        plan = None if cache_key is None or not read_cache else plan_cache.load_plan(cache_key)
+        traced = plan is None
+        if traced:
+            stand_ins = [_stand_in(template, identical) for _ in folders[1:]]
+            given = StateSnapshot([template])  # (the skeletons are copies of it as loaded; see hf_wide.forward_state)
+            plan = plan_members([template, *stand_ins], share_identical=share_identical)
+            refuse_changes(given, names)
+            del stand_ins
+        ties = tensor_aliases(template)
+        del template  # free member 0 before the wide model takes its memory
         gc.collect()
 
         def read(i: int, key: str, dst: torch.Tensor) -> None:  # a tied tensor, under any of its names (a fallback's
-            known = next((a for a in names.get(key, [key]) if a in keys[i]), key)  # copy of BERT's MLM decoder)
+            known = next((a for a in ties.get(key, [key]) if a in keys[i]), key)  # copy of BERT's MLM decoder)
             checkpoints[i].read_into(keys[i][known], dst)
 
-        model, fold, aliases = assemble(skeletons, plan, device, read)
+        def alike(key: str) -> bool:  # every member's file holds the same tensor, under one of its names
+            return any(a in identical for a in ties.get(key, [key]))
+
+        try:
+            model, fold, aliases = assemble(skeletons, plan, device, read, alike)
+        except Exception as exc:  # a cached plan is never trusted: one that does not build these members is traced past
+            if traced:
+                raise
+            stale = exc
     finally:
         for checkpoint in checkpoints:
             checkpoint.close()
+    if stale is not None:  # a cached plan that is not these members' (the cache was written by other code, say)
+        logger.info("hf-wide: the cached plan is not these members' (%s: %s): tracing them", type(stale).__name__,
+                    stale)
+        return load_streaming(cls, ids, folders, names, dtype, device, trust_remote_code, allow_label_mismatch,
+                              share_identical, model_kwargs, cached, read_cache=False)
     wide = cls(model, plan, fold, aliases, ids, configs, generation_configs)
-    wide._source_dirs = list(folders)
+    wide._source_dirs, wide._plan_cache = list(folders), (cache_key, traced)
     return wide.eval()
 
 

@@ -1,18 +1,22 @@
-"""Plans of adapter lists, kept on disk: a list loaded again is verified by the plan it was fused by, not traced.
+"""Plans kept on disk: a list of members loaded again is verified by the plan it was fused by, not traced.
 
-Over adapters of one base the trace of member 0 is most of a load's time and a share of what it holds (README,
-"LoRA members"). The plan it leads to depends on the base's architecture and config, the adapters' configs (targets,
-ranks, ``modules_to_save``), the device type and dtype, and the code that traced and planned (hf-wide's own source,
-and the versions of torch, transformers and peft), not on the weights, so it is kept under a key of those in
+The trace of member 0 is about half of a load's time (over adapters of one base, most of it) and a share of what it
+holds (README, "LoRA members"). The plan it leads to depends on the members' architecture and config, the device type
+and dtype, which of their tensors are the same in every member (a module all of them hold alike is kept once), the
+adapters' configs (targets, ranks, ``modules_to_save``), and the code that traced and planned (hf-wide's own source,
+and the versions of torch, transformers and peft), not on the weights' values, so it is kept under a key of those in
 ``$HF_WIDE_PLAN_CACHE`` (by default ``plans/`` in hf-wide's cache: ``$HF_WIDE_CACHE`` or ``~/.cache/hf-wide``)::
 
-    key = plan_key(base_model, configs, fuse_options)   # a hex digest
+    key = plan_key(base_model, configs, fuse_options)   # adapters over a base: a hex digest
+    key = checkpoints_key(member_0, differing, identical, fuse_options)   # full checkpoints, streamed
     plan = load_plan(key)                               # None where there is none, or it does not read
     store_plan(key, wide.plan)                          # after a verified fusion that traced
 
 A cached plan is never trusted: :func:`hf_wide.fuse.fuse_models` builds by it only where it names these members'
 modules and every module it keeps once holds the same tensors in every member, verifies what it built as any fusion,
-and traces the members afresh where the check disagrees (a plan read from a saved ensemble is used the same way).
+and traces the members afresh where the check disagrees (a plan read from a saved ensemble is used the same way);
+full checkpoints are streamed into the cached plan's wide model and verified as after a trace
+(:func:`hf_wide.loading.verified`), fused anew from the members where a module disagrees.
 ``HF_WIDE_DISABLE_PLAN_CACHE=1`` turns the cache off; nothing is read or written then.
 """
 
@@ -20,11 +24,12 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import importlib.metadata
 import json
 import logging
 import os
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 from torch import nn
@@ -49,6 +54,14 @@ def enabled() -> bool:
     return os.environ.get("HF_WIDE_DISABLE_PLAN_CACHE", "").strip().lower() not in ("1", "true", "yes", "on")
 
 
+def _version(package: str) -> str | None:
+    """``package``'s installed version, None where it is not installed (peft is an extra)."""
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
 @functools.cache
 def code_digest() -> str:
     """A digest of hf-wide's own source (its version number changes less often than the planner and builders)."""
@@ -64,25 +77,36 @@ def plan_key(base: nn.Module, configs: Sequence[dict | None], options: dict) -> 
     was loaded from), attention implementation, dtype and device type; each member's adapter config (None for a
     full member) less the base it names; the fusion's ``options``; and hf-wide's code and the versions of torch,
     transformers and peft."""
-    import peft
-    import torch
-    import transformers
-
-    config = base.config.to_dict() if hasattr(base, "config") else {}
-    for where in ("_name_or_path", "_commit_hash", "transformers_version"):
-        config.pop(where, None)
-    tensor = next(iter(base.parameters()), None)
     adapters = [None if c is None else {k: v for k, v in c.items() if k not in ("base_model_name_or_path", "revision")}
                 for c in configs]
+    return _digest(base, adapters=adapters, options=sorted(options.items()))
+
+
+def checkpoints_key(template: nn.Module, differing: Sequence[dict], identical: Iterable[str], options: dict) -> str:
+    """A digest of what a plan of N full checkpoints depends on: member 0's (``template``'s) class, config, attention
+    implementation, dtype and device type, as :func:`plan_key`; each member's config where it differs from member
+    0's (``differing``: labels, say), less where it came from; the names of the tensors every member holds alike
+    (``identical``: the modules kept once); the fusion's ``options``; hf-wide's code and the libraries' versions."""
+    configs = [{k: v for k, v in d.items() if k not in PROVENANCE} for d in differing]
+    return _digest(template, configs=configs, identical=sorted(identical), options=sorted(options.items()))
+
+
+PROVENANCE = ("_name_or_path", "_commit_hash", "transformers_version")  # where a config came from, not what it says
+
+
+def _digest(model: nn.Module, **what) -> str:
+    config = model.config.to_dict() if hasattr(model, "config") else {}
+    for where in PROVENANCE:
+        config.pop(where, None)
+    tensor = next(iter(model.parameters()), None)
     what = {
         "key_version": KEY_VERSION,
-        "versions": [code_digest(), torch.__version__, transformers.__version__, peft.__version__],
-        "class": f"{type(base).__module__}.{type(base).__qualname__}",
+        "versions": [code_digest(), *map(_version, ("torch", "transformers", "peft"))],
+        "class": f"{type(model).__module__}.{type(model).__qualname__}",
         "config": config,
-        "attention": getattr(getattr(base, "config", None), "_attn_implementation", None),
+        "attention": getattr(getattr(model, "config", None), "_attn_implementation", None),
         "tensors": None if tensor is None else [str(tensor.dtype), tensor.device.type],
-        "adapters": adapters,
-        "options": sorted(options.items()),
+        **what,
     }
     return hashlib.sha256(json.dumps(what, sort_keys=True, default=repr).encode()).hexdigest()
 

@@ -24,7 +24,7 @@ os.environ.setdefault("HF_WIDE_PLAN_CACHE", tempfile.mkdtemp(prefix="hf-wide-pla
 
 from families import FAMILIES  # noqa: E402
 
-from hf_wide import WideModel, fuse, sample_trace  # noqa: E402
+from hf_wide import WideModel, fuse, planner, sample_trace  # noqa: E402
 
 CASES = {case.id: case for case in FAMILIES}
 NUM_MEMBERS = 3
@@ -49,6 +49,7 @@ def traces(monkeypatch):
 
     monkeypatch.setattr(sample_trace, "trace_members", counted)  # (trace_ahead's)
     monkeypatch.setattr(fuse, "trace_members", counted)
+    monkeypatch.setattr(planner, "trace_members", counted)  # (plan_members': full checkpoints, streamed)
     return taken
 
 

@@ -1,16 +1,17 @@
-"""The plans of adapter lists kept on disk (hf_wide/plan_cache.py): a list loaded again is fused by the plan it was
-fused by, verified, not traced; a cached plan that is not the members' is traced past; with the cache off, a file that
-does not read, or a cache that cannot be written, the members are traced as before."""
+"""The plans kept on disk (hf_wide/plan_cache.py): a list of adapters or of full checkpoints loaded again is fused by
+the plan it was fused by, verified, not traced; a cached plan that is not the members' is traced past; with the cache
+off, a file that does not read, or a cache that cannot be written, the members are traced as before."""
 
 import json
 import logging
 
 import pytest
 import torch
+from conftest import CASES
 from lora_members import LLAMA, alone, save_adapter, save_llama_adapters
 from oracle import TOLERANCE, max_member_error
 
-from hf_wide import WideModel, plan_cache
+from hf_wide import WideModel, hub, loading, plan_cache
 
 
 @pytest.fixture(scope="module")
@@ -156,3 +157,88 @@ def test_a_known_plan_a_group_disagrees_with_is_traced_past_all_at_once(tmp_path
     assert "the known plan is not group 0's" in caplog.text and len(traces) >= 2
     assert wide.plan.entries[fqn].wide_class == "WideLoraLinear"
     assert max_member_error(wide, [alone(LLAMA, base, a) for a in adapters], LLAMA.inputs(3, padded=True)) <= TOLERANCE
+
+
+# ---------------------------------------------------------------- full checkpoints, streamed from their files
+BERT = CASES["bert-seqcls"]
+
+
+def save_seeds(folder, embeddings_alike: bool) -> tuple[list, list[str]]:
+    """Three BERT classifiers saved in ``folder``; ``embeddings_alike``: all with member 0's embeddings (which the
+    plan then keeps once)."""
+    members = [BERT.build(seed) for seed in range(3)]
+    for member in members[1:] if embeddings_alike else ():
+        member.bert.embeddings.load_state_dict(members[0].bert.embeddings.state_dict())
+    paths = [str(folder / f"seed-{i}") for i in range(len(members))]
+    for member, path in zip(members, paths):
+        member.save_pretrained(path)
+    return members, paths
+
+
+@pytest.fixture(scope="module")
+def seeds(tmp_path_factory):
+    return save_seeds(tmp_path_factory.mktemp("seeds"), embeddings_alike=True)
+
+
+def test_checkpoints_loaded_again_are_filled_by_their_cached_plan_verified_not_traced(seeds, traces, plan_cache,
+                                                                                      monkeypatch):
+    # Full checkpoints (seeds from the Hub) traced member 0 at every load: about half of its time
+    members, paths = seeds
+    wide = WideModel.from_pretrained(paths)
+    assert len(traces) == 1 and len(list(plan_cache.glob("*.json"))) == 1
+    assert wide.plan.entries["bert.embeddings.word_embeddings"].kind == "shared"
+    verifications, verified = [], loading.verified
+    monkeypatch.setattr(hub, "verified", lambda *args: verifications.append(1) or verified(*args))
+    again = WideModel.from_pretrained(paths)
+    assert len(traces) == 1 and verifications == [1] and kinds(again) == kinds(wide)
+    inputs = BERT.inputs(3, padded=True)
+    with torch.no_grad():
+        assert torch.equal(again(**inputs).logits, wide(**inputs).logits)
+    assert max_member_error(again, members, inputs) <= TOLERANCE
+    WideModel.from_pretrained(paths, verify=False)  # a plan is never used unchecked: traced
+    assert len(traces) == 2
+    monkeypatch.setenv("HF_WIDE_DISABLE_PLAN_CACHE", "1")
+    WideModel.from_pretrained(paths)
+    assert len(traces) == 3
+
+
+def test_checkpoints_that_hold_other_tensors_alike_are_planned_apart(seeds, tmp_path, traces, plan_cache):
+    # The same architecture and configs: which modules the plan keeps once is read from the files
+    WideModel.from_pretrained(seeds[1])
+    members, paths = save_seeds(tmp_path, embeddings_alike=False)
+    wide = WideModel.from_pretrained(paths)
+    assert len(traces) == 2 and len(list(plan_cache.glob("*.json"))) == 2
+    assert wide.plan.entries["bert.embeddings.word_embeddings"].kind != "shared"
+    assert max_member_error(wide, members, BERT.inputs(3, padded=True)) <= TOLERANCE
+
+
+def test_a_cached_plan_that_keeps_once_what_the_files_hold_apart_is_traced_past(seeds, traces, plan_cache, caplog):
+    # Streamed by it, every member would have run with member 0's classifier, and the check, which runs each member
+    # as a view of the wide model's tensors, could not have seen it
+    members, paths = seeds
+    WideModel.from_pretrained(paths)
+    (path,) = plan_cache.glob("*.json")
+    plan = json.loads(path.read_text())
+    plan["entries"]["classifier"].update(kind="shared", wide_class=None)
+    path.write_text(json.dumps(plan))
+    with caplog.at_level(logging.INFO, logger="hf_wide"):
+        wide = WideModel.from_pretrained(paths)
+    assert "the cached plan is not these members'" in caplog.text and "classifier.weight once" in caplog.text
+    assert len(traces) == 2 and wide.plan.entries["classifier"].kind != "shared"
+    assert max_member_error(wide, members, BERT.inputs(3, padded=True)) <= TOLERANCE
+    assert json.loads(path.read_text())["entries"]["classifier"]["kind"] != "shared"  # written anew
+    WideModel.from_pretrained(paths)
+    assert len(traces) == 2
+
+
+def test_a_checkpoints_key_holds_the_structure_and_what_the_members_hold_alike(seeds):
+    template = BERT.model_class.from_pretrained(seeds[1][0])
+    options = {"share_identical": True}
+    key = plan_cache.checkpoints_key(template, [{}, {}], {"classifier.bias"}, options)
+    assert plan_cache.checkpoints_key(template, [{}, {"_name_or_path": "elsewhere"}], {"classifier.bias"},
+                                      options) == key
+    assert plan_cache.checkpoints_key(template, [{}, {"id2label": {0: "no", 1: "yes"}}], {"classifier.bias"},
+                                      options) != key
+    assert plan_cache.checkpoints_key(template, [{}, {}, {}], {"classifier.bias"}, options) != key
+    assert plan_cache.checkpoints_key(template, [{}, {}], set(), options) != key
+    assert plan_cache.checkpoints_key(template, [{}, {}], {"classifier.bias"}, {"share_identical": False}) != key
