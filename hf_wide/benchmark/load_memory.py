@@ -5,6 +5,8 @@ to a temporary folder, then loads them in fresh subprocesses:
 
 - ``baseline``: imports torch, transformers and hf-wide and does nothing else;
 - ``members``:  ``WideModel.from_pretrained(member folders)``, the low-memory path;
+- ``again``:    the same members loaded again, streamed into the plan their first load cached
+  (:mod:`hf_wide.plan_cache`), verified rather than traced;
 - ``fused``:    ``WideModel.from_pretrained(fused folder)``;
 - ``whole``:    every member loaded as a model, then ``WideModel.from_models`` (what the low-memory path
   replaced), for comparison;
@@ -12,7 +14,7 @@ to a temporary folder, then loads them in fresh subprocesses:
   layers, the classifier saved whole) of one such base, whose cost is measured against the base plus the
   adapters (their files' bytes) rather than the fused model;
 - ``cached``: the same adapters loaded again, by the plan their first load cached (:mod:`hf_wide.plan_cache`),
-  verified rather than traced (``adapters`` and the others load with a cache of their own, empty);
+  verified rather than traced (``members``, ``adapters`` and the others load with a cache of their own, empty);
 - ``unverified``: the same, ``verify=False`` (what hf-wide's check of every fused module against its members
   adds to the peak);
 - ``peft``: the same adapters as PEFT itself holds them, for reference: one ``PeftModel`` with the N adapters
@@ -47,6 +49,7 @@ import time
 from pathlib import Path
 
 ADAPTER_MODES = {"adapters", "cached", "unverified", "peft", "traced"}  # measured against the base and the adapters
+PRIMED = {"again": "members", "cached": "adapters"}  # loads again, after a first load in their plan cache
 
 CHILD = r"""
 import gc, json, os, sys
@@ -63,7 +66,7 @@ if warmup != "-":  # for adapters, peft's imports and the adapter path too: on t
     gc.collect()  # the tiny model's mapped files with it
 result["warm"] = peak()
 with HeldPeak(root) as held:
-    if mode in ("members", "fused", "adapters", "cached"):
+    if mode in ("members", "again", "fused", "adapters", "cached"):
         wide = WideModel.from_pretrained(paths)
     elif mode == "unverified":
         wide = WideModel.from_pretrained(paths, verify=False)
@@ -255,9 +258,9 @@ def measure_load_memory(num_members: int = 4, hidden: int = 256, layers: int = 4
         for mode in modes:
             sources = adapter_paths if mode in ADAPTER_MODES else [str(root / "fused")] if mode == "fused" else paths
             plans = [root / f"plans-{mode}-{child}" for child in ("cold", "warm")]  # each a first load
-            if mode == "cached":  # a load of the same adapters before, which cached their plan
-                plans = [root / "plans-cached"] * 2
-                _run_child("adapters", "-", root, sources, plans[0])
+            if mode in PRIMED:  # a load of the same members before, which cached their plan
+                plans = [root / f"plans-{mode}"] * 2
+                _run_child(PRIMED[mode], "-", root, sources, plans[0])
             cold, warm = _run_child(mode, "-", root, sources, plans[0]), _run_child(mode, str(root), root, sources,
                                                                                       plans[1])
             size = adapter_bytes if mode in ADAPTER_MODES else cold["fused_bytes"]
@@ -307,7 +310,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--vocab", type=int, default=30_000)
     parser.add_argument("--modes", nargs="+", default=["members", "fused", "whole", "adapters"],
-                        choices=["members", "fused", "whole", "adapters", "cached", "unverified", "peft", "traced"])
+                        choices=["members", "again", "fused", "whole", "adapters", "cached", "unverified", "peft",
+                                 "traced"])
     parser.add_argument("--json", help="also write the figures to this file")
     args = parser.parse_args(argv)
     report = measure_load_memory(args.members, args.hidden, args.layers, args.vocab, tuple(args.modes))

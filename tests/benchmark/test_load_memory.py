@@ -28,23 +28,26 @@ def test_adapters_alone_are_measured_against_the_base_and_the_adapters(tmp_path)
         assert load["ratio_held"] == pytest.approx(load["held"] / report["base_and_adapters_bytes"])
 
 
-def test_each_load_is_a_first_one_but_the_cached_ones(tmp_path, monkeypatch):
-    """Each child loads with a plan cache of its own, empty (a first load, traced), but ``cached``'s two, which share
-    the one a load of the same adapters filled before them (hf_wide.plan_cache)."""
+@pytest.mark.parametrize("first, again", [("adapters", "cached"), ("members", "again")])
+def test_each_load_is_a_first_one_but_the_loads_again(tmp_path, monkeypatch, first, again):
+    """Each child loads with a plan cache of its own, empty (a first load, traced), but ``cached``'s two (adapters)
+    and ``again``'s (full members), which share the one a first load of the same members filled before them
+    (hf_wide.plan_cache)."""
     from hf_wide.benchmark import load_memory
 
     calls = []
 
     def child(mode, warmup, root, paths, plans):
-        calls.append((mode, plans))
-        return {"peak": 2, "warm": 1, "anonymous": 1, "held": 1}
+        calls.append((mode, paths, plans))
+        return {"peak": 2, "warm": 1, "anonymous": 1, "held": 1, "fused_bytes": 1}
 
     monkeypatch.setattr(load_memory, "_run_child", child)
-    measure_load_memory(2, hidden=32, layers=1, vocab=100, modes=("adapters", "cached"), folder=str(tmp_path))
-    (_, baseline), *loads = calls
-    assert [mode for mode, _ in loads] == ["adapters", "adapters", "adapters", "cached", "cached"]
-    first, primed = [plans for _, plans in loads[:2]], [plans for _, plans in loads[2:]]
-    assert len({baseline, *first, primed[0]}) == 4 and primed == [primed[0]] * 3
+    measure_load_memory(2, hidden=32, layers=1, vocab=100, modes=(first, again), folder=str(tmp_path))
+    (_, _, baseline), *loads = calls
+    assert [mode for mode, _, _ in loads] == [first, first, first, again, again]
+    assert len({tuple(paths) for _, paths, _ in loads}) == 1  # the same members, each time
+    firsts, primed = [plans for _, _, plans in loads[:2]], [plans for _, _, plans in loads[2:]]
+    assert len({baseline, *firsts, primed[0]}) == 4 and primed == [primed[0]] * 3
 
 
 def test_mapped_files_count_whole_and_once(tmp_path):
