@@ -171,9 +171,9 @@ def _fuse_checkpoints(cls, ids, folders, names, load: dict, fuse: dict):
         wide = load_streaming(cls, ids, folders, names, load["dtype"], load["device"], load["trust_remote_code"],
                               fuse["allow_label_mismatch"], fuse["share_identical"], load["model_kwargs"],
                               cached=fuse["verify"])  # (a plan is never used unchecked)
-        streamed, (key, traced) = wide, (None, True) if wide is None else wide.__dict__.pop("_plan_cache")
+        key, traced = (None, True) if wide is None else wide.__dict__.pop("_plan_cache")
         if wide is not None and (fuse["verify"] or needs_verifying(wide.plan.trace_method, wide.plan.model_class)):
-            wide = verified(wide, fuse["share_identical"])
+            streamed, wide = wide, verified(wide, fuse["share_identical"])
             if key is not None and (traced or wide is not streamed):  # kept for the next load: a plan verified
                 plan_cache.store_plan(key, wide.plan)
     validated = wide is None

@@ -242,3 +242,21 @@ def test_a_checkpoints_key_holds_the_structure_and_what_the_members_hold_alike(s
     assert plan_cache.checkpoints_key(template, [{}, {}, {}], {"classifier.bias"}, options) != key
     assert plan_cache.checkpoints_key(template, [{}, {}], set(), options) != key
     assert plan_cache.checkpoints_key(template, [{}, {}], {"classifier.bias"}, {"share_identical": False}) != key
+
+
+def test_checkpoints_whose_cached_plan_a_module_disagrees_with_keep_the_plan_they_were_fused_anew_by(seeds, traces,
+                                                                                                    monkeypatch):
+    # Cached, then a wide LayerNorm off by 1e-3: the check of the cached plan finds it and the members are fused anew
+    # with it moved down; that plan replaces the cached one, and the next load is streamed into it, not traced
+    from hf_wide.primitives.norm import WideLayerNorm
+
+    members, paths = seeds
+    WideModel.from_pretrained(paths)
+    forward = WideLayerNorm.forward
+    monkeypatch.setattr(WideLayerNorm, "forward", lambda self, x: forward(self, x) + 1e-3)
+    wide = WideModel.from_pretrained(paths)
+    moved = {fqn for fqn, e in wide.plan.entries.items() if e.module_class == "LayerNorm"}
+    assert len(traces) == 2 and moved and all(wide.plan.entries[f].wide_class != "WideLayerNorm" for f in moved)
+    again = WideModel.from_pretrained(paths)
+    assert len(traces) == 2 and kinds(again) == kinds(wide)
+    assert max_member_error(again, members, BERT.inputs(3, padded=True)) <= TOLERANCE
