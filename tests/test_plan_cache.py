@@ -23,6 +23,16 @@ def kinds(wide: WideModel) -> dict:
     return {fqn: (e.kind, e.wide_class) for fqn, e in wide.plan.entries.items()}
 
 
+def assert_traced_unchecked_or_uncached(ids: list[str], traces: list, monkeypatch) -> None:
+    """With ``verify=False`` (a plan is never used unchecked) and with the cache off, ``ids`` are traced."""
+    before = len(traces)
+    WideModel.from_pretrained(ids, verify=False)
+    assert len(traces) == before + 1
+    monkeypatch.setenv("HF_WIDE_DISABLE_PLAN_CACHE", "1")
+    WideModel.from_pretrained(ids)
+    assert len(traces) == before + 2
+
+
 def test_a_list_loaded_again_is_fused_by_its_cached_plan_verified_not_traced(llama_adapters, traces, plan_cache,
                                                                             monkeypatch):
     # Every load traced member 0 again: most of a load's time over adapters of one base
@@ -37,11 +47,7 @@ def test_a_list_loaded_again_is_fused_by_its_cached_plan_verified_not_traced(lla
         assert torch.equal(again(**inputs).logits, wide(**inputs).logits)
     members = [LLAMA.model_class.from_pretrained(base).eval(), *(alone(LLAMA, base, a) for a in adapters)]
     assert max_member_error(again, members, inputs) <= TOLERANCE
-    WideModel.from_pretrained(ids, verify=False)  # a plan is never used unchecked: traced
-    assert len(traces) == 2
-    monkeypatch.setenv("HF_WIDE_DISABLE_PLAN_CACHE", "1")
-    WideModel.from_pretrained(ids)
-    assert len(traces) == 3
+    assert_traced_unchecked_or_uncached(ids, traces, monkeypatch)
 
 
 def test_a_cached_plan_that_keeps_once_what_the_members_hold_apart_is_traced_past(llama_adapters, traces, tmp_path,
@@ -195,11 +201,7 @@ def test_checkpoints_loaded_again_are_filled_by_their_cached_plan_verified_not_t
     with torch.no_grad():
         assert torch.equal(again(**inputs).logits, wide(**inputs).logits)
     assert max_member_error(again, members, inputs) <= TOLERANCE
-    WideModel.from_pretrained(paths, verify=False)  # a plan is never used unchecked: traced
-    assert len(traces) == 2
-    monkeypatch.setenv("HF_WIDE_DISABLE_PLAN_CACHE", "1")
-    WideModel.from_pretrained(paths)
-    assert len(traces) == 3
+    assert_traced_unchecked_or_uncached(paths, traces, monkeypatch)
 
 
 def test_checkpoints_that_hold_other_tensors_alike_are_planned_apart(seeds, tmp_path, traces, plan_cache):
