@@ -20,7 +20,7 @@ from .adapters import adapter_config, load_adapter_members
 from .compat import refuse_unfused_attention
 from .download import (MemberLoadError, as_ids, check_hub_kwargs, commit_sha, download_members, member_name,
                        per_member, subfolders_of)
-from .fuse import needs_verifying
+from .fuse import fuse_models, needs_verifying, uses_saved_plan
 from .loading import load_models, load_streaming, verified, weights_format
 from .placement import resolve_device, resolve_dtype
 from .fused_load import load_fused
@@ -180,10 +180,22 @@ def _fuse_checkpoints(cls, ids, folders, names, load: dict, fuse: dict):
     if wide is None:
         models = load_models(ids, folders, load["dtype"], load["device"], load["allow_pickle"],
                              load["trust_remote_code"], **load["model_kwargs"])
-        wide = cls.from_models(models, member_ids=ids, **fuse)
+        wide = _fuse_loaded(cls, models, ids, fuse)
         wide._source_dirs = folders
     wide.member_revisions = [commit_sha(folder) for folder in folders]
     return wide, validated
+
+
+def _fuse_loaded(cls, models: list, ids: list[str], fuse: dict):
+    """``cls.from_models(models, ...)`` of members loaded whole, by the plan a load of the same list was fused by
+    (:func:`hf_wide.plan_cache.models_key`), verified, where one is cached; else traced, and its plan kept."""
+    key = plan_cache.models_key(models, {k: fuse[k] for k in ("share_identical", "allow_label_mismatch")}) if (
+        uses_saved_plan(fuse["verify"], fuse["share_identical"]) and plan_cache.enabled()) else None
+    known = None if key is None else plan_cache.load_plan(key)
+    wide = fuse_models(cls, models, member_ids=ids, saved_plan=known, **fuse)
+    if key is not None and wide.plan is not known:  # traced (none was cached, or it was not these members')
+        plan_cache.store_plan(key, wide.plan)
+    return wide
 
 
 def _slice_loader(cls, model_ids, revision, subfolder, options: dict):

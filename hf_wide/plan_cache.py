@@ -94,6 +94,21 @@ def checkpoints_key(template: nn.Module, differing: Sequence[dict], identical: I
 PROVENANCE = ("_name_or_path", "_commit_hash", "transformers_version")  # where a config came from, not what it says
 
 
+def models_key(models: Sequence[nn.Module], options: dict) -> str:
+    """:func:`checkpoints_key` of members loaded whole (pickle checkpoints, or tensor names transformers converts):
+    their configs as they differ from member 0's, and the state tensors every member holds alike, by value."""
+    from .checkpoints import state_tensors
+    from .planner_rules import same_tensors
+
+    configs = [getattr(m, "config", None) for m in models]
+    differing = [{} if c is None else {k: v for k, v in vars(c).items() if vars(configs[0]).get(k, ...) != v}
+                 for c in configs]
+    states = [m.state_dict(keep_vars=True) for m in models]
+    alike = {name for name in state_tensors(models[0])
+             if all(name in s for s in states) and same_tensors([s[name].detach() for s in states])}
+    return checkpoints_key(models[0], differing, alike, options)
+
+
 def _digest(model: nn.Module, **what) -> str:
     config = model.config.to_dict() if hasattr(model, "config") else {}
     for where in PROVENANCE:

@@ -4,6 +4,7 @@ off, a file that does not read, or a cache that cannot be written, the members a
 
 import json
 import logging
+from pathlib import Path
 
 import pytest
 import torch
@@ -23,13 +24,13 @@ def kinds(wide: WideModel) -> dict:
     return {fqn: (e.kind, e.wide_class) for fqn, e in wide.plan.entries.items()}
 
 
-def assert_traced_unchecked_or_uncached(ids: list[str], traces: list, monkeypatch) -> None:
+def assert_traced_unchecked_or_uncached(ids: list[str], traces: list, monkeypatch, **options) -> None:
     """With ``verify=False`` (a plan is never used unchecked) and with the cache off, ``ids`` are traced."""
     before = len(traces)
-    WideModel.from_pretrained(ids, verify=False)
+    WideModel.from_pretrained(ids, verify=False, **options)
     assert len(traces) == before + 1
     monkeypatch.setenv("HF_WIDE_DISABLE_PLAN_CACHE", "1")
-    WideModel.from_pretrained(ids)
+    WideModel.from_pretrained(ids, **options)
     assert len(traces) == before + 2
 
 
@@ -204,6 +205,27 @@ def test_checkpoints_loaded_again_are_filled_by_their_cached_plan_verified_not_t
     assert_traced_unchecked_or_uncached(paths, traces, monkeypatch)
 
 
+def test_members_loaded_whole_again_are_fused_by_their_cached_plan(seeds, tmp_path, traces, plan_cache, monkeypatch):
+    # Pickle checkpoints (MultiBERTs' and Pythia's repos hold pytorch_model.bin) are loaded as models and fused
+    members, paths = seeds
+    pickled = []
+    for i, (member, path) in enumerate(zip(members, paths)):
+        folder = tmp_path / f"pickled-{i}"
+        folder.mkdir()
+        (folder / "config.json").write_text((Path(path) / "config.json").read_text())
+        torch.save(member.state_dict(), folder / "pytorch_model.bin")
+        pickled.append(str(folder))
+    wide = WideModel.from_pretrained(pickled, allow_pickle=True)
+    assert len(traces) == 1 and wide.plan.entries["bert.embeddings.word_embeddings"].kind == "shared"
+    again = WideModel.from_pretrained(pickled, allow_pickle=True)
+    assert len(traces) == 1 and kinds(again) == kinds(wide) and len(list(plan_cache.glob("*.json"))) == 1
+    inputs = BERT.inputs(3, padded=True)
+    with torch.no_grad():
+        assert torch.equal(again(**inputs).logits, wide(**inputs).logits)
+    assert max_member_error(again, members, inputs) <= TOLERANCE
+    assert_traced_unchecked_or_uncached(pickled, traces, monkeypatch, allow_pickle=True)
+
+
 def test_checkpoints_that_hold_other_tensors_alike_are_planned_apart(seeds, tmp_path, traces, plan_cache):
     # The same architecture and configs: which modules the plan keeps once is read from the files
     WideModel.from_pretrained(seeds[1])
@@ -244,6 +266,9 @@ def test_a_checkpoints_key_holds_the_structure_and_what_the_members_hold_alike(s
     assert plan_cache.checkpoints_key(template, [{}, {}, {}], {"classifier.bias"}, options) != key
     assert plan_cache.checkpoints_key(template, [{}, {}], set(), options) != key
     assert plan_cache.checkpoints_key(template, [{}, {}], {"classifier.bias"}, {"share_identical": False}) != key
+    # members loaded whole: what they hold alike, by value
+    assert plan_cache.models_key([template, BERT.build(0)], options) != plan_cache.models_key(
+        [template, template], options)
 
 
 def test_checkpoints_whose_cached_plan_a_module_disagrees_with_keep_the_plan_they_were_fused_anew_by(seeds, traces,
