@@ -206,7 +206,7 @@ def test_checkpoints_loaded_again_are_filled_by_their_cached_plan_verified_not_t
 
 
 def test_members_loaded_whole_again_are_fused_by_their_cached_plan(seeds, tmp_path, traces, plan_cache, monkeypatch):
-    # Pickle checkpoints (MultiBERTs' and Pythia's repos hold pytorch_model.bin) are loaded as models and fused
+    # Pickle checkpoints (many older repos hold only pytorch_model.bin) are loaded as models and fused
     members, paths = seeds
     pickled = []
     for i, (member, path) in enumerate(zip(members, paths)):
