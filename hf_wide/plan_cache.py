@@ -9,14 +9,16 @@ and the versions of torch, transformers and peft), not on the weights' values, s
 
     key = plan_key(base_model, configs, fuse_options)   # adapters over a base: a hex digest
     key = checkpoints_key(member_0, differing, identical, fuse_options)   # full checkpoints, streamed
+    key = models_key(members, fuse_options)             # full checkpoints loaded whole (pickle weights)
     plan = load_plan(key)                               # None where there is none, or it does not read
     store_plan(key, wide.plan)                          # after a verified fusion that traced
 
 A cached plan is never trusted: :func:`hf_wide.fuse.fuse_models` builds by it only where it names these members'
 modules and every module it keeps once holds the same tensors in every member, verifies what it built as any fusion,
-and traces the members afresh where the check disagrees (a plan read from a saved ensemble is used the same way);
-full checkpoints are streamed into the cached plan's wide model and verified as after a trace
-(:func:`hf_wide.loading.verified`), fused anew from the members where a module disagrees.
+and traces the members afresh where the check disagrees (a plan read from a saved ensemble, or cached for members
+loaded whole, is used the same way); full checkpoints are streamed into the cached plan's wide model, unless it reads
+once a tensor their files hold apart, and verified as after a trace (:func:`hf_wide.loading.verified`), fused anew
+from the members where a module disagrees.
 ``HF_WIDE_DISABLE_PLAN_CACHE=1`` turns the cache off; nothing is read or written then.
 """
 
