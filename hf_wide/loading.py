@@ -120,7 +120,7 @@ def load_streaming(cls, ids, folders, names, dtype, device, trust_remote_code, a
         try:
             model, fold, aliases = assemble(skeletons, plan, device, read, alike)
         except Exception as exc:  # a cached plan is never trusted: one that does not build these members is traced past
-            if traced:
+            if traced or isinstance(exc, OSError):  # (a file that does not read is no plan's doing)
                 raise
             stale = exc
     finally:
