@@ -25,7 +25,7 @@ class MemberLoadError(OSError):
 
 
 def cache_home() -> Path:
-    """hf-wide's own cache folder (the demo's members, the plans of adapter lists): ``$HF_WIDE_CACHE``, else
+    """hf-wide's own cache folder (the demo's members, the plans of member lists): ``$HF_WIDE_CACHE``, else
     ``~/.cache/hf-wide``."""
     return Path(os.environ.get("HF_WIDE_CACHE") or Path.home() / ".cache" / "hf-wide")
 

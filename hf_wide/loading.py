@@ -30,7 +30,7 @@ from .fallback_roots import STAND_IN
 from .forward_state import StateSnapshot, refuse_changes
 from .planner import plan_members, tensor_aliases
 from .samples import sample_inputs
-from .saving import member_config, model_class_for
+from .saving import config_differences, member_config, model_class_for
 from .verify import diagnose
 from .verify_cache import require_cache_agrees
 
@@ -91,11 +91,12 @@ def load_streaming(cls, ids, folders, names, dtype, device, trust_remote_code, a
             require_one_dtype(stored, names, "Pass dtype= to load every member in one")
             require_one_dtype([{"the dtype it loads in (its config's, else its tensors')": d}
                                for d in _auto_dtypes(raw, stored)], names, "Pass dtype= to load every member in one")
-        configs = [member_config(template.config, _differing(config, raw[0])) for config in raw]
+        differing = [config_differences(config, raw[0]) for config in raw]
+        configs = [member_config(template.config, d) for d in differing]
         generation_configs = [_generation_config(template, folder) for folder in folders]
         skeletons = [skeleton_like(template, c, g) for c, g in zip(configs, generation_configs)]
         identical = {k for k in keys[0] if share_identical and same_bytes(checkpoints, [ks[k] for ks in keys])}
-        cache_key = plan_cache.checkpoints_key(template, [_differing(c, raw[0]) for c in raw], identical, dict(
+        cache_key = plan_cache.checkpoints_key(template, differing, identical, dict(
             share_identical=share_identical, allow_label_mismatch=allow_label_mismatch)) if (
             cached and plan_cache.enabled()) else None
         plan = None if cache_key is None or not read_cache else plan_cache.load_plan(cache_key)
@@ -176,12 +177,6 @@ def _checkpoint_keys(template: nn.Module, checkpoints: Sequence[Checkpoint], nam
             keys[key] = stored
         found.append(keys)
     return found
-
-
-def _differing(config, base) -> dict:
-    """The attributes of a member's config that differ from member 0's (labels, provenance)."""
-    ours, theirs = vars(config), vars(base)
-    return {k: v for k, v in ours.items() if k not in theirs or theirs[k] != v}
 
 
 def _generation_config(template: nn.Module, folder: Path):

@@ -101,10 +101,10 @@ def models_key(models: Sequence[nn.Module], options: dict) -> str:
     their configs as they differ from member 0's, and the state tensors every member holds alike, by value."""
     from .checkpoints import state_tensors
     from .planner_rules import same_tensors
+    from .saving import config_differences
 
     configs = [getattr(m, "config", None) for m in models]
-    differing = [{} if c is None else {k: v for k, v in vars(c).items() if vars(configs[0]).get(k, ...) != v}
-                 for c in configs]
+    differing = [{} if c is None else config_differences(c, configs[0]) for c in configs]
     states = [m.state_dict(keep_vars=True) for m in models]
     alike = {name for name in state_tensors(models[0])
              if all(name in s for s in states) and same_tensors([s[name].detach() for s in states])}

@@ -67,6 +67,13 @@ def member_config(base, overrides: dict):
     return config
 
 
+def config_differences(config, base) -> dict:
+    """The attributes of a member's config that differ from member 0's, ``base`` (labels, provenance): what
+    :func:`member_config` sets."""
+    ours, theirs = vars(config), vars(base)
+    return {k: v for k, v in ours.items() if k not in theirs or theirs[k] != v}
+
+
 def config_overrides(config, base) -> dict:
     """The fields of ``config`` that differ from ``base``, leaving out labels and provenance."""
     a, b = config.to_dict(), base.to_dict()
